@@ -1,0 +1,153 @@
+"""Typed collectives for user code: metrics, objects, barriers. No-ops at world size 1.
+
+Each function here is a sync point: every rank of the group must call it, in the same order.
+Calling one inside ``if rank == 0:`` hangs the job (until the timeout turns the hang into an
+error naming the ranks), which is why rankwise's own helpers (logging, checkpoints) are called
+on every rank and decide inside who does the work.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .errors import DistributedError
+
+Op = Literal["mean", "sum", "max", "min"]
+Number = TypeVar("Number", int, float)
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def world_size() -> int:
+    """Number of ranks in the default group (1 when not distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's global rank (0 when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return runtime.get_runtime().rank if runtime.is_initialized() else 0
+
+
+def _comm_device() -> torch.device:
+    if runtime.is_initialized():
+        rt = runtime.get_runtime()
+        if rt.backend is None or "nccl" in rt.backend or rt.device.type == "cpu":
+            return rt.device
+        return torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@overload
+def all_reduce(value: torch.Tensor, op: Op = "mean") -> torch.Tensor: ...
+@overload
+def all_reduce(value: float, op: Op = "mean") -> float: ...
+def all_reduce(value, op: Op = "mean"):
+    """Reduce a tensor or a Python number over all ranks; returns a new value, input untouched.
+
+    ``mean`` of an integer tensor is returned as float. Sync point: all ranks.
+    """
+    if op not in _TORCH_OPS:
+        raise ValueError(f"op={op!r} must be one of {sorted(_TORCH_OPS)}")
+    is_tensor = isinstance(value, torch.Tensor)
+    if world_size() == 1:
+        if is_tensor:
+            out = value.detach().clone()
+            return out.float() if op == "mean" and not out.is_floating_point() else out
+        return float(value) if op == "mean" else value
+    if is_tensor:
+        t = value.detach().to(_comm_device(), copy=True)
+    else:
+        t = torch.tensor(value, dtype=torch.float64, device=_comm_device())
+    if op == "mean" and not t.is_floating_point():
+        t = t.double()
+    dist.all_reduce(t, op=_TORCH_OPS[op])
+    if op == "mean":
+        t /= world_size()
+    if is_tensor:
+        return t.to(value.device)
+    result = t.item()
+    return int(result) if isinstance(value, int) and op != "mean" else result
+
+
+def all_reduce_mean(value):
+    """Mean over all ranks (e.g. of a loss, for logging). Sync point: all ranks."""
+    return all_reduce(value, "mean")
+
+
+def all_reduce_sum(value):
+    """Sum over all ranks (e.g. of correct predictions). Sync point: all ranks."""
+    return all_reduce(value, "sum")
+
+
+def all_reduce_max(value):
+    """Maximum over all ranks (e.g. of step time). Sync point: all ranks."""
+    return all_reduce(value, "max")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (pickled). Sync point: all ranks."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank. Sync point: all ranks."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on ``dst``; None elsewhere. Sync point: all ranks."""
+    if world_size() == 1:
+        return [obj]
+    # gather_object is not supported by every backend; all_gather costs little more for objects.
+    everything = all_gather_object(obj)
+    return everything if rank() == dst else None
+
+
+def barrier(timeout: float | timedelta | None = None) -> None:
+    """Wait until every rank arrives; after ``timeout`` raise an error naming the missing ranks.
+
+    Sync point: all ranks.
+    """
+    if world_size() == 1:
+        return
+    if timeout is None:
+        td = runtime.get_runtime().timeout if runtime.is_initialized() else timedelta(minutes=5)
+    else:
+        td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    try:
+        if dist.get_backend() == "gloo":
+            # monitored_barrier names the ranks that did not arrive.
+            dist.monitored_barrier(timeout=td, wait_all_ranks=True)
+        else:
+            work = dist.barrier(async_op=True)
+            if not work.wait(timeout=td):
+                raise RuntimeError("barrier did not complete")
+    except RuntimeError as exc:
+        raise DistributedError(
+            f"barrier timed out after {td.total_seconds():.0f}s: {str(exc).splitlines()[0]}",
+            fix="every rank must reach the same barriers; look for a barrier (or a helper that "
+            "synchronises, such as save_checkpoint) inside `if rank == 0:` or a rank that died.",
+            rank=rank(),
+        ) from exc

@@ -1,0 +1,223 @@
+"""Where this process sits in the job: rank, local_rank, world size, node, master address.
+
+This is the ONLY module that reads ``os.environ``. Every other module receives a ``DistEnv``.
+Sources, tried in order: a torchrun-style launcher (ours or torch's), Slurm, Open MPI, and
+finally nothing at all, which means a single process (world size 1) — the normal case.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import EnvError
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """The coordinates of one process in a distributed job."""
+
+    rank: int = 0
+    """Global index of this process, 0 .. world_size-1. Rank 0 is the master."""
+    local_rank: int = 0
+    """Index of this process on its machine; selects the device (``cuda:local_rank``)."""
+    world_size: int = 1
+    """Total number of processes in the job."""
+    local_world_size: int = 1
+    """Number of processes on this machine."""
+    node_rank: int = 0
+    """Index of this machine (node) in the job."""
+    nnodes: int = 1
+    """Number of machines (nodes) in the job."""
+    master_addr: str = DEFAULT_MASTER_ADDR
+    """Host of rank 0's rendezvous store."""
+    master_port: int = DEFAULT_MASTER_PORT
+    """Port of rank 0's rendezvous store."""
+    source: str = "single"
+    """Where the values came from: 'launcher', 'slurm', 'mpi' or 'single'."""
+
+    def __post_init__(self) -> None:
+        _check_index("RANK", self.rank, "WORLD_SIZE", self.world_size, self.source)
+        _check_index(
+            "LOCAL_RANK", self.local_rank, "LOCAL_WORLD_SIZE", self.local_world_size, self.source
+        )
+        _check_index("NODE_RANK", self.node_rank, "NNODES", self.nnodes, self.source)
+        if self.local_world_size > self.world_size:
+            raise EnvError(
+                f"LOCAL_WORLD_SIZE={self.local_world_size} is larger than "
+                f"WORLD_SIZE={self.world_size} (source: {self.source})",
+                fix="a machine cannot hold more processes than the whole job; check the launcher flags.",
+            )
+        if not 0 <= self.master_port < 65536:
+            raise EnvError(
+                f"MASTER_PORT={self.master_port} is not a TCP port (source: {self.source})",
+                fix="use a port in 1..65535, e.g. MASTER_PORT=29500.",
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_master(self) -> bool:
+        """True on global rank 0, the process that prints, logs and saves."""
+        return self.rank == 0
+
+    @property
+    def is_local_master(self) -> bool:
+        """True on local rank 0 of each machine."""
+        return self.local_rank == 0
+
+
+def _check_index(name: str, value: int, size_name: str, size: int, source: str) -> None:
+    if size < 1:
+        raise EnvError(
+            f"{size_name}={size} must be at least 1 (source: {source})",
+            fix=f"set {size_name} to the number of processes, e.g. {size_name}=2.",
+        )
+    if not 0 <= value < size:
+        raise EnvError(
+            f"{name}={value} is out of range for {size_name}={size} (source: {source}): "
+            f"expected 0 <= {name} < {size}",
+            fix=f"{name} counts from 0; either raise {size_name} or lower {name}.",
+        )
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise EnvError(
+                f"{name} is not set but other launcher variables are",
+                fix=f"launch with `rankwise run` / torchrun, or set {name} along with RANK and WORLD_SIZE.",
+            )
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise EnvError(
+            f"{name}={raw!r} is not an integer",
+            fix=f"set {name} to a whole number such as {name}=0.",
+        ) from None
+
+
+def _from_launcher(e: Mapping[str, str]) -> DistEnv:
+    world = _int(e, "WORLD_SIZE")
+    rank = _int(e, "RANK")
+    local_rank = _int(e, "LOCAL_RANK", 0 if world == 1 else None)
+    local_world = _int(e, "LOCAL_WORLD_SIZE", world)
+    nnodes = _int(e, "NNODES", _int(e, "GROUP_WORLD_SIZE", max(1, world // local_world)))
+    node_rank = _int(e, "NODE_RANK", _int(e, "GROUP_RANK", rank // local_world))
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        master_addr=e.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=_int(e, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        source="launcher",
+    )
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[03-05,07],cpu1' -> 'gpu03'."""
+    nodelist = nodelist.strip()
+    m = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m or not nodelist:
+        raise EnvError(
+            f"SLURM_JOB_NODELIST={nodelist!r} cannot be parsed",
+            fix="set MASTER_ADDR to the first node's host name.",
+        )
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _from_slurm(e: Mapping[str, str]) -> DistEnv:
+    world = _int(e, "SLURM_NTASKS")
+    nnodes = _int(e, "SLURM_JOB_NUM_NODES", _int(e, "SLURM_NNODES", 1))
+    # SLURM_NTASKS_PER_NODE may read "4(x3)"; its leading number is the per-node count.
+    per_node = re.match(r"\d+", e.get("SLURM_NTASKS_PER_NODE", ""))
+    local_world = int(per_node.group()) if per_node else max(1, world // nnodes)
+    nodelist = e.get("SLURM_JOB_NODELIST") or e.get("SLURM_NODELIST") or ""
+    master = e.get("MASTER_ADDR") or (
+        first_slurm_host(nodelist) if nodelist else DEFAULT_MASTER_ADDR
+    )
+    return DistEnv(
+        rank=_int(e, "SLURM_PROCID"),
+        local_rank=_int(e, "SLURM_LOCALID"),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=_int(e, "SLURM_NODEID", 0),
+        nnodes=nnodes,
+        master_addr=master,
+        master_port=_int(e, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        source="slurm",
+    )
+
+
+def _from_mpi(e: Mapping[str, str]) -> DistEnv:
+    world = _int(e, "OMPI_COMM_WORLD_SIZE")
+    rank = _int(e, "OMPI_COMM_WORLD_RANK")
+    local_world = _int(e, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
+    return DistEnv(
+        rank=rank,
+        local_rank=_int(e, "OMPI_COMM_WORLD_LOCAL_RANK", 0 if world == 1 else None),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=_int(e, "OMPI_COMM_WORLD_NODE_RANK", rank // local_world),
+        nnodes=max(1, world // local_world),
+        master_addr=e.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=_int(e, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        source="mpi",
+    )
+
+
+def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read this process's coordinates from the environment (``os.environ`` by default).
+
+    A launcher's ``RANK``/``WORLD_SIZE`` win over Slurm's and MPI's variables, because
+    ``srun rankwise run ...`` sets both and the launcher's describe the actual workers.
+    A Slurm allocation that runs a single task (``SLURM_NTASKS=1``, e.g. an interactive
+    ``salloc`` shell) is a single process, not a job to join.
+    """
+    e = os.environ if environ is None else environ
+    if "RANK" in e or "WORLD_SIZE" in e:
+        return _from_launcher(e)
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e and e.get("SLURM_NTASKS") != "1":
+        return _from_slurm(e)
+    if "OMPI_COMM_WORLD_RANK" in e:
+        return _from_mpi(e)
+    return DistEnv()
+
+
+def export_for_torch(env: DistEnv) -> None:
+    """Make torch's ``env://`` rendezvous see ``env`` (needed when it came from Slurm or MPI)."""
+    os.environ.update(
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.local_world_size),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+    )
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """Read one environment variable (for settings such as GLOO_SOCKET_IFNAME or CUDA_VISIBLE_DEVICES)."""
+    return os.environ.get(name, default)
+
+
+def set_default(name: str, value: str) -> None:
+    """Set an environment variable for torch's own readers, unless the user already set it."""
+    os.environ.setdefault(name, value)

@@ -1,0 +1,36 @@
+"""One exception family. Every message says what was wrong, with the user's values, and the fix.
+
+The shape is ``[rank r] what happened: got X, expected Y. Fix: ...`` so that a message read in a
+log of twelve interleaved processes still says which process and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class RankwiseError(Exception):
+    """Base of every error rankwise raises on purpose."""
+
+    def __init__(self, message: str, *, fix: str | None = None, rank: int | None = None) -> None:
+        self.message = message
+        self.fix = fix
+        self.rank = rank
+        text = message if rank is None else f"[rank {rank}] {message}"
+        if fix:
+            text = f"{text}\nFix: {fix}"
+        super().__init__(text)
+
+
+class ConfigError(RankwiseError, ValueError):
+    """A value given by the user (argument, flag, environment variable) is invalid."""
+
+
+class EnvError(ConfigError):
+    """The process environment (launcher, Slurm, MPI variables) is malformed or inconsistent."""
+
+
+class RuntimeStateError(RankwiseError, RuntimeError):
+    """rankwise was used in the wrong order (e.g. before ``rw.init()``, or init twice differently)."""
+
+
+class DistributedError(RankwiseError, RuntimeError):
+    """Something went wrong across processes: a rank failed, a collective timed out or disagreed."""

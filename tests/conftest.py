@@ -1,0 +1,27 @@
+"""Shared test set-up: the source tree on the path of every spawned process too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+ROOT = Path(__file__).resolve().parents[1]
+
+# Children started by the launcher (subprocesses, not multiprocessing) find rankwise this way.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [SRC, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime():
+    """Every test starts and ends without a rankwise runtime in this process."""
+    import rankwise
+
+    rankwise.shutdown()
+    yield
+    rankwise.shutdown()
