@@ -35,6 +35,7 @@ def per_device_batch(
     replicas_in_process: int = 1,
 ) -> int:
     """The per-device batch implied by exactly one of the two sizes; errors say the fix."""
+    _check_positive("replicas_in_process", replicas_in_process, "2 (devices DataParallel uses)")
     replicas = num_replicas * replicas_in_process
     if batch_size is not None and global_batch_size is not None:
         raise ConfigError(
@@ -53,10 +54,7 @@ def per_device_batch(
         if batch_size is not None
         else ("global_batch_size", global_batch_size)
     )
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{name}={value!r} must be a positive integer", fix=f"pass e.g. {name}=32."
-        )
+    _check_positive(name, value, "32")
     if batch_size is not None:
         return batch_size
     if global_batch_size % replicas:
@@ -67,6 +65,13 @@ def per_device_batch(
             "batch_size= (per device) instead.",
         )
     return global_batch_size // replicas
+
+
+def _check_positive(name: str, value: Any, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{name}={value!r} must be a positive integer", fix=f"pass e.g. {name}={example}."
+        )
 
 
 def _nearest(value: int, replicas: int) -> str:
@@ -151,7 +156,7 @@ class Loader:
         skip, self._skip_batches = self._skip_batches, 0
         self._consumed, self._batches = start, skip
         it = iter(self.dataloader)
-        for _ in range(skip):  # iterable datasets resume by re-reading their stream
+        for _ in range(skip):
             next(it, None)
         for batch in it:
             self._batches += 1
@@ -176,7 +181,7 @@ class Loader:
         self.set_epoch(state["epoch"])
         if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])
-        elif isinstance(self.dataset, IterableDataset):
+        else:  # streams and foreign samplers: re-read the epoch and skip what was consumed
             self._skip_batches = state.get("batches", 0)
 
 
@@ -209,15 +214,6 @@ def loader(
     arguments go to ``torch.utils.data.DataLoader``. No sync point.
     """
     rank, num_replicas = _coords.resolve(num_replicas, rank)
-    if (
-        isinstance(replicas_in_process, bool)
-        or not isinstance(replicas_in_process, int)
-        or replicas_in_process < 1
-    ):
-        raise ConfigError(
-            f"replicas_in_process={replicas_in_process!r} must be a positive integer",
-            fix="pass the number of devices DataParallel uses in this process, or leave it at 1 (DDP).",
-        )
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
     process_batch = per_device * replicas_in_process
