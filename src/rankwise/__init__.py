@@ -10,6 +10,7 @@ from .comm import (
     broadcast_object,
     gather_object,
 )
+from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
@@ -22,10 +23,13 @@ __all__ = [
     "ConfigError",
     "DistEnv",
     "DistributedError",
+    "DistributedSampler",
     "EnvError",
+    "Loader",
     "RankwiseError",
     "Runtime",
     "RuntimeStateError",
+    "ShardedIterable",
     "Slot",
     "Topology",
     "__version__",
@@ -36,11 +40,14 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_object",
+    "gather_for_metrics",
     "gather_object",
     "get_logger",
     "get_runtime",
     "init",
     "is_initialized",
+    "join",
+    "loader",
     "print0",
     "shutdown",
 ]

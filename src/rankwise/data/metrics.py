@@ -1,0 +1,145 @@
+"""``gather_for_metrics``: every rank's evaluation outputs, once each, in dataset order.
+
+Averaging per-rank metrics is wrong twice over: ranks hold different numbers of samples, and a
+padding sampler evaluates some samples twice. The exact way is to evaluate with
+``rw.loader(..., evaluation=True)`` (no padding, each sample once), keep this rank's outputs,
+and gather them once at the end. ``DistributedSampler`` strides the data (rank ``r`` holds
+positions ``r, r + world, r + 2 * world, ...``), so the gathered rows are interleaved back into
+the sampler's order: dataset order when it does not shuffle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..errors import ConfigError, DistributedError
+from . import _coords
+from .sampler import share_size
+
+T = TypeVar("T")
+
+
+def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
+    """Gather this rank's per-sample outputs from every rank, interleaved into sampler order.
+
+    ``data`` is a tensor (samples along dim 0), a list of per-sample Python objects, or a
+    tuple/dict nesting those (e.g. ``(predictions, targets)``); the result has the same shape
+    on every rank. With an evaluation loader the result holds exactly the dataset's samples.
+    After a padding sampler, pass ``num_samples=len(dataset)`` to drop the padded duplicates
+    (they are always the last positions). Sync point: all ranks (call it once, after the loop).
+    """
+    world = _coords.require_group("gather_for_metrics")
+    leaves, rebuild = _flatten(data)
+    counts = [_count(leaf) for leaf in leaves]
+    if len(set(counts)) > 1:
+        raise ConfigError(
+            f"gather_for_metrics got parts with different numbers of samples: {counts}",
+            fix="pass per-sample outputs only, e.g. (predictions, targets) with equal lengths.",
+        )
+    if world == 1:
+        gathered = leaves
+        total = counts[0] if counts else 0
+    else:
+        everyone = comm.all_gather_object([_describe(leaf) for leaf in leaves])
+        per_rank = _check_agreement(everyone)
+        total = sum(per_rank)
+        gathered = [
+            _gather_leaf(leaf, per_rank, [meta[i] for meta in everyone], world)
+            for i, leaf in enumerate(leaves)
+        ]
+    if num_samples is not None:
+        gathered = [_truncate(leaf, num_samples, total) for leaf in gathered]
+    return rebuild(gathered)
+
+
+def _flatten(data: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    if isinstance(data, (torch.Tensor, list)):
+        return [data], lambda out: out[0]
+    if isinstance(data, (tuple, dict)):
+        keys = list(data.keys()) if isinstance(data, dict) else list(range(len(data)))
+        parts = [_flatten(data[k]) for k in keys]
+        sizes = [len(leaves) for leaves, _ in parts]
+
+        def rebuild(out: list[Any]) -> Any:
+            items, at = [], 0
+            for (_, sub), size in zip(parts, sizes, strict=True):
+                items.append(sub(out[at : at + size]))
+                at += size
+            if isinstance(data, dict):
+                return dict(zip(keys, items, strict=True))
+            return type(data)(*items) if hasattr(data, "_fields") else tuple(items)
+
+        return [leaf for leaves, _ in parts for leaf in leaves], rebuild
+    raise ConfigError(
+        f"gather_for_metrics cannot gather a {type(data).__name__}",
+        fix="pass tensors (samples along dim 0), lists of per-sample values, or tuples/dicts of "
+        "those.",
+    )
+
+
+def _count(leaf: Any) -> int:
+    return len(leaf) if isinstance(leaf, list) else (leaf.shape[0] if leaf.dim() else 1)
+
+
+def _describe(leaf: Any) -> tuple:
+    if isinstance(leaf, list):
+        return ("list", len(leaf), None, None)
+    return ("tensor", _count(leaf), tuple(leaf.shape[1:]), leaf.dtype)
+
+
+def _check_agreement(everyone: list[list[tuple]]) -> list[int]:
+    """Per-rank sample counts, after checking every rank passed the same kind of data."""
+    shapes = [[(kind, trailing, dtype) for kind, _, trailing, dtype in m] for m in everyone]
+    # A rank with no samples may describe an empty tensor loosely (e.g. shape (0,)).
+    filled = [s for s, m in zip(shapes, everyone, strict=True) if all(d[1] for d in m)]
+    if filled and any(s != filled[0] for s in filled):
+        raise DistributedError(
+            f"ranks passed different data to gather_for_metrics: {shapes}",
+            fix="every rank must pass the same structure, trailing shapes and dtypes.",
+            rank=comm.rank(),
+        )
+    per_rank = [m[0][1] if m else 0 for m in everyone]
+    world, total = len(per_rank), sum(per_rank)
+    expected = [share_size(total, world, r) for r in range(world)]
+    if per_rank != expected:
+        raise DistributedError(
+            f"per-rank sample counts {per_rank} are not the strided split {expected} of {total} "
+            "samples that DistributedSampler produces, so dataset order cannot be restored",
+            fix="evaluate with rw.loader(dataset, batch_size=..., evaluation=True) and pass "
+            "every output of this rank, once, after the loop.",
+            rank=comm.rank(),
+        )
+    return per_rank
+
+
+def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int) -> Any:
+    most = max(per_rank)
+    if isinstance(leaf, list):
+        parts = comm.all_gather_object(leaf)
+        return [parts[r][j] for j in range(most) for r in range(world) if j < per_rank[r]]
+    trailing, dtype = next((m[2], m[3]) for m in metas if m[1] == most)
+    device = comm._comm_device()
+    mine = leaf.detach().reshape(-1, *trailing).to(device=device, dtype=dtype)
+    padded = torch.zeros((most, *trailing), dtype=dtype, device=device)
+    padded[: mine.shape[0]] = mine
+    slots = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(slots, padded)
+    # [world, most, ...] -> [most, world, ...]: row j*world + r is rank r's j-th sample; the
+    # strided split leaves the missing rows (j >= per_rank[r]) at the very end.
+    rows = torch.stack(slots, dim=1).reshape(most * world, *trailing)
+    return rows[: sum(per_rank)].to(leaf.device)
+
+
+def _truncate(leaf: Any, num_samples: int, total: int) -> Any:
+    if not 0 <= num_samples <= total:
+        raise ConfigError(
+            f"num_samples={num_samples} but only {total} samples were gathered",
+            fix="pass num_samples=len(dataset); if the sampler dropped samples (drop_last=True), "
+            "evaluate with rw.loader(..., evaluation=True) instead.",
+        )
+    return leaf[:num_samples]
