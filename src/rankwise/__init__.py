@@ -1,5 +1,6 @@
 """rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many."""
 
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .comm import (
     all_gather_object,
     all_reduce,
@@ -13,7 +14,9 @@ from .comm import (
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .progress import progress
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
+from .state import unwrap_model
 from .topology import Slot, Topology
 
 __version__ = "0.1.0"
@@ -41,6 +44,11 @@ __all__ = [
     "get_runtime",
     "init",
     "is_initialized",
+    "list_checkpoints",
+    "load_checkpoint",
     "print0",
+    "progress",
+    "save_checkpoint",
     "shutdown",
+    "unwrap_model",
 ]
