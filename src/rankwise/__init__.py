@@ -1,5 +1,6 @@
 """rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many."""
 
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .comm import (
     all_gather_object,
     all_reduce,
@@ -14,7 +15,9 @@ from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metric
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .progress import progress
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
+from .state import unwrap_model
 from .topology import Slot, Topology
 
 __version__ = "0.1.0"
@@ -47,7 +50,12 @@ __all__ = [
     "init",
     "is_initialized",
     "join",
+    "list_checkpoints",
+    "load_checkpoint",
     "loader",
     "print0",
+    "progress",
+    "save_checkpoint",
     "shutdown",
+    "unwrap_model",
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import env as envmod
@@ -38,11 +40,17 @@ class _RankFilter(logging.Filter):
 
 
 def get_logger(
-    name: str = "rankwise", *, level: int = logging.INFO, all_ranks: bool = False
+    name: str = "rankwise",
+    *,
+    level: int = logging.INFO,
+    all_ranks: bool = False,
+    log_dir: str | os.PathLike | None = None,
 ) -> logging.Logger:
     """A logger whose lines start with ``[rank r/w]``; non-zero ranks only log warnings and up.
 
-    ``all_ranks=True`` lets every rank log at ``level`` (for debugging one rank's behaviour).
+    ``all_ranks=True`` lets every rank log at ``level`` to the console (for debugging one
+    rank's behaviour). ``log_dir`` additionally gives every rank its own complete file,
+    ``log_dir/rank<r>.log``, so nothing is lost and nothing interleaves.
     """
     rank, world = _coords()
     logger = logging.getLogger(name)
@@ -56,4 +64,13 @@ def get_logger(
     handler.setFormatter(logging.Formatter("[rank %(rank)d/%(world_size)d] %(message)s"))
     handler.addFilter(_RankFilter(rank, world, all_ranks))
     logger.addHandler(handler)
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        to_file = logging.FileHandler(Path(log_dir) / f"rank{rank}.log")
+        to_file._rankwise = True  # type: ignore[attr-defined]
+        to_file.setFormatter(
+            logging.Formatter("%(asctime)s [rank %(rank)d/%(world_size)d] %(message)s")
+        )
+        to_file.addFilter(_RankFilter(rank, world, all_ranks=True))
+        logger.addHandler(to_file)
     return logger

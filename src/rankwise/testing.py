@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -60,7 +61,9 @@ def _child(
             if init:
                 rankwise.init(backend, timeout=timeout)
             value = fn(*args)
-            results.put((rank, True, value))
+            # Plain pickle sends tensors by value; the queue's own pickler would share them
+            # through file descriptors that vanish when this process exits.
+            results.put((rank, True, pickle.dumps(value)))
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             results.put((rank, False, text))
@@ -161,7 +164,7 @@ def _collect(procs, results, stack_files, timeout: float) -> list[Any]:
                         first_failure_at = first_failure_at or time.monotonic()
             continue
         if ok:
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)
         else:
             failures[rank] = payload
             first_failure_at = first_failure_at or time.monotonic()

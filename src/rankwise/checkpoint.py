@@ -1,0 +1,320 @@
+"""Checkpoints that survive crashes, load anywhere, and never deadlock.
+
+``save_checkpoint`` is called on EVERY rank, not inside ``if rank == 0``: it gathers each rank's
+RNG state and ends with a collective that tells every rank whether the write succeeded, so
+ranks cannot drift apart (a save inside a rank-0 branch that then meets a barrier hangs the
+job — the classic mistake this shape prevents). Rank 0 alone writes, atomically: a temporary
+file in the same directory, fsync, rename. A process killed mid-save leaves the previous
+checkpoint intact.
+
+Loading uses ``torch.load(weights_only=True)``: unpickling an untrusted file can run arbitrary
+code, so a checkpoint holding objects outside torch's allow-list is refused unless the caller
+says it trusts the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import comm, rng
+from .errors import ConfigError, DistributedError
+from .state import model_state, strip_prefixes, unwrap_model
+
+FORMAT = "rankwise-checkpoint"
+VERSION = 1
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def _is_dir_target(path: Path) -> bool:
+    return path.is_dir() or str(path).endswith(os.sep) or path.suffix == ""
+
+
+def _stateful(obj: Any) -> Any:
+    """``obj.state_dict()`` for a loader (its sampler's position) or anything stateful."""
+    if obj is None:
+        return None
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    sampler = getattr(obj, "sampler", None)
+    if sampler is not None and hasattr(sampler, "state_dict"):
+        return {"sampler": sampler.state_dict()}
+    raise ConfigError(
+        f"loader={type(obj).__name__} has no state_dict() and neither has its sampler",
+        fix="pass a rankwise.loader(...) or a DataLoader with a rankwise.DistributedSampler, "
+        "so the position in the epoch can be saved.",
+    )
+
+
+def _load_stateful(obj: Any, state: Any) -> None:
+    if obj is None or state is None:
+        return
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    else:
+        obj.sampler.load_state_dict(state["sampler"])
+
+
+def _write_atomic(payload: dict[str, Any], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must reach the disk
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_text_atomic(text: str, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in a directory written by ``save_checkpoint``, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _target(path: Path, step: int | None) -> Path:
+    if not _is_dir_target(path):
+        return path
+    if step is None:
+        existing = list_checkpoints(path)
+        step = int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 0
+    return path / f"ckpt-{step:08d}.pt"
+
+
+def _prune(directory: Path, keep_last: int) -> None:
+    for old in list_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    # Leftovers of saves killed mid-write (only rank 0 writes, and it is here, so none is live).
+    for stale in directory.glob(".ckpt-*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra) -> dict:
+    from . import __version__
+
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_state(model),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "loader": _stateful(loader),
+        "step": step,
+        "epoch": epoch,
+        "rng": rng_states,
+        "meta": {
+            "world_size": comm.world_size(),
+            "strategy": type(model).__name__,
+            "model_class": type(unwrap_model(model)).__name__,
+            "rankwise_version": __version__,
+            "torch_version": str(torch.__version__),
+            "saved_at": time.time(),
+        },
+        "extra": dict(extra),
+    }
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    keep_last: int = 3,
+    **extra: Any,
+) -> Path:
+    """Save the bare model, optimizer, scheduler, data position, RNG of every rank, and ``extra``.
+
+    ``path`` is a file (``run/model.pt``) or a directory (``ckpt/``): in a directory each save
+    writes ``ckpt-<step>.pt``, updates the ``latest`` pointer and keeps the last ``keep_last``.
+    Rank 0 decides the path and writes; every rank returns the path written, or raises if the
+    write failed (on every rank, so none is left waiting).
+
+    Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
+    """
+    if keep_last < 1:
+        raise ConfigError(
+            f"keep_last={keep_last} must be at least 1",
+            fix="keep at least the checkpoint just written, e.g. keep_last=3.",
+        )
+    rng_states = comm.all_gather_object(rng.capture())
+    status: tuple[str, str] = ("ok", "")
+    if comm.rank() == 0:
+        status = _write_on_master(
+            Path(path),
+            keep_last,
+            _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra),
+            step,
+        )
+    status = comm.broadcast_object(status)
+    if status[0] != "ok":
+        raise DistributedError(
+            f"saving the checkpoint at {os.fspath(path)!r} failed on rank 0: {status[1]}",
+            fix="check that the directory is writable and has space; the previous checkpoint "
+            "is untouched.",
+            rank=comm.rank(),
+        )
+    return Path(status[1])
+
+
+def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None):
+    try:
+        target = _target(path, step)
+        _write_atomic(payload, target)
+        if _is_dir_target(path):
+            _write_text_atomic(target.name + "\n", target.parent / LATEST)
+            _prune(target.parent, keep_last)
+        return ("ok", str(target))
+    except Exception as exc:  # reported to every rank by the caller
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The file a path refers to: itself, or for a directory the one ``latest`` points at."""
+    p = Path(path)
+    if p.is_dir():
+        pointer = p / LATEST
+        if pointer.is_file():
+            candidate = p / pointer.read_text().strip()
+            if candidate.is_file():
+                return candidate
+        found = list_checkpoints(p)
+        if not found:
+            raise ConfigError(
+                f"no checkpoint in directory {os.fspath(path)!r}",
+                fix="pass a directory written by rw.save_checkpoint, or a checkpoint file.",
+            )
+        return found[-1]
+    if not p.is_file():
+        raise ConfigError(
+            f"checkpoint {os.fspath(path)!r} does not exist",
+            fix="check the path (relative paths are taken from the current directory: "
+            f"{os.getcwd()}).",
+        )
+    return p
+
+
+def _read(file: Path, map_location: Any, trusted: bool) -> Any:
+    import pickle
+
+    try:
+        return torch.load(file, map_location=map_location, weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else "an object"
+        raise ConfigError(
+            f"checkpoint {os.fspath(file)!r} contains a pickled {what}, outside torch's "
+            "weights_only allow-list; loading an untrusted pickle can run arbitrary code",
+            fix="if you trust this file, pass trusted=True; or allow just that type with "
+            f"torch.serialization.add_safe_globals([{what.rsplit('.', 1)[-1]}]).",
+        ) from exc
+
+
+def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load a state dict saved with or without ``module.``/``_orig_mod.`` into ``model``.
+
+    After normalising the prefixes, missing and unexpected keys are reported by name.
+    """
+    target = unwrap_model(model)
+    clean = strip_prefixes(state)
+    expected = set(target.state_dict())
+    missing = sorted(expected - set(clean))
+    unexpected = sorted(set(clean) - expected)
+    if strict and (missing or unexpected):
+        raise ConfigError(
+            f"checkpoint does not fit {type(target).__name__}: "
+            f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}",
+            fix="load into the same architecture that was saved, or pass strict=False to load "
+            "the keys that match.",
+        )
+    target.load_state_dict(clean, strict=strict)
+
+
+def _default_map_location() -> torch.device:
+    from . import runtime
+
+    return runtime.get_runtime().device if runtime.is_initialized() else torch.device("cpu")
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    loader: Any = None,
+    map_location: Any = None,
+    strict: bool = True,
+    restore_rng: bool = True,
+    trusted: bool = False,
+) -> dict[str, Any]:
+    """Restore what ``save_checkpoint`` saved; returns ``step``, ``epoch``, ``extra``, ``meta``.
+
+    Call it on every rank (each reads the file, mapped to its own device: a shared filesystem
+    is assumed). A plain state dict (e.g. torch's ``torch.save(ddp.state_dict())`` with
+    ``module.`` keys) loads too, into ``model`` only.
+
+    World size N at save, M at load: the model, optimizer and data position are the same on
+    every rank and load at any M. Rank r restores the RNG state saved by rank r when r < N;
+    ranks r >= N keep their current RNG state (there is nothing of theirs to restore).
+    """
+    file = resolve(path)
+    ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
+    if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
+        if model is None or not isinstance(ckpt, Mapping):
+            raise ConfigError(
+                f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
+                fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
+            )
+        load_model_state(model, ckpt, strict=strict)
+        return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
+    if model is not None:
+        load_model_state(model, ckpt["model"], strict=strict)
+    if optimizer is not None and ckpt["optimizer"] is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None and ckpt["scheduler"] is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    _load_stateful(loader, ckpt["loader"])
+    saved_rng = ckpt["rng"]
+    if restore_rng and comm.rank() < len(saved_rng):
+        rng.restore(saved_rng[comm.rank()])
+    return {
+        "step": ckpt["step"],
+        "epoch": ckpt["epoch"],
+        "extra": ckpt["extra"],
+        "meta": ckpt["meta"],
+        "path": file,
+    }
