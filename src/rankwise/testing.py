@@ -174,10 +174,15 @@ def _collect(procs, results, stack_files, timeout: float) -> list[Any]:
 
 
 def _hang(procs, values, failures, stack_files, timeout: float):
-    for p in procs:
+    signalled = []
+    for r, p in enumerate(procs):
         if p.is_alive() and p.pid is not None:
             os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(0.5)
+            signalled.append(Path(stack_files[r]))
+    # faulthandler writes from a signal handler: give every rank a moment to finish its dump.
+    until = time.monotonic() + 3.0
+    while time.monotonic() < until and not all(f.exists() and f.stat().st_size for f in signalled):
+        time.sleep(0.05)
     for r in range(len(procs)):
         if r in values or r in failures:
             continue

@@ -23,8 +23,8 @@ def _rank1_raises():
 
 def _rank1_sleeps():
     if rw.get_runtime().rank == 1:
-        time.sleep(60)
-    rw.barrier(timeout=60)
+        time.sleep(600)
+    rw.barrier(timeout=600)
 
 
 def test_results_come_back_in_rank_order():
@@ -42,8 +42,8 @@ def test_failing_rank_is_named_with_its_traceback():
 def test_hang_becomes_failure_with_every_stack():
     start = time.monotonic()
     with pytest.raises(rw.DistributedError) as info:
-        run_distributed(_rank1_sleeps, 2, timeout=6)
-    assert time.monotonic() - start < 30
+        run_distributed(_rank1_sleeps, 2, timeout=20)
+    assert time.monotonic() - start < 60
     text = str(info.value)
     assert "timed out" in text and "hang" in text
     assert "in _rank1_sleeps" in text  # rank 1's stack, taken while it slept
