@@ -13,6 +13,7 @@ from .comm import (
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .pipeline import DistributedPipeline, Pipe, split
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .topology import Slot, Topology
 
@@ -22,7 +23,9 @@ __all__ = [
     "ConfigError",
     "DistEnv",
     "DistributedError",
+    "DistributedPipeline",
     "EnvError",
+    "Pipe",
     "RankwiseError",
     "Runtime",
     "RuntimeStateError",
@@ -43,4 +46,5 @@ __all__ = [
     "is_initialized",
     "print0",
     "shutdown",
+    "split",
 ]
