@@ -5,6 +5,7 @@ Oracle: one unsplit model trained in this (parent) process on the whole global b
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -126,6 +127,7 @@ def _pipeline_and_data_parallel_rank(per_replica: int, chunks: int):
     return _portable(pipe.state_dict())
 
 
+@pytest.mark.slow  # 4 ranks: ~10 s alone, ~60 s on a loaded 2-core machine
 def test_pipeline_with_data_parallel_groups_equals_oracle():
     results = run_distributed(_pipeline_and_data_parallel_rank, 4, args=(4, 2), timeout=120)
     want, _ = _oracle(8)
