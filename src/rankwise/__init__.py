@@ -15,6 +15,7 @@ from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metric
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .pipeline import DistributedPipeline, Pipe, split
 from .progress import progress
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .state import unwrap_model
@@ -26,9 +27,11 @@ __all__ = [
     "ConfigError",
     "DistEnv",
     "DistributedError",
+    "DistributedPipeline",
     "DistributedSampler",
     "EnvError",
     "Loader",
+    "Pipe",
     "RankwiseError",
     "Runtime",
     "RuntimeStateError",
@@ -57,5 +60,6 @@ __all__ = [
     "progress",
     "save_checkpoint",
     "shutdown",
+    "split",
     "unwrap_model",
 ]

@@ -1,0 +1,226 @@
+"""``DistributedPipeline``: the stages of one model in different processes, trained with GPipe.
+
+Every rank builds the same ``nn.Sequential`` and keeps only its own consecutive layers, on its
+own device. A training step is GPipe's: all micro-batches forward (rank ``k`` receives an
+activation from rank ``k-1``, runs its layers, sends the result to ``k+1``; the last stage
+computes the loss), then all micro-batches backward in reverse (gradients go upstream the same
+way). Sends are asynchronous, so rank 0 computes micro-batch 2 while rank 1 computes
+micro-batch 1. The gradients left in ``.grad`` are those of the loss of the whole batch, so
+``optimizer.step()`` after ``train_step`` trains the model exactly as one process would.
+
+Data parallel on top: give ``data_parallel_group`` (from ``dist.new_group``), the ranks that
+hold the SAME stage in different pipeline replicas; after the backward the stage's gradients
+are averaged over that group, as DDP would average them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm, runtime
+from ..errors import ConfigError, DistributedError
+from . import p2p, partition
+from .pipe import _check_chunks
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_ranks(ranks: Sequence[int] | None, world: int, rank: int) -> list[int]:
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world]
+    if not ranks or bad or len(set(ranks)) != len(ranks):
+        raise ConfigError(
+            f"ranks={ranks} must be distinct ranks in 0..{world - 1} (world size {world}), "
+            "one per stage, first stage first",
+            fix=f"pass e.g. ranks={list(range(world))}, or start more processes.",
+            rank=rank,
+        )
+    if rank not in ranks:
+        raise ConfigError(
+            f"this process (rank {rank}) holds no stage of the pipeline ranks={ranks}",
+            fix="build one DistributedPipeline per pipeline replica and pass each rank the "
+            "ranks of its own replica (e.g. ranks=[0, 1] on ranks 0-1, [2, 3] on ranks 2-3).",
+            rank=rank,
+        )
+    return ranks
+
+
+class DistributedPipeline(nn.Module):
+    """This rank's stage of a sequential model pipelined over ``ranks``.
+
+    Parameters keep the full model's names (``state_dict`` keys are a subset of the unsplit
+    model's), so each rank can save its part and the parts merge into a full checkpoint.
+    Call ``rw.init()`` first. Sync point: every method below is one for the pipeline's ranks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ranks: Sequence[int] | None = None,
+        balance: Sequence[int] | None = None,
+        chunks: int = 1,
+        device: str | torch.device | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+    ) -> None:
+        super().__init__()
+        rt = runtime.get_runtime()
+        self.rank = comm.rank()
+        self.ranks = _check_ranks(ranks, comm.world_size(), self.rank)
+        layers = partition.layers_of(model)
+        if balance is None:
+            self.balance = partition.balance_by_params(model, len(self.ranks))
+        else:
+            self.balance = partition.check_balance(balance, len(layers), len(self.ranks))
+        self.chunks = _check_chunks(chunks)
+        if loss_reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'",
+                fix="say how loss_fn reduces over samples ('mean' is torch's default).",
+            )
+        self.loss_reduction = loss_reduction
+        self.stage_index = self.ranks.index(self.rank)
+        self.device = partition.resolve_device(device if device else rt.device, "device")
+        start = sum(self.balance[: self.stage_index])
+        mine = OrderedDict(layers[start : start + self.balance[self.stage_index]])
+        for name, layer in mine.items():
+            self.add_module(name, layer.to(self.device))
+        self.__dict__["stage"] = nn.Sequential(mine)  # the same layers, not registered twice
+        self.data_parallel_group = data_parallel_group
+        nccl = rt.backend is not None and "nccl" in rt.backend
+        self._link = p2p.Link(self.device if nccl else torch.device("cpu"), rt.timeout, self.rank)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == len(self.ranks) - 1
+
+    def train_step(
+        self, x: torch.Tensor | None, target: torch.Tensor | None, loss_fn: LossFn
+    ) -> torch.Tensor | None:
+        """Forward and backward of one batch; gradients of the batch loss accumulate in ``.grad``.
+
+        ``x`` is read on the first stage and ``target`` on the last (others may pass None).
+        Returns the batch loss (detached) on the last stage, None elsewhere. Does not step or
+        zero the optimizer. Sync point: the pipeline's ranks (and ``data_parallel_group``).
+        """
+        inputs, outputs, losses = self._forward_phase(x, target, loss_fn)
+        sizes = [out.shape[0] for out in outputs]
+        for i in reversed(range(len(outputs))):
+            if self.is_last:
+                scale = sizes[i] / sum(sizes) if self.loss_reduction == "mean" else 1.0
+                (losses[i] * scale).backward()
+            else:
+                out = outputs[i]
+                grad = self._link.recv(out.shape, out.dtype, self._next, f"gradient {i}")
+                out.backward(grad.to(self.device))
+            if not self.is_first:
+                self._link.send(inputs[i].grad, self._prev, f"gradient {i}", None)
+        self._link.flush()
+        self._average_gradients()
+        if not self.is_last:
+            return None
+        weights = [s / sum(sizes) if self.loss_reduction == "mean" else 1.0 for s in sizes]
+        return sum(w * loss.detach() for w, loss in zip(weights, losses, strict=True))
+
+    def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Pipelined forward only (evaluation): the output on the last stage, None elsewhere.
+
+        Sync point: the pipeline's ranks.
+        """
+        _, outputs, _ = self._forward_phase(x, None, None)
+        return torch.cat(outputs, dim=0) if self.is_last else None
+
+    @property
+    def _prev(self) -> int:
+        return self.ranks[self.stage_index - 1]
+
+    @property
+    def _next(self) -> int:
+        return self.ranks[self.stage_index + 1]
+
+    def _micro_batches(self, x: torch.Tensor | None) -> list[torch.Tensor]:
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(
+                f"the first pipeline stage (rank {self.rank}) needs the input batch, got "
+                f"{type(x).__name__}",
+                fix="pass the batch tensor as x to train_step/forward on the first stage.",
+                rank=self.rank,
+            )
+        x = x.to(self.device)
+        return [mb for mb in torch.tensor_split(x, self.chunks, dim=0) if mb.shape[0] > 0] or [x]
+
+    def _forward_phase(self, x, target, loss_fn):
+        micro = self._micro_batches(x) if self.is_first else []
+        count = len(micro) if self.is_first else None
+        inputs, outputs, losses, offset, i = [], [], [], 0, 0
+        while count is None or i < count:
+            if self.is_first:
+                inp = micro[i]
+            else:
+                head = self._link.recv_header(self._prev, f"activation {i}")
+                count = head.num_micro_batches
+                inp = self._link.recv(head.shape, head.dtype, self._prev, f"activation {i}")
+                inp = inp.to(self.device).requires_grad_(inp.is_floating_point())
+            out = self.stage(inp)
+            if self.is_last and loss_fn is not None:
+                losses.append(self._loss(loss_fn, out, target, offset))
+                offset += out.shape[0]
+            elif not self.is_last:
+                head = p2p.Header(i, count, out.dtype, tuple(out.shape))
+                self._link.send(out, self._next, f"activation {i}", head)
+            inputs.append(inp)
+            outputs.append(out)
+            i += 1
+        self._link.flush()
+        return inputs, outputs, losses
+
+    def _loss(self, loss_fn: LossFn, out, target, offset: int) -> torch.Tensor:
+        if not isinstance(target, torch.Tensor):
+            raise ConfigError(
+                f"the last pipeline stage (rank {self.rank}) computes the loss and needs the "
+                f"target batch, got {type(target).__name__}",
+                fix="pass the targets as target to train_step on the last stage.",
+                rank=self.rank,
+            )
+        return loss_fn(out, target[offset : offset + out.shape[0]].to(out.device))
+
+    def _average_gradients(self) -> None:
+        """Mean of this stage's gradients over ``data_parallel_group``, in one flat buffer."""
+        group = self.data_parallel_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        try:
+            work.wait(timeout=self._link.timeout)
+        except RuntimeError as exc:
+            raise DistributedError(
+                f"averaging stage {self.stage_index} gradients over the data-parallel group "
+                f"failed ({str(exc).splitlines()[0]})",
+                fix="every replica's rank for this stage must call train_step the same number "
+                "of times; look for a rank that died.",
+                rank=self.rank,
+            ) from exc
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage={self.stage_index} of {len(self.ranks)}, ranks={self.ranks}, "
+            f"balance={self.balance}, chunks={self.chunks}, device={self.device}"
+        )

@@ -1,0 +1,180 @@
+"""``rw.split(model, devices, balance, chunks)``: one model, consecutive layers on several devices.
+
+Model parallelism in the seed's sense: a model too big for one device is cut into stages, each
+on its own device, and every stage sees the (transformed) same input. The forward moves the
+activation from one stage's device to the next with ``Tensor.to``, which autograd records, so
+``loss.backward()`` moves the gradients back the same way; nothing here touches gradients.
+
+With ``chunks=m`` the batch is cut into ``m`` micro-batches that flow through the stages in
+GPipe order (``schedule.run_pipelined``), so stage 2 works on micro-batch 1 while stage 1 works
+on micro-batch 2. The micro-batch outputs are concatenated: for layers that treat samples
+independently the result and the gradients are the unsplit model's. (BatchNorm sees
+micro-batch statistics, as in GPipe.) The backward is autograd's: on CUDA it runs one thread
+per device, so the stages' backward passes overlap too; on CPU placeholders autograd uses the
+calling thread, so only the forward is pipelined there.
+
+The result is a plain ``nn.Module`` whose parameters live on several devices and keep the
+original model's names (``state_dict`` keys are the unsplit model's), so a data-parallel
+wrapper with ``device_ids=None`` can wrap it: DDP over model-parallel replicas.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from . import partition, schedule
+
+
+def _check_chunks(chunks: int) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ConfigError(
+            f"chunks={chunks!r} must be an integer >= 1 (the number of micro-batches per batch)",
+            fix="use chunks=1 for no pipelining, or e.g. chunks=4 (about 4x the number of stages "
+            "keeps the pipeline bubble small).",
+        )
+    return chunks
+
+
+def _check_devices(devices: Sequence[str | int | torch.device]) -> list[torch.device]:
+    if isinstance(devices, (str, torch.device)) or not devices:
+        raise ConfigError(
+            f"devices={devices!r} must be a non-empty list, one device per stage",
+            fix="pass e.g. devices=['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to try it on CPU).",
+        )
+    return [partition.resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
+
+
+class Pipe(nn.Module):
+    """A sequential model split into stages on devices, run as a GPipe pipeline.
+
+    Build it with ``rw.split``. Attributes: ``devices`` (one per stage), ``balance`` (layers per
+    stage), ``chunks``, ``partitions`` (one ``nn.Sequential`` per stage) and ``last_schedule``
+    (the ``ScheduleEvent``s of the last forward). Sync point: none (one process).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        devices: Sequence[torch.device],
+        balance: Sequence[int],
+        chunks: int,
+    ) -> None:
+        super().__init__()
+        self.devices = list(devices)
+        self.balance = list(balance)
+        self.chunks = chunks
+        self.last_schedule: list[schedule.ScheduleEvent] = []
+        partitions, start = [], 0
+        for dev, size in zip(self.devices, self.balance, strict=True):
+            named = OrderedDict(layers[start : start + size])
+            for name, layer in named.items():
+                self.add_module(name, layer.to(dev))  # original names: state_dict keys unchanged
+            partitions.append(nn.Sequential(named))
+            start += size
+        # A plain list: the layers are registered once, above, under their own names.
+        self.__dict__["partitions"] = partitions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run ``x`` through every stage; the output is on the last stage's device."""
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(
+                f"a split model takes one tensor, got {type(x).__name__}",
+                fix="pass a single batch tensor (dimension 0 = samples); pack several inputs "
+                "into one tensor, or into the first layer's own module.",
+            )
+        micro = [mb for mb in torch.tensor_split(x, self.chunks, dim=0) if mb.shape[0] > 0]
+        if not micro:  # an empty batch still goes through once, as the unsplit model would
+            micro = [x]
+        stages = [self._stage_fn(j) for j in range(len(self.partitions))]
+        if len(micro) == 1 or len(stages) == 1:
+            outputs, events = schedule.run_sequential(stages, micro)
+        else:
+            outputs, events = schedule.run_pipelined(stages, micro, self._thread_setup())
+        self.last_schedule = sorted(events, key=lambda e: (e.start, e.stage))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _stage_fn(self, j: int) -> schedule.StageFn:
+        device, layers = self.devices[j], self.partitions[j]
+
+        def run(i: int, x: torch.Tensor) -> torch.Tensor:
+            try:
+                y = layers(x.to(device))
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"(in pipeline stage {j} on {device}, micro-batch {i})")
+                raise
+            if not isinstance(y, torch.Tensor):
+                raise ConfigError(
+                    f"pipeline stage {j} returned {type(y).__name__}, not a tensor",
+                    fix="every layer of a split model must return one tensor; wrap layers "
+                    "that return tuples in a module that returns the tensor to pass on.",
+                )
+            return y
+
+        return run
+
+    def _thread_setup(self):
+        # Grad mode and the current CUDA device are thread-local: copy the caller's to workers.
+        grad = torch.is_grad_enabled()
+        devices = self.devices
+
+        def setup(j: int) -> None:
+            torch.set_grad_enabled(grad)
+            if devices[j].type == "cuda":
+                torch.cuda.set_device(devices[j])
+
+        return setup
+
+    def _refuse_move(self, how: str):
+        raise ConfigError(
+            f"{how} would move every stage of the split model to one device and undo the split "
+            f"over {[str(d) for d in self.devices]}",
+            fix="choose the devices in rw.split(model, devices=[...]); to change the dtype "
+            "only, use .to(dtype) or .double()/.half().",
+        )
+
+    def to(self, *args, **kwargs):
+        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            self._refuse_move(f".to({device})")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device=None):
+        self._refuse_move(".cuda()")
+
+    def cpu(self):
+        self._refuse_move(".cpu()")
+
+    def extra_repr(self) -> str:
+        devs = [str(d) for d in self.devices]
+        return f"devices={devs}, balance={self.balance}, chunks={self.chunks}"
+
+
+def split(
+    model: nn.Module,
+    devices: Sequence[str | int | torch.device],
+    balance: Sequence[int] | None = None,
+    chunks: int = 1,
+) -> Pipe:
+    """Split a sequential model over ``devices``; with ``chunks > 1``, pipeline micro-batches.
+
+    ``balance`` gives the number of consecutive layers per device; ``None`` balances by
+    parameter count (see ``balance_by_params``; ``balance_by_time`` measures instead). The
+    layers are moved to their devices in place (the returned module shares them with
+    ``model``). Inputs may be on any device; the output is on ``devices[-1]``.
+
+    >>> pipe = rw.split(nn.Sequential(a, b, c, d), devices=["cuda:0", "cuda:1"], chunks=4)
+    """
+    layers = partition.layers_of(model)
+    devs = _check_devices(devices)
+    chunks = _check_chunks(chunks)
+    if balance is None:
+        bal = partition.balance_by_params(model, len(devs))
+    else:
+        bal = partition.check_balance(balance, len(layers), len(devs))
+    return Pipe(layers, devs, bal, chunks)
