@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
@@ -97,8 +98,13 @@ class Loader:
         per_device_batch_size: int,
         num_replicas: int,
         replicas_in_process: int,
+        generator_seed: int | None = None,
     ) -> None:
         self.dataloader = dataloader
+        # DataLoader draws its workers' base seed from its generator, or else from torch's
+        # global RNG, at every iter(): a draw a resumed run would not repeat in the same place.
+        # With our own generator, reseeded per epoch, the global stream stays untouched.
+        self._generator_seed = generator_seed
         self.per_device_batch_size = per_device_batch_size
         """Samples each device (each model replica) computes per step."""
         self.num_replicas = num_replicas
@@ -155,6 +161,10 @@ class Loader:
         )
         skip, self._skip_batches = self._skip_batches, 0
         self._consumed, self._batches = start, skip
+        if self._generator_seed is not None:
+            self.dataloader.generator.manual_seed(
+                (self._generator_seed * 1_000_003 + self.epoch) % (2**63)
+            )
         it = iter(self.dataloader)
         for _ in range(skip):
             next(it, None)
@@ -235,6 +245,9 @@ def loader(
         )
     else:
         _check_sampler(sampler, num_replicas)
+    own_generator = dataloader_kwargs.get("generator") is None
+    if own_generator:
+        dataloader_kwargs["generator"] = torch.Generator()
     dl = DataLoader(
         dataset, batch_size=process_batch, sampler=sampler, drop_last=drop_last, **dataloader_kwargs
     )
@@ -243,6 +256,7 @@ def loader(
         per_device_batch_size=per_device,
         num_replicas=num_replicas,
         replicas_in_process=replicas_in_process,
+        generator_seed=seed * 8191 + rank if own_generator else None,
     )
 
 
