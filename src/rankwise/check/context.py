@@ -141,12 +141,11 @@ class _Annotator:
 def _call_site_ctx(script: Script, info: dict[ast.AST, Ctx], name: str) -> Ctx | None:
     """The shared rank context of every call to function ``name``, if all agree and select."""
     sites = []
-    for n in script.nodes:
-        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load):
-            call = script.parent.get(n)
-            if not (isinstance(call, ast.Call) and call.func is n):
-                return None  # passed as a callback (mp.spawn(main, ...)): runs anywhere
-            sites.append(info.get(call, Ctx()))
+    for n in script.loads.get(name, []):
+        call = script.parent.get(n)
+        if not (isinstance(call, ast.Call) and call.func is n):
+            return None  # passed as a callback (mp.spawn(main, ...)): runs anywhere
+        sites.append(info.get(call, Ctx()))
     if not sites or len({c.polarity for c in sites}) != 1 or sites[0].polarity == 0:
         return None
     return Ctx(polarity=sites[0].polarity, guard=sites[0].guard, other=sites[0].other)

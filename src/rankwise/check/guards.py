@@ -51,28 +51,35 @@ def _is_env_rank_key(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value in RANK_ENV
 
 
-def is_rank_expr(e: ast.AST) -> bool:
-    """Does ``e`` evaluate to this process's rank (global or local)?"""
+def is_rank_expr(e: ast.AST, script: Script | None = None) -> bool:
+    """Does ``e`` evaluate to this process's rank (global or local)?
+
+    With ``script``, a variable whose every assignment is a rank counts too
+    (``self.gpu_id = int(os.environ["LOCAL_RANK"])``).
+    """
     if isinstance(e, ast.Call):
         name = last_name(e.func)
         if name in ("int", "str") and e.args:
-            return is_rank_expr(e.args[0])
+            return is_rank_expr(e.args[0], script)
         if name in ("get", "getenv") and e.args:  # os.environ.get("RANK"), os.getenv("RANK")
             return _is_env_rank_key(e.args[0])
         return name in RANK_CALLS
     if isinstance(e, ast.Subscript):  # os.environ["LOCAL_RANK"]
         return _is_env_rank_key(e.slice)
     if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):  # args.rank % ngpus == 0
-        return is_rank_expr(e.left)
+        return is_rank_expr(e.left, script)
     name = last_name(e)
     if name is None:
         return False
     tokens = set(name.lower().split("_"))
-    return ("rank" in tokens and not tokens & NOT_A_RANK) or name.endswith("process_index")
+    if ("rank" in tokens and not tokens & NOT_A_RANK) or name.endswith("process_index"):
+        return True
+    bound = script.bindings.get(dotted(e) or "", []) if script is not None else []
+    return bool(bound) and all(is_rank_expr(b.value) for b in bound)
 
 
-def mentions_rank(e: ast.AST) -> bool:
-    return any(is_rank_expr(n) for n in ast.walk(e))
+def mentions_rank(e: ast.AST, script: Script | None = None) -> bool:
+    return any(is_rank_expr(n, script) for n in ast.walk(e))
 
 
 def _const(e: ast.AST) -> object:
@@ -127,14 +134,14 @@ def _not_distributed(e: ast.AST) -> bool:
 def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
     """+1: true only on rank 0; -1: true only on the other ranks; 0: unknown."""
     if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
-        if is_rank_expr(e.operand):  # `not rank`
+        if is_rank_expr(e.operand, script):  # `not rank`
             return 1
         return -polarity(e.operand, script, depth)
     if isinstance(e, ast.Compare) and len(e.ops) == 1:
         left, op, right = e.left, e.ops[0], e.comparators[0]
-        if is_rank_expr(left):
+        if is_rank_expr(left, script):
             return _compare(op, right)
-        if is_rank_expr(right) and type(op) in (*_FLIP, ast.Eq, ast.NotEq):
+        if is_rank_expr(right, script) and type(op) in (*_FLIP, ast.Eq, ast.NotEq):
             return _compare(_FLIP.get(type(op), type(op))(), left)
         return 0
     if isinstance(e, ast.BoolOp):
@@ -151,7 +158,7 @@ def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
         return 0
     if name.lower() in MASTER_WORDS:
         return 1
-    if is_rank_expr(e):  # `if rank:` is true on every rank but 0
+    if is_rank_expr(e, script):  # `if rank:` is true on every rank but 0
         return -1
     if script is not None and depth > 0 and dotted(e):  # master = rank == 0; if master: ...
         found = {polarity(b.value, script, depth - 1) for b in script.bindings.get(dotted(e), [])}

@@ -14,7 +14,7 @@ import ast
 from dataclasses import dataclass
 
 from . import context
-from .astutil import dotted, pos
+from .astutil import dotted, last_name, pos
 
 ROOTS = ("torch", "rankwise")
 FUNC_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -47,6 +47,11 @@ class Script:
         self.local_names = set(self.functions) | {
             n.name for n in self.nodes if isinstance(n, ast.ClassDef)
         }
+        # Every read of a name or attribute, by identifier: `f` and `self.f` both count for f.
+        self.loads: dict[str, list[ast.Name | ast.Attribute]] = {}
+        for n in self.nodes:
+            if isinstance(n, ast.Name | ast.Attribute) and isinstance(n.ctx, ast.Load):
+                self.loads.setdefault(last_name(n) or "", []).append(n)
         self.aliases = self._aliases()
         self.bindings = self._bindings()
         self.ctx = context.annotate(self)
@@ -228,12 +233,19 @@ class Script:
             nxt = []
             for n in frontier:
                 for call in self.calls_in(n):
-                    f = self.functions.get(dotted(call.func) or "")
+                    f = self.function_called(call)
                     if f is not None and f not in out and f is not node:
                         out.append(f)
                         nxt.append(f)
             frontier = nxt
         return out
+
+    def function_called(self, call: ast.Call) -> ast.AST | None:
+        """The script's own function (or ``self.`` method) that ``call`` runs, if any."""
+        name = dotted(call.func) or ""
+        if name.startswith("self.") and name.count(".") == 1:
+            name = name[5:]
+        return self.functions.get(name)
 
     def mentions(self, node: ast.AST, pred) -> bool:
         return any(pred(n) for n in ast.walk(node))

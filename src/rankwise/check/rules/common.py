@@ -16,7 +16,8 @@ def is_ddp(s: Script, func: ast.AST) -> bool:
     """torch's or rankwise's DistributedDataParallel under any alias (``DDP`` included)."""
     if s.is_api(func, "DistributedDataParallel", unresolved=True):
         return True
-    return isinstance(func, ast.Name) and func.id == "DDP" and "DDP" not in s.local_names
+    bare = isinstance(func, ast.Name) and func.id == "DDP"  # used but never imported (snippets)
+    return bare and "DDP" not in s.local_names and "DDP" not in s.aliases
 
 
 def ddp_calls(s: Script) -> list[ast.Call]:

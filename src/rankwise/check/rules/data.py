@@ -63,7 +63,7 @@ def _trains_on(s: Script, name: str) -> bool:
         if loops_over and any(_has_backward(p) for p in (n, *s.local_callees(n))):
             return True
         if isinstance(n, ast.Call) and any(name in names_in(a) for a in n.args):
-            f = s.functions.get(last_name(n.func) or "")
+            f = s.function_called(n)
             if f is not None and _has_backward(f):
                 return True
     return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ..astutil import call_args, dotted, keyword
+from ..astutil import call_args, dotted, keyword, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import assigned_name, contains_move, ddp_calls, dp_calls, is_move
@@ -48,10 +48,25 @@ def _moved_before(s: Script, name: str, ddp: ast.Call) -> bool:
         if contains_move(value):
             return True
         # model = build_model()  where build_model moves it
-        f = s.functions.get(dotted(value.func) or "") if isinstance(value, ast.Call) else None
+        f = s.function_called(value) if isinstance(value, ast.Call) else None
         if f is not None and contains_move(f):
             return True
     return False
+
+
+def _fresh_model(s: Script, value: ast.AST) -> bool:
+    """Does ``value`` build a model on the CPU? A class (``Net()``, ``nn.Linear(...)``), a
+    torchvision/timm factory, or one of the script's own functions that never moves it. Other
+    factories (``create_model(args)``) may well move it: we cannot see inside, so we stay quiet."""
+    if not isinstance(value, ast.Call):
+        return False
+    q = s.qualname(value.func) or ""
+    if q.split(".")[0] in ("torchvision", "timm"):
+        return True
+    f = s.function_called(value)
+    if f is not None:
+        return not contains_move(f)
+    return (last_name(value.func) or "")[:1].isupper()
 
 
 def _moved_after(s: Script, ddp: ast.Call, names: list[str]) -> ast.Call | None:
@@ -86,7 +101,13 @@ def ddp_before_device(s: Script) -> Iterator[Hit]:
                 "single-device GPU modules ... {device(type='cpu')}'.",
                 WRAP_FIX,
             )
-        elif _gpu_signs(s, ddp) and (name is None or s.reaching(name, ddp)):
+        elif _gpu_signs(s, ddp) and (
+            _fresh_model(s, arg)
+            or (
+                (name is not None and "." not in name)
+                and any(_fresh_model(s, b.value) for b in s.reaching(name, ddp))
+            )
+        ):
             yield (
                 ddp,
                 f"{what}, and the model is never moved to a device before that, although this "

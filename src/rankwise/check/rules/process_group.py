@@ -20,15 +20,17 @@ def _events(s: Script, direct: list[ast.Call]) -> list[tuple[ast.Call, ast.Call]
     """(call site, the direct call it leads to): direct calls plus calls of local functions
     that contain one (``setup()`` calling init_process_group)."""
     out = [(c, c) for c in direct]
+    holder: dict[ast.AST, ast.Call] = {}  # function -> a direct call inside it
+    for d in direct:
+        for a in s.ancestors(d):
+            holder.setdefault(a, d)
     for c in s.calls:
-        f = s.functions.get(dotted(c.func) or "")
+        f = s.function_called(c)
         if f is None:
             continue
-        for inner in (f, *s.local_callees(f)):
-            found = next((d for d in direct if d in set(ast.walk(inner))), None)
-            if found is not None:
-                out.append((c, found))
-                break
+        found = next((holder[g] for g in (f, *s.local_callees(f)) if g in holder), None)
+        if found is not None:
+            out.append((c, found))
     return sorted(out, key=lambda e: (e[0].lineno, e[0].col_offset))
 
 

@@ -83,7 +83,7 @@ def _all_ranks(s: Script, c: ast.Call) -> bool:
     """Does every rank reach ``c`` (no rank-0 guard, not error reporting, not per-rank)?"""
     ctx = s.ctx[c]
     args = (*c.args, *(k.value for k in c.keywords))
-    return ctx.polarity != 1 and not ctx.in_except and not any(mentions_rank(a) for a in args)
+    return ctx.polarity != 1 and not ctx.in_except and not any(mentions_rank(a, s) for a in args)
 
 
 @rule(
@@ -123,7 +123,7 @@ def save_without_rank_guard(s: Script) -> Iterator[Hit]:
         if not (r and r[1] and r[0] == "torch.save") or not _all_ranks(s, c):
             continue
         path = call_args(c, 1, "f")
-        if path is not None and mentions_rank(path):
+        if path is not None and mentions_rank(path, s):
             continue  # one file per rank, on purpose
         yield (
             c,
