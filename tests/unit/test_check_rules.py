@@ -154,3 +154,87 @@ def test_dp_batch_size_direction_depends_on_the_wrapper() -> None:
     """
     assert rules_of(ddp.format(op="*")) == [("RW012", 8)]
     assert rules_of(ddp.format(op="//")) == []
+
+
+SNIPPETS = {
+    "init in try/except fallback is one init": (
+        """
+        import torch.distributed as dist
+        try:
+            dist.init_process_group("nccl")
+        except RuntimeError:
+            dist.init_process_group("gloo")
+        """,
+        [],
+    ),
+    "rank_zero_only function holding a barrier": (
+        """
+        import torch.distributed as dist
+        from lightning.pytorch.utilities import rank_zero_only
+        dist.init_process_group("gloo")
+        @rank_zero_only
+        def log(msg):
+            print(msg)
+            dist.barrier()
+        """,
+        [("RW009", 8)],
+    ),
+    "sampler chosen in if/else still meets shuffle=True": (
+        """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+        if distributed:
+            sampler = DistributedSampler(ds)
+        else:
+            sampler = None
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, shuffle=True)
+        """,
+        [("RW003", 8)],
+    ),
+    "while epoch loop without set_epoch": (
+        """
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+        dist.init_process_group("gloo")
+        loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds))
+        epoch = 0
+        while epoch < 3:
+            for x in loader:
+                pass
+            epoch += 1
+        """,
+        [("RW005", 8)],
+    ),
+    "model from an opaque factory is assumed moved": (
+        """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = create_model(args)
+        model = DDP(model, device_ids=[0])
+        """,
+        [],
+    ),
+    "method called only on the master saves without a guard of its own": (
+        """
+        import os
+        import torch
+        import torch.distributed as dist
+        class Trainer:
+            def __init__(self):
+                self.gpu_id = int(os.environ["LOCAL_RANK"])
+            def _save(self):
+                torch.save({}, "snap.pt")
+            def train(self):
+                if self.gpu_id == 0:
+                    self._save()
+        dist.init_process_group("nccl")
+        """,
+        [],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SNIPPETS)
+def test_snippets(name: str) -> None:
+    src, want = SNIPPETS[name]
+    assert rules_of(src) == want
