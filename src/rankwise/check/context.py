@@ -72,13 +72,7 @@ class _Annotator:
     def stmt(self, st: ast.stmt, ctx: Ctx, rest: tuple[ast.stmt, ...] = ()) -> None:
         self.info[st] = ctx
         if isinstance(st, FUNC_DEFS):
-            for d in st.decorator_list:
-                self.expr(d, ctx)
-            self.expr(st.args, ctx)
-            inner = self.funcs.get(st.name, Ctx())
-            if any(_is_rank_zero_only(d) for d in st.decorator_list):
-                inner = Ctx(polarity=1, guard=st)
-            self.block(st.body, inner)
+            self.function(st, ctx)
         elif isinstance(st, ast.If):
             self.expr(st.test, ctx)
             p = polarity(st.test, self.script)
@@ -98,7 +92,22 @@ class _Annotator:
                 self.block(h.body, replace(ctx, in_except=True))
             self.block(st.orelse, ctx)
             self.block(st.finalbody, ctx)
-        elif isinstance(st, ast.With | ast.AsyncWith):
+        else:
+            self.compound(st, ctx)
+
+    def function(self, st: ast.FunctionDef | ast.AsyncFunctionDef, ctx: Ctx) -> None:
+        """Decorators run here; the body runs wherever the function is called."""
+        for d in st.decorator_list:
+            self.expr(d, ctx)
+        self.expr(st.args, ctx)
+        inner = self.funcs.get(st.name, Ctx())
+        if any(_is_rank_zero_only(d) for d in st.decorator_list):
+            inner = Ctx(polarity=1, guard=st)
+        self.block(st.body, inner)
+
+    def compound(self, st: ast.stmt, ctx: Ctx) -> None:
+        """with / class / match bodies keep the context; simple statements are expressions."""
+        if isinstance(st, ast.With | ast.AsyncWith):
             for item in st.items:
                 self.expr(item, ctx)
             self.block(st.body, ctx)
