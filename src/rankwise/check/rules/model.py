@@ -21,6 +21,9 @@ def _gpu_signs(s: Script, ddp: ast.Call) -> bool:
     """Does the script aim at GPUs? A CPU/gloo script may wrap a model that never moves."""
     if keyword(ddp, "device_ids") or keyword(ddp, "output_device"):
         return True
+    scope = s.scope_of[ddp]
+    if any(isinstance(n, ast.Constant) and n.value == "gloo" for n in ast.walk(scope)):
+        return False  # the wrapping code itself chose the CPU backend
     for n in s.nodes:
         text = n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else ""
         if text == "nccl" or text.startswith("cuda"):
@@ -73,8 +76,10 @@ def _moved_after(s: Script, ddp: ast.Call, names: list[str]) -> ast.Call | None:
     up = s.parent.get(ddp)
     if isinstance(up, ast.Attribute) and is_move(s.parent.get(up)):  # DDP(model).cuda()
         return s.parent[up]
+    scope = s.scope_of[ddp]
     for c in s.calls:
-        if c.lineno > ddp.lineno and is_move(c) and _receiver(c) in names:
+        later = c.lineno > ddp.lineno and s.scope_of[c] is scope
+        if later and is_move(c) and _receiver(c) in names:
             return c
     return None
 
