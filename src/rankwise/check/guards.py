@@ -1,0 +1,166 @@
+"""Which conditions select a subset of ranks: ``if rank == 0``, ``if rt.is_master``, ...
+
+``polarity(test)`` is +1 when the test is true only on rank 0 (or the local master), -1 when it
+is true only on the other ranks, and 0 when it says nothing about ranks. Unknown shapes are 0:
+a guard we do not recognise makes the checker quieter, never louder.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING
+
+from .astutil import dotted, last_name
+
+if TYPE_CHECKING:
+    from .script import Script
+
+MASTER_WORDS = frozenset(
+    {
+        "is_master",
+        "master",
+        "is_main",
+        "main_process",
+        "is_main_process",
+        "master_process",
+        "is_master_process",
+        "is_rank_zero",
+        "is_rank0",
+        "rank0",
+        "rank_zero",
+        "is_global_zero",
+        "is_local_master",
+        "is_local_main_process",
+        "is_world_process_zero",
+        "is_local_process_zero",
+        "is_primary",
+        "is_chief",
+        "is_root",
+        "is_leader",
+    }
+)
+RANK_CALLS = frozenset({"get_rank", "get_local_rank", "get_global_rank", "get_ordinal", "rank"})
+RANK_ENV = frozenset(
+    {"RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}
+)
+# `node_rank == 0` still runs on every local rank of node 0, and `num_ranks` is a size.
+NOT_A_RANK = frozenset({"node", "num", "n", "size", "count", "ranks", "world_size"})
+
+
+def _is_env_rank_key(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in RANK_ENV
+
+
+def is_rank_expr(e: ast.AST, script: Script | None = None) -> bool:
+    """Does ``e`` evaluate to this process's rank (global or local)?
+
+    With ``script``, a variable whose every assignment is a rank counts too
+    (``self.gpu_id = int(os.environ["LOCAL_RANK"])``).
+    """
+    if isinstance(e, ast.Call):
+        name = last_name(e.func)
+        if name in ("int", "str") and e.args:
+            return is_rank_expr(e.args[0], script)
+        if name in ("get", "getenv") and e.args:  # os.environ.get("RANK"), os.getenv("RANK")
+            return _is_env_rank_key(e.args[0])
+        return name in RANK_CALLS
+    if isinstance(e, ast.Subscript):  # os.environ["LOCAL_RANK"]
+        return _is_env_rank_key(e.slice)
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):  # args.rank % ngpus == 0
+        return is_rank_expr(e.left, script)
+    name = last_name(e)
+    if name is None:
+        return False
+    tokens = set(name.lower().split("_"))
+    if ("rank" in tokens and not tokens & NOT_A_RANK) or name.endswith("process_index"):
+        return True
+    bound = script.bindings.get(dotted(e) or "", []) if script is not None else []
+    return bool(bound) and all(is_rank_expr(b.value) for b in bound)
+
+
+def mentions_rank(e: ast.AST, script: Script | None = None) -> bool:
+    return any(is_rank_expr(n, script) for n in ast.walk(e))
+
+
+def _const(e: ast.AST) -> object:
+    if isinstance(e, ast.Constant) and not isinstance(e.value, bool):
+        return (
+            int(e.value) if isinstance(e.value, str) and e.value.lstrip("-").isdigit() else e.value
+        )
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        inner = _const(e.operand)
+        return -inner if isinstance(inner, int) else None
+    return None
+
+
+_FLIP = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
+
+
+def _compare(op: ast.cmpop, value: ast.AST) -> int:
+    """Polarity of ``rank <op> value``."""
+    if isinstance(op, ast.In | ast.NotIn) and isinstance(value, ast.List | ast.Tuple | ast.Set):
+        consts = {_const(v) for v in value.elts}
+        p = 1 if 0 in consts and consts <= {0, -1} else 0
+        return p if isinstance(op, ast.In) else -p
+    c = _const(value)
+    if not isinstance(c, int):
+        return 0
+    table = {
+        (ast.Eq, 0): 1,
+        (ast.NotEq, 0): -1,
+        (ast.LtE, 0): 1,
+        (ast.Lt, 1): 1,
+        (ast.Gt, 0): -1,
+        (ast.GtE, 1): -1,
+    }
+    return table.get((type(op), c), 0)
+
+
+def _not_distributed(e: ast.AST) -> bool:
+    """``not args.distributed``, ``not dist.is_initialized()``, ``world_size == 1``."""
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
+        text = ast.unparse(e.operand).lower()
+        return any(w in text for w in ("distributed", "is_initialized", "ddp"))
+    if isinstance(e, ast.Compare) and len(e.ops) == 1:
+        name = (last_name(e.left) or "").lower()
+        c = _const(e.comparators[0])
+        one = (isinstance(e.ops[0], ast.Eq | ast.LtE) and c == 1) or (
+            isinstance(e.ops[0], ast.Lt) and c == 2
+        )
+        return one and ("world_size" in name or "gpu" in name)
+    return False
+
+
+def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
+    """+1: true only on rank 0; -1: true only on the other ranks; 0: unknown."""
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
+        if is_rank_expr(e.operand, script):  # `not rank`
+            return 1
+        return -polarity(e.operand, script, depth)
+    if isinstance(e, ast.Compare) and len(e.ops) == 1:
+        left, op, right = e.left, e.ops[0], e.comparators[0]
+        if is_rank_expr(left, script):
+            return _compare(op, right)
+        if is_rank_expr(right, script) and type(op) in (*_FLIP, ast.Eq, ast.NotEq):
+            return _compare(_FLIP.get(type(op), type(op))(), left)
+        return 0
+    if isinstance(e, ast.BoolOp):
+        ps = [polarity(v, script, depth) for v in e.values]
+        if isinstance(e.op, ast.And):
+            nonzero = {p for p in ps if p}
+            return nonzero.pop() if len(nonzero) == 1 else 0
+        ok = all(p == 1 or _not_distributed(v) for p, v in zip(ps, e.values, strict=True))
+        return 1 if ok and 1 in ps else 0
+    if isinstance(e, ast.Call):
+        return 1 if last_name(e.func) in MASTER_WORDS else 0
+    name = last_name(e)
+    if name is None:
+        return 0
+    if name.lower() in MASTER_WORDS:
+        return 1
+    if is_rank_expr(e, script):  # `if rank:` is true on every rank but 0
+        return -1
+    if script is not None and depth > 0 and dotted(e):  # master = rank == 0; if master: ...
+        found = {polarity(b.value, script, depth - 1) for b in script.bindings.get(dotted(e), [])}
+        return found.pop() if len(found) == 1 else 0
+    return 0

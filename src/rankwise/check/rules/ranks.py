@@ -1,0 +1,188 @@
+"""Rules about which ranks run what: output on rank 0 only, collectives on every rank."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from ..astutil import call_args, dotted, last_name
+from ..context import Ctx
+from ..findings import Hit, Severity, rule
+from ..guards import mentions_rank
+from ..script import Script
+from .common import is_distributed_script
+
+LOG_METHODS = frozenset(
+    {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+)
+TORCH_COLLECTIVES = frozenset(
+    {
+        "barrier",
+        "monitored_barrier",
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "all_gather_into_tensor",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "all_to_all",
+        "all_to_all_single",
+        "new_group",
+    }
+)
+DCP = frozenset({"save", "load", "save_state_dict", "load_state_dict"})
+RANKWISE_COLLECTIVES = frozenset(
+    {
+        "barrier",
+        "all_reduce",
+        "all_reduce_mean",
+        "all_reduce_sum",
+        "all_reduce_max",
+        "all_gather_object",
+        "broadcast_object",
+        "gather_object",
+        "save_checkpoint",
+    }
+)
+GUARD_FIX = "Wrap it in `if rank == 0:` (or `if rt.is_master:`)"
+
+
+def _loggers(s: Script) -> set[str]:
+    """Names bound to ``logging.getLogger(...)`` (rankwise's get_logger is rank-aware)."""
+    return {
+        name
+        for name, bs in s.bindings.items()
+        if any(
+            isinstance(b.value, ast.Call) and s.qualname(b.value.func) == "logging.getLogger"
+            for b in bs
+        )
+    }
+
+
+def _output_kind(s: Script, c: ast.Call, loggers: set[str]) -> str | None:
+    r = s.resolve(c.func)
+    if r is None:
+        return None
+    q, imported = r
+    if q == "print" and not imported and "print" not in s.local_names:
+        return "print"
+    if imported and q.startswith("logging.") and q.split(".")[-1] in LOG_METHODS:
+        return "logging"
+    method = isinstance(c.func, ast.Attribute) and c.func.attr in LOG_METHODS
+    return "logging" if method and dotted(c.func.value) in loggers else None
+
+
+def _all_ranks(s: Script, c: ast.Call) -> bool:
+    """Does every rank reach ``c`` (no rank-0 guard, not error reporting, not per-rank)?"""
+    ctx = s.ctx[c]
+    args = (*c.args, *(k.value for k in c.keywords))
+    return ctx.polarity != 1 and not ctx.in_except and not any(mentions_rank(a, s) for a in args)
+
+
+@rule(
+    "RW007",
+    "print-without-rank-guard",
+    Severity.WARNING,
+    "print/logging on every rank of a distributed script",
+)
+def print_without_rank_guard(s: Script) -> Iterator[Hit]:
+    if not is_distributed_script(s):
+        return
+    loggers = _loggers(s)
+    for c in s.calls:
+        kind = _output_kind(s, c, loggers)
+        if kind is None or not _all_ranks(s, c):
+            continue
+        yield (
+            c,
+            f"`{s.snippet(c)}` runs on every rank: world_size copies of each line, "
+            "interleaved at different speeds (the replicas are identical, one is enough).",
+            f"{GUARD_FIX}, or use `rw.print0(...)` / `rw.get_logger()` which speak on rank 0 "
+            "only; to tell ranks apart on purpose, put the rank in the message.",
+        )
+
+
+@rule(
+    "RW008",
+    "save-without-rank-guard",
+    Severity.WARNING,
+    "torch.save on every rank of a distributed script",
+)
+def save_without_rank_guard(s: Script) -> Iterator[Hit]:
+    if not is_distributed_script(s):
+        return
+    for c in s.calls:
+        r = s.resolve(c.func)
+        if not (r and r[1] and r[0] == "torch.save") or not _all_ranks(s, c):
+            continue
+        path = call_args(c, 1, "f")
+        if path is not None and mentions_rank(path, s):
+            continue  # one file per rank, on purpose
+        yield (
+            c,
+            f"`{s.snippet(c)}` runs on every rank: world_size processes write the same file at "
+            "once (wasted I/O, and a torn file when writes interleave); the replicas are "
+            "identical, so rank 0's copy is the checkpoint.",
+            f"{GUARD_FIX} and call `dist.barrier()` after it (outside the guard) before any rank "
+            "reads the file; or use `rw.save_checkpoint(...)` on every rank.",
+        )
+
+
+def _collective(s: Script, c: ast.Call) -> str | None:
+    r = s.resolve(c.func)
+    if not (r and r[1]):
+        return None
+    parts = r[0].split(".")
+    dcp = parts[2:3] == ["checkpoint"] and parts[-1] in DCP
+    if parts[:2] == ["torch", "distributed"] and (parts[-1] in TORCH_COLLECTIVES or dcp):
+        return r[0]
+    if parts[0] == "rankwise" and parts[-1] in RANKWISE_COLLECTIVES:
+        return r[0]
+    return None
+
+
+def _where(s: Script, ctx: Ctx) -> str:
+    g = ctx.guard
+    if isinstance(g, ast.If | ast.IfExp):
+        return f"`if {s.snippet(g.test)}` at line {g.lineno}"
+    if isinstance(g, ast.FunctionDef | ast.AsyncFunctionDef):
+        return f"`@rank_zero_only` function `{g.name}` at line {g.lineno}"
+    return f"line {getattr(g, 'lineno', '?')}"
+
+
+@rule(
+    "RW009",
+    "collective-in-rank-branch",
+    Severity.ERROR,
+    "a collective (barrier, all_reduce, save_checkpoint, ...) that only some ranks reach",
+)
+def collective_in_rank_branch(s: Script) -> Iterator[Hit]:
+    for c in s.calls:
+        name = _collective(s, c)
+        ctx = s.ctx[c]
+        if name is None or ctx.polarity == 0:
+            continue
+        balanced = any(
+            isinstance(n, ast.Call) and last_name(n.func) == last_name(c.func)
+            for part in ctx.other
+            for n in ast.walk(part)
+        )
+        if balanced:  # if rank == 0: gather(..., gather_list) else: gather(...)
+            continue
+        who = "rank 0" if ctx.polarity == 1 else "the ranks other than 0"
+        yield (
+            c,
+            f"`{s.snippet(c)}` is a collective that every rank must enter, but only {who} "
+            f"reach it ({_where(s, ctx)}): the others never arrive and the job hangs until the "
+            "collective times out.",
+            "Call it on every rank: move it out of the rank-guarded branch (do the rank-0 work "
+            "inside the `if`, then the collective after it). rankwise's save_checkpoint already "
+            "writes on rank 0 only; call it on all ranks.",
+        )
