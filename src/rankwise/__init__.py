@@ -13,6 +13,7 @@ from .comm import (
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .parallel import DataParallel
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .topology import Slot, Topology
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "DataParallel",
     "DistEnv",
     "DistributedError",
     "EnvError",
