@@ -150,7 +150,11 @@ def test_parallel_apply_runs_threads_and_keeps_the_callers_grad_mode():
         outs = parallel_apply([fn, fn], [(x,), (x + 1,)], None, ["cpu", "cpu"])
     assert [o.tolist() for o in outs] == [[2.0, 2.0], [4.0, 4.0]]
     assert not outs[0].requires_grad  # no_grad followed the work into the replica threads
-    assert sorted(names) == ["rankwise-replica-0", "rankwise-replica-1"]
+    # Replica 0 runs in the caller's thread, the others in threads of their own.
+    assert (
+        names[0] == threading.current_thread().name or names[1] == threading.current_thread().name
+    )
+    assert "rankwise-replica-1" in names
 
 
 def test_parallel_apply_reraises_the_replicas_exception_with_device_and_traceback():

@@ -65,6 +65,8 @@ def parallel_apply(
 ) -> list[Any]:
     """Call ``modules[i](*inputs[i], **kwargs[i])`` on ``devices[i]``, one thread per replica.
 
+    Replica 0 runs in the calling thread, each other replica in a thread of its own.
+
     Returns the outputs in replica order. If replicas raise, the exception of the lowest
     replica is re-raised in the caller: the original exception object (so ``except
     torch.OutOfMemoryError`` still works) with its original traceback from inside the replica,
@@ -90,16 +92,16 @@ def parallel_apply(
         except BaseException as exc:  # re-raised in the caller below, KeyboardInterrupt included
             errors[i] = exc
 
-    if n == 1:
-        work(0)  # no thread for one replica: same semantics, less overhead
-    else:
-        threads = [
-            threading.Thread(target=work, args=(i,), name=f"rankwise-replica-{i}") for i in range(n)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    # Replica 0 runs in the calling thread (one thread fewer to start and wake per step);
+    # the others each get a thread.
+    threads = [
+        threading.Thread(target=work, args=(i,), name=f"rankwise-replica-{i}") for i in range(1, n)
+    ]
+    for t in threads:
+        t.start()
+    work(0)
+    for t in threads:
+        t.join()
     failed = [i for i, e in enumerate(errors) if e is not None]
     if failed:
         _reraise(failed, errors, devs)
