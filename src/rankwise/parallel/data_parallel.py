@@ -191,7 +191,6 @@ class DataParallel(nn.Module):
             self.loss_reduction = _loss_reduction(loss_fn, loss_reduction)
             # Kept out of the module tree so state_dict stays the model's alone.
             object.__setattr__(self, "loss_fn", loss_fn)
-            object.__setattr__(self, "_loss_step", _LossStep(module, loss_fn))
         self._check_master()
         self.register_load_state_dict_pre_hook(_accept_module_prefix)
 
@@ -213,7 +212,7 @@ class DataParallel(nn.Module):
         balanced = self.loss_fn is not None  # standard mode passes `target=` on to the model
         args, kws, sizes = scatter_with_sizes(inputs, kwargs, self.device_ids, self.dim)
         devices = self.device_ids[: len(args)]
-        root = self._loss_step if balanced else self.module
+        root = _LossStep(self.module, self.loss_fn) if balanced else self.module
         if len(devices) == 1:
             outputs = [root(*args[0], **kws[0])]  # one chunk: no copy, no thread
         else:

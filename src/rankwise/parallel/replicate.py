@@ -112,33 +112,33 @@ def replicate(module: M, devices: Sequence[torch.device | str]) -> list[M]:
             fix="wrap the eager (non-scripted) module",
         )
     devs = [torch.device(d) for d in devices]
-    params = list(module.parameters())  # deduplicated: tied weights appear once
     buffers = list(module.buffers())
-    grad_buffers = [b for b in buffers if b.requires_grad]
-    plain_buffers = [b for b in buffers if not b.requires_grad]
-    param_copies = broadcast(params + grad_buffers, devs)
-    plain_copies = _broadcast_buffers(plain_buffers, devs)
-    slot = {id(t): ("p", i) for i, t in enumerate(params + grad_buffers)}
-    slot.update({id(t): ("b", i) for i, t in enumerate(plain_buffers)})
+    # Parameters (deduplicated: tied weights appear once) and buffers that require grad keep
+    # their autograd link; other buffers are plain copies.
+    linked = list(module.parameters()) + [b for b in buffers if b.requires_grad]
+    plain = [b for b in buffers if not b.requires_grad]
+    linked_copies = broadcast(linked, devs)
+    plain_copies = _broadcast_buffers(plain, devs)
+    return [
+        _build(module, {id(t): c for t, c in zip(linked + plain, lc + pc, strict=True)})
+        for lc, pc in zip(linked_copies, plain_copies, strict=True)
+    ]
 
-    modules = list(module.modules())  # deduplicated: a shared submodule appears once
-    index = {id(m): i for i, m in enumerate(modules)}
-    replicas = [[_shallow_copy(m) for m in modules] for _ in devs]
-    for j in range(len(devs)):
-        table = {"p": param_copies[j], "b": plain_copies[j]}
-        for i, m in enumerate(modules):
-            r = replicas[j][i]
-            for key, child in m._modules.items():
-                r._modules[key] = None if child is None else replicas[j][index[id(child)]]
-            for key, p in m._parameters.items():
-                if p is None:
-                    r._parameters[key] = None
-                else:
-                    # Not a leaf any more, so a plain attribute rather than a Parameter.
-                    kind, k = slot[id(p)]
-                    setattr(r, key, table[kind][k])
-            for key, b in m._buffers.items():
-                if b is not None:
-                    kind, k = slot[id(b)]
-                    r._buffers[key] = table[kind][k]
-    return [reps[0] for reps in replicas]  # type: ignore[misc]
+
+def _build(root: M, copy_of: dict[int, torch.Tensor]) -> M:
+    """One replica of ``root``: every submodule shallow-copied, every tensor from ``copy_of``."""
+    modules = list(root.modules())  # deduplicated: a shared submodule appears once
+    copies = {id(m): _shallow_copy(m) for m in modules}
+    for m in modules:
+        r = copies[id(m)]
+        for key, child in m._modules.items():
+            r._modules[key] = None if child is None else copies[id(child)]
+        for key, p in m._parameters.items():
+            if p is None:
+                r._parameters[key] = None
+            else:
+                setattr(r, key, copy_of[id(p)])  # not a leaf: a plain attribute, not a Parameter
+        for key, b in m._buffers.items():
+            if b is not None:
+                r._buffers[key] = copy_of[id(b)]
+    return copies[id(root)]  # type: ignore[return-value]

@@ -194,7 +194,9 @@ def _gather(outs: list[Any], device: torch.device, dim: int, path: str) -> Any:
         if not all(isinstance(o, torch.Tensor) for o in outs):
             raise ConfigError(f"gather: `{path}` is a tensor on some replicas but not on others")
         moved = [o.to(device) for o in outs]
-        return torch.stack(moved) if first.dim() == 0 else torch.cat(moved, dim)
+        if first.dim() == 0:
+            return torch.stack(moved)
+        return moved[0] if len(moved) == 1 else torch.cat(moved, dim)  # cat of one would copy
     if first is None:
         return None
     children = _children(first, path)
