@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -264,6 +265,7 @@ def main() -> None:
         ddp_impls = {"ddp": "torch"}  # stand-in until rankwise's DDP is on this branch
     strategies = ["single", "dp", "dp_balanced", *(["torch_dp"] if cuda else []), *ddp_impls]
     runs: dict[str, list[float]] = {s: [] for s in strategies}
+    load_before = os.getloadavg()[0]  # a shared machine: say how busy it was
     for r in range(a.repeats):
         order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]  # rotate
         for s in order:
@@ -295,6 +297,11 @@ def main() -> None:
             "target_balanced_le_half_standard": None if ratio is None else ratio <= 0.5,
         },
         "torch": torch.__version__,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
     }
     text = json.dumps(report, indent=2)
     print(text)
