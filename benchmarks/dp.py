@@ -243,59 +243,68 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def ddp_implementations() -> dict[str, str]:
+    """Strategy name -> DDP implementation: ours when importable (and torch's beside it)."""
+    try:
+        from rankwise import DistributedDataParallel  # noqa: F401
+    except ImportError:
+        return {"ddp": "torch"}  # stand-in until rankwise's DDP is on this branch
+    return {"ddp": "rankwise", "torch_ddp": "torch"}
+
+
+def throughput(cfg: dict, strategies: list[str], ddp_impls: dict, repeats: int) -> dict:
+    """samples/s per strategy, repeats interleaved (and rotated) across strategies."""
+    runs: dict[str, list[float]] = {s: [] for s in strategies}
+    for r in range(repeats):
+        order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
+        for s in order:
+            runs[s].append(ddp(cfg, ddp_impls[s]) if s in ddp_impls else in_process(cfg, s))
+    return {
+        s: {"median": round(statistics.median(v), 1), "runs": [round(x, 1) for x in v]}
+        for s, v in runs.items()
+    }
+
+
+def memory_report(cfg: dict) -> dict:
+    cuda = cfg["device"] == "cuda"
+    memory = memory_cuda(cfg) if cuda else memory_cpu(cfg)
+    std, bal = memory["standard"]["master_extra_bytes"], memory["balanced"]["master_extra_bytes"]
+    ratio = None if not std or bal is None else bal / std
+    cpu_method = "master-thread live storage (TorchDispatchMode)"
+    method = "cuda.max_memory_allocated per device" if cuda else cpu_method
+    return {
+        "method": method,
+        **memory,
+        "balanced_over_standard": None if ratio is None else round(ratio, 4),
+        "target_balanced_le_half_standard": None if ratio is None else ratio <= 0.5,
+    }
+
+
 def main() -> None:
     a = parse()
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     replicas = torch.cuda.device_count() if cuda else a.replicas
+    keys = ("global_batch", "in_features", "hidden", "classes", "steps", "warmup")
     cfg = {
         "device": "cuda" if cuda else "cpu",
         "devices": [f"cuda:{i}" for i in range(replicas)] if cuda else ["cpu"] * replicas,
         "replicas": replicas,
-        **{
-            k: getattr(a, k)
-            for k in ("global_batch", "in_features", "hidden", "classes", "steps", "warmup")
-        },
+        **{k: getattr(a, k) for k in keys},
     }
-    try:
-        from rankwise import DistributedDataParallel  # noqa: F401
-
-        ddp_impls = {"ddp": "rankwise", "torch_ddp": "torch"}
-    except ImportError:
-        ddp_impls = {"ddp": "torch"}  # stand-in until rankwise's DDP is on this branch
+    ddp_impls = ddp_implementations()
     strategies = ["single", "dp", "dp_balanced", *(["torch_dp"] if cuda else []), *ddp_impls]
-    runs: dict[str, list[float]] = {s: [] for s in strategies}
     load_before = os.getloadavg()[0]  # a shared machine: say how busy it was
-    for r in range(a.repeats):
-        order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]  # rotate
-        for s in order:
-            runs[s].append(ddp(cfg, ddp_impls[s]) if s in ddp_impls else in_process(cfg, s))
-    med = {s: statistics.median(v) for s, v in runs.items()}
-    memory = memory_cuda(cfg) if cuda else memory_cpu(cfg)
-    std, bal = memory["standard"]["master_extra_bytes"], memory["balanced"]["master_extra_bytes"]
-    ratio = None if not std or bal is None else bal / std
+    speed = throughput(cfg, strategies, ddp_impls, a.repeats)
+    med = {s: v["median"] for s, v in speed.items()}
+    pairs = [("dp", "single"), ("dp", "ddp"), ("ddp", "single"), ("dp_balanced", "dp")]
+    pairs += [("dp", "torch_dp")] if cuda else []
     report = {
         "config": cfg,
         "ddp_impl": ddp_impls,
-        "samples_per_s": {
-            s: {"median": round(med[s], 1), "runs": [round(v, 1) for v in runs[s]]}
-            for s in strategies
-        },
-        "ratios": {
-            "dp_over_single": round(med["dp"] / med["single"], 3),
-            "dp_over_ddp": round(med["dp"] / med["ddp"], 3),
-            "ddp_over_single": round(med["ddp"] / med["single"], 3),
-            "dp_balanced_over_dp": round(med["dp_balanced"] / med["dp"], 3),
-            **({"dp_over_torch_dp": round(med["dp"] / med["torch_dp"], 3)} if cuda else {}),
-        },
-        "memory": {
-            "method": "cuda.max_memory_allocated per device"
-            if cuda
-            else "master-thread live storage (TorchDispatchMode)",
-            **memory,
-            "balanced_over_standard": None if ratio is None else round(ratio, 4),
-            "target_balanced_le_half_standard": None if ratio is None else ratio <= 0.5,
-        },
+        "samples_per_s": speed,
+        "ratios": {f"{x}_over_{y}": round(med[x] / med[y], 3) for x, y in pairs},
+        "memory": memory_report(cfg),
         "torch": torch.__version__,
         "machine": {
             "cpus": os.cpu_count(),
