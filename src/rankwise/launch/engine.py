@@ -59,11 +59,7 @@ def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
     # interface that reaches the master so workers on other hosts can connect back.
     host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
-    if (
-        rdzv.backend == "static"
-        and not netif.is_loopback(host)
-        and not envmod.get("GLOO_SOCKET_IFNAME")
-    ):
+    if not netif.is_loopback(host) and not envmod.get("GLOO_SOCKET_IFNAME"):
         name = netif.interface_towards(host)
         if name is not None:
             envmod.set_default("GLOO_SOCKET_IFNAME", name)
