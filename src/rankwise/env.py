@@ -42,18 +42,24 @@ class DistEnv:
     """Where the values came from: 'launcher', 'slurm', 'mpi' or 'single'."""
 
     def __post_init__(self) -> None:
-        _check_index("RANK", self.rank, "WORLD_SIZE", self.world_size, self.source)
+        # Errors name the variables the values were read from (SLURM_PROCID, not RANK, on Slurm).
+        n = _NAMES.get(self.source, _NAMES["launcher"])
+        _check_index(n["rank"], self.rank, n["world_size"], self.world_size, self.source)
         _check_index(
-            "LOCAL_RANK", self.local_rank, "LOCAL_WORLD_SIZE", self.local_world_size, self.source
+            n["local_rank"],
+            self.local_rank,
+            n["local_world_size"],
+            self.local_world_size,
+            self.source,
         )
-        _check_index("NODE_RANK", self.node_rank, "NNODES", self.nnodes, self.source)
+        _check_index(n["node_rank"], self.node_rank, n["nnodes"], self.nnodes, self.source)
         if self.local_world_size > self.world_size:
             raise EnvError(
-                f"LOCAL_WORLD_SIZE={self.local_world_size} is larger than "
-                f"WORLD_SIZE={self.world_size} (source: {self.source})",
+                f"{n['local_world_size']}={self.local_world_size} is larger than "
+                f"{n['world_size']}={self.world_size} (source: {self.source})",
                 fix="a machine cannot hold more processes than the whole job; check the launcher flags.",
             )
-        if not 0 <= self.master_port < 65536:
+        if not 0 < self.master_port < 65536:
             raise EnvError(
                 f"MASTER_PORT={self.master_port} is not a TCP port (source: {self.source})",
                 fix="use a port in 1..65535, e.g. MASTER_PORT=29500.",
@@ -73,6 +79,35 @@ class DistEnv:
     def is_local_master(self) -> bool:
         """True on local rank 0 of each machine."""
         return self.local_rank == 0
+
+
+_NAMES: dict[str, dict[str, str]] = {
+    "launcher": {
+        "rank": "RANK",
+        "world_size": "WORLD_SIZE",
+        "local_rank": "LOCAL_RANK",
+        "local_world_size": "LOCAL_WORLD_SIZE",
+        "node_rank": "NODE_RANK",
+        "nnodes": "NNODES",
+    },
+    "slurm": {
+        "rank": "SLURM_PROCID",
+        "world_size": "SLURM_NTASKS",
+        "local_rank": "SLURM_LOCALID",
+        "local_world_size": "SLURM_TASKS_PER_NODE",
+        "node_rank": "SLURM_NODEID",
+        "nnodes": "SLURM_JOB_NUM_NODES",
+    },
+    "mpi": {
+        "rank": "OMPI_COMM_WORLD_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "node_rank": "OMPI_COMM_WORLD_NODE_RANK",
+        "nnodes": "nnodes (world size / local size)",
+    },
+}
+"""Per source, the environment variable each field is read from (for error messages)."""
 
 
 def _check_index(name: str, value: int, size_name: str, size: int, source: str) -> None:
@@ -95,7 +130,8 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         if default is None:
             raise EnvError(
                 f"{name} is not set but other launcher variables are",
-                fix=f"launch with `rankwise run` / torchrun, or set {name} along with RANK and WORLD_SIZE.",
+                fix=f"launch with `rankwise run` / torchrun / srun / mpirun, which set it, "
+                f"or set {name} yourself.",
             )
         return default
     try:
@@ -143,12 +179,31 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def slurm_tasks_per_node(value: str) -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE: '4(x2),3' -> [4, 4, 3] (one count per node, in node order)."""
+    counts: list[int] = []
+    for part in value.strip().split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise EnvError(
+                f"SLURM_TASKS_PER_NODE={value!r} cannot be parsed",
+                fix="expected Slurm's format such as '4(x2),3'; unset it to derive it from "
+                "SLURM_NTASKS / SLURM_JOB_NUM_NODES.",
+            )
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
 def _from_slurm(e: Mapping[str, str]) -> DistEnv:
     world = _int(e, "SLURM_NTASKS")
     nnodes = _int(e, "SLURM_JOB_NUM_NODES", _int(e, "SLURM_NNODES", 1))
-    # SLURM_NTASKS_PER_NODE may read "4(x3)"; its leading number is the per-node count.
-    per_node = re.match(r"\d+", e.get("SLURM_NTASKS_PER_NODE", ""))
-    local_world = int(per_node.group()) if per_node else max(1, world // nnodes)
+    node_rank = _int(e, "SLURM_NODEID", 0)
+    # SLURM_TASKS_PER_NODE ('4(x2),3') gives each node's count; nodes may differ.
+    per_node = e.get("SLURM_TASKS_PER_NODE") or e.get("SLURM_NTASKS_PER_NODE")
+    counts = slurm_tasks_per_node(per_node) if per_node else []
+    if len(counts) == 1:
+        counts = counts * nnodes
+    local_world = counts[node_rank] if node_rank < len(counts) else max(1, world // nnodes)
     nodelist = e.get("SLURM_JOB_NODELIST") or e.get("SLURM_NODELIST") or ""
     master = e.get("MASTER_ADDR") or (
         first_slurm_host(nodelist) if nodelist else DEFAULT_MASTER_ADDR
@@ -158,7 +213,7 @@ def _from_slurm(e: Mapping[str, str]) -> DistEnv:
         local_rank=_int(e, "SLURM_LOCALID"),
         world_size=world,
         local_world_size=local_world,
-        node_rank=_int(e, "SLURM_NODEID", 0),
+        node_rank=node_rank,
         nnodes=nnodes,
         master_addr=master,
         master_port=_int(e, "MASTER_PORT", DEFAULT_MASTER_PORT),

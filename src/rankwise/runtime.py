@@ -189,6 +189,7 @@ def init(
     if _current is not None:
         _check_same(_current, backend, device, timeout)
         return _current
+    explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
@@ -202,7 +203,8 @@ def init(
         return _current
     chosen = choose_backend(dev, backend)
     _pick_gloo_interface(env, chosen)
-    if env.source in ("slurm", "mpi"):
+    # torch's env:// reads RANK/MASTER_* itself: give it the values we were given or detected.
+    if explicit_env or env.source in ("slurm", "mpi"):
         envmod.export_for_torch(env)
     try:
         dist.init_process_group(

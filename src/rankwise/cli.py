@@ -1,0 +1,56 @@
+"""The ``rankwise`` command: a top-level parser and one sub-command per module.
+
+Every sub-command lives in its own module with a ``register(subparsers)`` function that adds
+its parser and sets ``func`` (``func(args) -> int``, the exit code) via ``set_defaults``.
+Adding a command is one line in ``SUBCOMMANDS``. Keep those modules' top-level imports light
+(import the heavy machinery inside ``func``): every command's module is imported to build
+the parser. The command line holds no logic: flags -> frozen dataclass -> function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: tuple[str, ...] = (
+    "rankwise.launch.cli",  # rankwise run
+    "rankwise.topology_cli",  # rankwise topology
+)
+"""Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``rankwise`` parser with every registered sub-command."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="rankwise",
+        description="Data-parallel and model-parallel training for PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"rankwise {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rankwise`` and ``python -m rankwise``; returns the exit code.
+
+    A ``ConfigError`` (bad flag or input) exits with 2 like argparse's usage errors; any other
+    ``RankwiseError`` with 1. Both print the message with its fix, without a traceback.
+    """
+    from .errors import ConfigError, RankwiseError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RankwiseError as exc:
+        print(f"rankwise {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

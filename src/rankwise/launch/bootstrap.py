@@ -1,0 +1,80 @@
+"""Worker-side wrapper: run the user's script as ``__main__`` and record how it died.
+
+Each worker runs ``python -u bootstrap.py [-m] TARGET ARGS...``. The script runs exactly as
+under ``python TARGET ARGS...`` (same ``sys.argv``, ``sys.path[0]`` and ``__main__``), so
+unmodified torchrun scripts work. If it raises, the traceback is written to the error file
+torch's elastic agent gave this worker (``TORCHELASTIC_ERROR_FILE``, the format of
+``torch.distributed.elastic.multiprocessing.errors.record``), which is how the launcher's
+failure summary can show the last lines of a failing rank's traceback.
+
+This file is executed by path and imports only the standard library: it must not pay for
+importing torch (or rankwise) before the user's script does. For the same reason it reads the
+one variable it needs from ``os.environ`` itself instead of through ``rankwise.env``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+
+def _where(filename: str) -> str:
+    return filename if filename.startswith("<") else os.path.abspath(filename)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without this wrapper's and runpy's frames: it starts in the user's code."""
+    tb = exc.__traceback__
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and _where(tb.tb_frame.f_code.co_filename) in ours:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _record(exc: BaseException, text: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass  # the traceback still reaches stderr below
+
+
+def main(argv: list[str]) -> None:
+    as_module = bool(argv) and argv[0] == "-m"
+    if as_module:
+        argv = argv[1:]
+    target, args = argv[0], argv[1:]
+    # `python script.py` puts the script's folder first on sys.path; `python -m` the cwd.
+    sys.path[0] = os.getcwd() if as_module else os.path.dirname(os.path.abspath(target))
+    try:
+        if as_module:
+            sys.argv = [target, *args]  # run_module replaces argv[0] with the module's file
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        text = _user_traceback(exc)
+        _record(exc, text)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        sys.exit(1)  # what Python itself returns for an uncaught exception
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,142 @@
+"""``launch(options)``: hand the job to torch.distributed.elastic, turn its outcome into ours.
+
+torch's elastic agent does the real work, exactly as under torchrun: the rendezvous between
+nodes, starting one process per worker with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/... set,
+watching them, stopping every worker when one fails or a signal arrives, and restarts. What
+this module adds is the choice of rendezvous (a free port on one node), rank-prefixed output,
+the bootstrap that records a failing rank's traceback, and errors that say what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from .. import env as envmod
+from .. import netif
+from ..errors import DistributedError
+from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
+from .report import JobFailed, from_elastic
+
+BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
+
+
+class LaunchInterrupted(DistributedError):
+    """The launcher got SIGINT/SIGTERM/...; every worker was stopped."""
+
+    def __init__(self, sig: signal.Signals, nworkers: int) -> None:
+        self.signal = sig
+        super().__init__(f"received {sig.name}; stopped all {nworkers} worker(s) of this node")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signal)
+
+
+def worker_command(opts: LaunchOptions) -> tuple[str, list[str]]:
+    """The program and arguments of every worker (``${local_rank}`` is filled in by the agent)."""
+    args = ["-u", BOOTSTRAP]
+    if opts.module:
+        args.append("-m")
+    args.append(opts.script)
+    if opts.pass_local_rank:
+        from torch.distributed.elastic.utils import macros
+
+        args.append(f"--local_rank={macros.local_rank}")
+    args.extend(opts.script_args)
+    return sys.executable, args
+
+
+def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
+    # torchrun's rule: several workers on one machine each get one OpenMP thread unless told.
+    if opts.nproc_per_node > 1:
+        envmod.set_default("OMP_NUM_THREADS", "1")
+    # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
+    # interface that reaches the master so workers on other hosts can connect back.
+    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
+    if not netif.is_loopback(host) and not envmod.get("GLOO_SOCKET_IFNAME"):
+        name = netif.interface_towards(host)
+        if name is not None:
+            envmod.set_default("GLOO_SOCKET_IFNAME", name)
+
+
+def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    tee = Std.ALL if opts.prefix_output else Std.NONE
+    return LaunchConfig(
+        min_nodes=opts.min_nodes or opts.nnodes,
+        max_nodes=opts.nnodes,
+        nproc_per_node=opts.nproc_per_node,
+        run_id=rdzv.run_id,
+        role="default",
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_backend=rdzv.backend,
+        rdzv_configs=dict(rdzv.config),
+        max_restarts=opts.max_restarts,
+        monitor_interval=opts.monitor_interval,
+        start_method="spawn",
+        log_line_prefix_template=RANK_PREFIX if opts.prefix_output else None,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
+    )
+
+
+def launch(opts: LaunchOptions) -> None:
+    """Run ``opts.script`` on this node's workers; return when all of them succeeded.
+
+    Raises ``JobFailed`` (naming the failed ranks, their exit code or signal and traceback
+    tail) when a worker fails, ``LaunchInterrupted`` on SIGINT/SIGTERM, and
+    ``DistributedError`` when the nodes cannot meet within ``opts.rdzv_timeout``.
+    Sync point: all nodes (the rendezvous).
+    """
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    check_script(opts, os.getcwd())
+    # torch logs each stopped worker and failure itself; our summary says the same, once.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    rdzv = choose_rendezvous(opts, new_id=uuid.uuid4().hex)
+    _prepare_worker_env(opts, rdzv)
+    cmd, args = worker_command(opts)
+    with tempfile.TemporaryDirectory(prefix="rankwise-run-") as tmp:
+        config = _config(opts, rdzv, opts.log_dir or tmp)
+        try:
+            elastic_launch(config, cmd)(*args)
+        except ChildFailedError as exc:
+            failures = from_elastic(exc.failures)
+            raise JobFailed(
+                failures, world_size=opts.world_size, node_rank=opts.node_rank
+            ) from None
+        except SignalException as exc:
+            raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
+        except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
+            raise _rendezvous_error(opts, rdzv, exc) from exc
+
+
+def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> DistributedError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = f"{rdzv.backend} rendezvous at {rdzv.endpoint}"
+    if rdzv.backend == "static" and opts.node_rank != 0:
+        fix = (
+            f"start node 0 first and check that {rdzv.endpoint} (--master-addr/--master-port) "
+            "is node 0's address and reachable from this machine, or raise --rdzv-timeout."
+        )
+    else:
+        fix = (
+            f"start all {opts.nnodes} node(s) with the same --master-addr/--master-port "
+            "(or --rdzv-endpoint/--rdzv-id), or raise --rdzv-timeout."
+        )
+    return DistributedError(
+        f"node {opts.node_rank} of {opts.nnodes} could not complete the {where} "
+        f"within --rdzv-timeout={opts.rdzv_timeout}s ({type(exc).__name__}: {first})",
+        fix=fix,
+    )
