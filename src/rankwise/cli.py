@@ -17,6 +17,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.launch.cli",  # rankwise run
     "rankwise.topology_cli",  # rankwise topology
+    "rankwise.check.cli",  # rankwise check
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 
