@@ -14,8 +14,9 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 import torch.distributed as dist
 
+from . import env as envmod
 from . import runtime
-from .errors import DistributedError
+from .errors import DistributedError, RuntimeStateError
 
 Op = Literal["mean", "sum", "max", "min"]
 Number = TypeVar("Number", int, float)
@@ -29,8 +30,25 @@ _TORCH_OPS = {
 
 
 def world_size() -> int:
-    """Number of ranks in the default group (1 when not distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """Number of ranks in the default group (1 when not distributed).
+
+    A process that was launched as one of several ranks but never called ``rw.init()`` is an
+    error, not world size 1: treating it as alone would make every collective a silent no-op
+    and let the replicas drift apart.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if not runtime.is_initialized():
+        launched = envmod.detect()
+        if launched.world_size > 1:
+            raise RuntimeStateError(
+                f"this process was launched as rank {launched.rank} of {launched.world_size} "
+                f"({launched.source}) but rankwise is not initialised, so it cannot "
+                "communicate",
+                fix="call `rt = rw.init()` at the start of the program, on every rank.",
+                rank=launched.rank,
+            )
+    return 1
 
 
 def rank() -> int:

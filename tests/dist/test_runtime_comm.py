@@ -141,3 +141,18 @@ def test_collectives_at_world_2():
     assert "1" in message.splitlines()[0]  # gloo's monitored barrier names rank 1
     assert "Fix: every rank must reach the same barriers" in message
     assert waited < 10
+
+
+def _collective_before_init():
+    try:
+        rw.all_reduce_mean(1.0)
+    except rw.RuntimeStateError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_collective_without_init_in_a_launched_process_is_an_error():
+    texts = run_distributed(_collective_before_init, 2, init=False, timeout=60)
+    for rank, text in enumerate(texts):
+        assert text.startswith(f"[rank {rank}] this process was launched as rank {rank} of 2")
+        assert "call `rt = rw.init()`" in text
