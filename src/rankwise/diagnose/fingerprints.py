@@ -92,7 +92,18 @@ class Entry:
         self.error, self.work, self.reported = None, None, False
 
     def done(self) -> None:
-        """Mark the collective complete (a synchronous call returned)."""
+        """The call returned. On a GPU group (NCCL) the kernel may still be queued, so an event
+        on the current stream stands for it until the watchdog sees it complete."""
+        g = self.group
+        if g is not None and g.device is not None and self.work is None:
+            event = torch.cuda.Event()
+            event.record()
+            self.work, self.state = event, "waiting"
+            return
+        self.finish()
+
+    def finish(self) -> None:
+        """Mark the collective complete."""
         self.state, self.t1, self.work = "done", time.time(), None
 
     def watch(self, work: Any) -> Any:
@@ -118,7 +129,8 @@ class Entry:
             raise failure(self, exc) from exc
         if finished is False:
             raise failure(self, TimeoutError(f"timed out after {timeout}s"))
-        self.done()
+        if _completed(work):  # gloo: always; NCCL: wait() only ordered the current stream
+            self.finish()
 
     def record(self, state: str | None = None) -> Record:
         return Record(
@@ -141,6 +153,7 @@ class _Group:
         self.size, self.rank = pg.size(), pg.rank()
         self.ranks = dist.get_process_group_ranks(pg)
         self.global_rank = self.ranks[self.rank]
+        self.key_last = sidechannel.key_last(name, self.global_rank)
         self.seq, self.rolling = 0, 0
         self.ring: deque[Entry] = deque(maxlen=_settings.history)
         backend = str(dist.get_backend(pg))
@@ -161,8 +174,9 @@ def configure(**changes: Any) -> Settings:
     """
     global _settings
     _settings = replace(_settings, **changes)
-    if "enabled" in changes or "history" in changes:
+    if "history" in changes:
         reset()
+    # Toggling ``enabled`` keeps the sequence numbers: every rank toggles at the same point.
     return _settings
 
 
@@ -212,7 +226,7 @@ def _start_world(world: Any) -> None:
 
 def _group_for(group: Any) -> _Group | None:
     pg = c10d._world.default_pg if group is None else group
-    if pg is None:
+    if pg is None or pg is c10d.GroupMember.NON_GROUP_MEMBER:
         return None
     g = _groups.get(id(pg))
     if g is not None and g.pg is pg:
@@ -236,6 +250,8 @@ def _signature(op: str, tensors: Sequence[torch.Tensor], extra: str | None) -> t
             dtype = str(t.dtype).removeprefix("torch.")
             parts.append(f"{dtype}[{','.join(str(s) for s in t.shape)}]")
         sig = ", ".join(parts)
+        if len(_signatures) > 4096:  # shapes that change every step (variable lengths)
+            _signatures.clear()
         found = _signatures[key] = (sig, zlib.crc32(f"{op}|{sig}".encode()))
     return found
 
@@ -274,10 +290,7 @@ def record(
     now = time.time()
     e = Entry(g, g.seq, op, sig, digest, g.rolling, label, site, now)
     g.ring.append(e)
-    g.channel.set(
-        sidechannel.key_last(g.name, g.global_rank),
-        sidechannel.wire(g.seq, op, sig, label, site, digest, now),
-    )
+    g.channel.set(g.key_last, sidechannel.wire(g.seq, op, sig, label, site, digest, now))
     s = _settings
     if s.checks and check is not False:
         due = check or g.seq <= s.check_first or (s.check_every and g.seq % s.check_every == 0)
@@ -338,15 +351,21 @@ def _check(g: _Group, e: Entry) -> None:
     gather.check(g, e, _interval(), _world["watchdog"])
 
 
-def _snapshot() -> dict[str, Any]:
-    """Entry states for the heartbeat; also notices async works that have completed."""
+def _completed(work: Any) -> bool:
+    return work.query() if isinstance(work, torch.cuda.Event) else work.is_completed()
+
+
+def _snapshot() -> dict[str, Any] | None:
+    """Entry states for the heartbeat (None: disabled, skip it); notices completed async works."""
+    if not _settings.enabled:
+        return None
     groups = {}
     for g in list(_groups.values()):
         tail = list(g.ring)[-8:]
         for e in tail:
             work = e.work
-            if work is not None and e.state == "waiting" and work.is_completed():
-                e.done()
+            if work is not None and e.state == "waiting" and _completed(work):
+                e.finish()
         groups[g.name] = [e.to_dict() for e in tail]
     return {"groups": groups}
 

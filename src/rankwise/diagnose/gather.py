@@ -88,7 +88,8 @@ def collect_views(
                 cur.beat is not None and first[r].beat is not None and cur.beat > first[r].beat
             )
             recent = cur.beat is not None and not settle and now - cur.beat < 2.5 * interval
-            if advanced or recent:
+            failed = cur.latest is not None and cur.latest.state == "failed"
+            if advanced or recent or failed:  # a rank that reported its own failure is no corpse
                 alive.add(r)
         if len(alive) == len(others) or time.monotonic() >= deadline:
             break

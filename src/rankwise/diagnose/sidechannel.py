@@ -129,7 +129,7 @@ class Watchdog(threading.Thread):
         channel: Channel,
         rank: int,
         interval: float,
-        snapshot: Callable[[], dict[str, Any]],
+        snapshot: Callable[[], dict[str, Any] | None],
         overdue: Callable[[], None],
         skip: tuple[str, ...],
         keep_going: Callable[[], bool],
@@ -149,13 +149,16 @@ class Watchdog(threading.Thread):
 
     def beat(self, channel: Channel | None = None) -> None:
         """Publish this rank's heartbeat once (the main thread passes its own ``channel``)."""
+        snapshot = self.snapshot()
+        if snapshot is None:
+            return
         frame = self.main_frame()
         payload = {
             "t": time.time(),
             "host": self.host,
             "pid": self.pid,
             "frame": [frame.file, frame.line, frame.func] if frame else None,
-            **self.snapshot(),
+            **snapshot,
         }
         (channel or self.own).set(key_state(self.rank), json.dumps(payload))
 
