@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -189,3 +190,37 @@ def test_healthy_bucketed_loop_records_and_checks_without_changing_results() -> 
             (8, "verify", None, "done"),
         ]
     )
+
+
+def _stuck_on_a_backend_that_never_raises() -> str | None:
+    rank = _start()
+    if rank == 1:
+        time.sleep(2 * TIMEOUT)  # busy-site
+        return None
+    for group in fp._groups.values():
+        group.gloo = False  # pretend the backend never raises (NCCL): the watchdog must speak
+    seen: list[str] = []
+
+    def spy() -> None:
+        while not seen:
+            if fp.last_report():
+                seen.append(fp.last_report())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=spy, daemon=True)
+    watcher.start()
+    with pytest.raises(rw.DistributedError):
+        rw.all_reduce_sum(torch.ones(3))  # stuck-site
+    watcher.join(2.0)
+    return seen[0] if seen else None
+
+
+def test_watchdog_reports_a_stuck_collective_before_the_timeout() -> None:
+    report, _ = run_distributed(_stuck_on_a_backend_that_never_raises, 2, init=False, timeout=90)
+    s, b = _line("stuck-site"), _line("busy-site")
+    assert re.match(
+        r"\[rank 0\] all_reduce #2 is still pending on rank 0 after 4\.\ds \(the timeout of 5s is near\)",
+        report,
+    )
+    assert f"rank 0 is waiting in all_reduce #2 (sum, float32[3], from {HERE}:{s})" in report
+    assert f"and is running user code at {HERE}:{b}" in report

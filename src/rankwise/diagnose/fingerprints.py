@@ -337,6 +337,11 @@ def recent(n: int = 16, group: Any = None) -> list[dict[str, Any]]:
     return [] if g is None else [e.to_dict() for e in list(g.ring)[-n:]]
 
 
+def last_report() -> str | None:
+    """The latest diagnosis made on this rank (a failure, or the watchdog's stuck report)."""
+    return gather.last["report"]
+
+
 def failure(entry: Entry, exc: BaseException) -> DistributedError:
     """The diagnosis of ``entry`` failing with ``exc`` (gathered over the side channel).
 
@@ -371,8 +376,9 @@ def _snapshot() -> dict[str, Any] | None:
 
 
 def _overdue() -> None:
-    """Report collectives pending past 90% of the timeout (backends that never raise)."""
-    limit = 0.9 * _timeout_s()
+    """Report collectives pending for all but two heartbeats of the timeout (backends that
+    never raise, such as NCCL, which aborts the process at the timeout)."""
+    limit = _timeout_s() - 2 * _interval()
     now = time.time()
     for g in list(_groups.values()):
         if g.gloo:  # gloo raises at the timeout; the exception carries the diagnosis
@@ -381,7 +387,8 @@ def _overdue() -> None:
             if e.state in ("entered", "waiting") and not e.reported and now - e.t0 > limit:
                 e.reported = True
                 wd = _world["watchdog"]
+                note = f"the timeout of {_timeout_s():.0f}s is near"
                 err = gather.failure_error(
-                    e, TimeoutError("still pending"), _interval(), wd, wd.own, mark=False
+                    e, TimeoutError(note), _interval(), wd, wd.own, mark=False
                 )
                 gather.log_overdue(err)

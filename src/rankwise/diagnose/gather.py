@@ -128,8 +128,11 @@ def failure_error(
         if watchdog is not None:
             watchdog.beat(channel)  # tell the others at once that this rank is alive and failing
     views = collect_views(g, entry.record(), channel, interval, settle="timed out" not in cause)
-    msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed)
-    msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
+    verb = "failed" if mark else "is still pending"
+    cause = cause if mark else first
+    msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
+    if mark:
+        msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
     write_diag_file(g.global_rank, msg, fix)
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
@@ -165,8 +168,13 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
+last: dict[str, str | None] = {"report": None}
+"""The latest diagnosis made on this rank (by a failure or by the watchdog)."""
+
+
 def write_diag_file(rank: int, message: str, fix: str) -> None:
-    """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``), if it asked."""
+    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``)."""
+    last["report"] = f"[rank {rank}] {message}\nFix: {fix}"
     folder = envmod.diag_dir()
     if not folder:
         return

@@ -161,12 +161,17 @@ FIX_BEHIND = (
 
 
 def failure_report(
-    me: int, failed: Record, views: list[RankView], cause: str, elapsed: float
+    me: int,
+    failed: Record,
+    views: list[RankView],
+    cause: str,
+    elapsed: float,
+    verb: str = "failed",
 ) -> tuple[str, str]:
-    """Message and fix for a collective that timed out or failed on rank ``me``."""
+    """Message and fix for a collective that timed out or failed (or is stuck) on rank ``me``."""
     want = failed.seq
     sentences = [rank_sentence(v, want) for v in sorted(views, key=lambda v: v.rank)]
-    head = f"{failed.op} #{want} failed on rank {me} after {elapsed:.1f}s ({cause}): "
+    head = f"{failed.op} #{want} {verb} on rank {me} after {elapsed:.1f}s ({cause}): "
     text = head + "; ".join(sentences) + "."
     current = {v.rank: v.latest for v in views if v.latest is not None and v.latest.seq == want}
     disagree = disagreement(current)
