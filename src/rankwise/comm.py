@@ -3,7 +3,9 @@
 Each function here is a sync point: every rank of the group must call it, in the same order.
 Calling one inside ``if rank == 0:`` hangs the job (until the timeout turns the hang into an
 error naming the ranks), which is why rankwise's own helpers (logging, checkpoints) are called
-on every rank and decide inside who does the work.
+on every rank and decide inside who does the work. Each call is fingerprinted and checked across
+ranks before data moves (``rankwise.diagnose``): a mismatch or a hang is explained, with every
+rank's operation and call site.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _sleeps_forever() -> None:
 def test_a_rank_that_sleeps_forever_is_named_with_where_it_is() -> None:
     text = _failure_text(_sleeps_forever)
     w, s = _line("waits-site"), _line("sleep-site")
-    assert re.search(r"all_reduce #2 failed on rank 0 after [56]\.\ds \(timed out\)", text)
+    assert re.search(r"all_reduce #2 failed on rank 0 after [0-9.]+s \(timed out\)", text)
     assert f"rank 0 is waiting in all_reduce #2 (sum, float32[2], from {HERE}:{w})" in text
     assert (
         f"rank 1 has not reached #2: it finished all_reduce #1 (sum, float64[], from {HERE}:"
@@ -136,7 +136,7 @@ def _bucketed_step(buckets: list[torch.Tensor]) -> list[fp.Entry]:
 
 
 def _killed_mid_step() -> None:
-    rank = _start()
+    rank = _start(checks=False)  # no pre-flight check: the failure surfaces in entry.wait()
     buckets = [torch.ones(1000), torch.ones(10)]
     for step in range(3):
         if rank == 1 and step == 2:
