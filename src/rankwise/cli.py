@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.launch.cli",  # rankwise run
     "rankwise.topology_cli",  # rankwise topology
     "rankwise.check.cli",  # rankwise check
+    "rankwise.diagnose.doctor",  # rankwise doctor
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 

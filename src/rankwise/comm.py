@@ -3,7 +3,9 @@
 Each function here is a sync point: every rank of the group must call it, in the same order.
 Calling one inside ``if rank == 0:`` hangs the job (until the timeout turns the hang into an
 error naming the ranks), which is why rankwise's own helpers (logging, checkpoints) are called
-on every rank and decide inside who does the work.
+on every rank and decide inside who does the work. Each call is fingerprinted and checked across
+ranks before data moves (``rankwise.diagnose``): a mismatch or a hang is explained, with every
+rank's operation and call site.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from . import env as envmod
 from . import runtime
+from .diagnose import fingerprints
 from .errors import DistributedError, RuntimeStateError
 
 Op = Literal["mean", "sum", "max", "min"]
@@ -92,7 +95,8 @@ def all_reduce(value, op: Op = "mean"):
         t = torch.tensor(value, dtype=torch.float64, device=_comm_device())
     if op == "mean" and not t.is_floating_point():
         t = t.double()
-    dist.all_reduce(t, op=_TORCH_OPS[op])
+    with fingerprints.collective("all_reduce", t, extra=op, check=True):
+        dist.all_reduce(t, op=_TORCH_OPS[op])
     if op == "mean":
         t /= world_size()
     if is_tensor:
@@ -121,7 +125,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    with fingerprints.collective("broadcast_object", extra=f"src={src}", check=True):
+        dist.broadcast_object_list(box, src=src, device=_comm_device())
     return box[0]
 
 
@@ -130,7 +135,8 @@ def all_gather_object(obj: Any) -> list[Any]:
     if world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    with fingerprints.collective("all_gather_object", check=True):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -154,6 +160,7 @@ def barrier(timeout: float | timedelta | None = None) -> None:
         td = runtime.get_runtime().timeout if runtime.is_initialized() else timedelta(minutes=5)
     else:
         td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    entry = fingerprints.record("barrier", check=True)
     try:
         if dist.get_backend() == "gloo":
             # monitored_barrier names the ranks that did not arrive.
@@ -162,7 +169,10 @@ def barrier(timeout: float | timedelta | None = None) -> None:
             work = dist.barrier(async_op=True)
             if not work.wait(timeout=td):
                 raise RuntimeError("barrier did not complete")
+        entry.done()
     except RuntimeError as exc:
+        if fingerprints.settings().enabled:
+            raise fingerprints.failure(entry, exc) from exc
         raise DistributedError(
             f"barrier timed out after {td.total_seconds():.0f}s: {str(exc).splitlines()[0]}",
             fix="every rank must reach the same barriers; look for a barrier (or a helper that "

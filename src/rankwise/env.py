@@ -276,3 +276,23 @@ def get(name: str, default: str | None = None) -> str | None:
 def set_default(name: str, value: str) -> None:
     """Set an environment variable for torch's own readers, unless the user already set it."""
     os.environ.setdefault(name, value)
+
+
+def fingerprints_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``RANKWISE_FINGERPRINTS`` is 0/off/false/no (collective fingerprints are on by default)."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_FINGERPRINTS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """``RANKWISE_DIAG_DIR``: where each rank writes ``rank{r}.txt`` when it diagnoses a failure.
+
+    The launcher sets it and puts those files in its summary.
+    """
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_DIAG_DIR") or None
+
+
+def snapshot() -> dict[str, str]:
+    """A copy of the whole environment (for checks such as ``rankwise doctor`` that take a mapping)."""
+    return dict(os.environ)

@@ -1,0 +1,191 @@
+"""Gather every rank's last collectives over the side channel and build the diagnosis.
+
+Used only when something is wrong (a check found a mismatch, a collective failed or timed out),
+never on the hot path. Nothing here uses the process group, except the agreement check itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import env as envmod
+from ..errors import DistributedError
+from . import report
+from .report import RankView, Record, Site
+from .sidechannel import Channel, key_last, key_ring, parse_wire, record_from_dict
+
+_FIX_UNTRACKED = (
+    "every rank must reach the same collectives; check every rank's log for the first error, "
+    "or turn fingerprints on (rankwise.diagnose.configure(enabled=True)) for a diagnosis."
+)
+
+
+def check(g: Any, e: Any, interval: float, watchdog: Any) -> None:
+    """All-gather ``(seq, rolling hash)``; raise the diagnosis when the ranks differ.
+
+    Sync point: the ranks of ``g``.
+    """
+    mine = torch.tensor([e.seq, g.rolling], dtype=torch.int64)
+    if g.device is not None:
+        mine = mine.to(g.device)
+    out = [torch.empty_like(mine) for _ in range(g.size)]
+    try:
+        dist.all_gather(out, mine, group=g.pg)
+    except Exception as exc:
+        raise failure_error(e, exc, interval, watchdog, g.channel) from exc
+    values = {tuple(t.tolist()) for t in out}
+    if len(values) > 1:
+        raise mismatch_error(g, e, interval)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    beat: float | None
+    frame: Site | None
+    latest: Record | None
+
+
+def _read(channel: Channel, group: str, rank: int) -> _Peer:
+    state = channel.state(rank)
+    latest = None
+    entries = (state or {}).get("groups", {}).get(group) or []
+    if entries:
+        latest = record_from_dict(entries[-1])
+    raw = channel.get(key_last(group, rank))
+    if raw:
+        wired, _ = parse_wire(raw)
+        if latest is None or wired.seq > latest.seq:
+            latest = wired
+    frame = Site(*state["frame"]) if state and state.get("frame") else None
+    return _Peer(state["t"] if state else None, frame, latest)
+
+
+def collect_views(
+    g: Any, mine: Record, channel: Channel, interval: float, settle: bool
+) -> list[RankView]:
+    """Every rank's view. A rank counts as alive when its heartbeat advances (``settle``: wait
+    up to 2.5 heartbeats for that) or, after a timeout, when its heartbeat is recent."""
+    me = g.global_rank
+    others = [r for r in g.ranks if r != me]
+    first = {r: _read(channel, g.name, r) for r in others}
+    latest, alive = dict(first), set()
+    deadline = time.monotonic() + (2.5 * interval if settle else 0.0)
+    while True:
+        now = time.time()
+        for r in others:
+            if r in alive:
+                continue
+            cur = latest[r] = _read(channel, g.name, r)
+            advanced = (
+                cur.beat is not None and first[r].beat is not None and cur.beat > first[r].beat
+            )
+            recent = cur.beat is not None and not settle and now - cur.beat < 2.5 * interval
+            failed = cur.latest is not None and cur.latest.state == "failed"
+            if advanced or recent or failed:  # a rank that reported its own failure is no corpse
+                alive.add(r)
+        if len(alive) == len(others) or time.monotonic() >= deadline:
+            break
+        time.sleep(interval / 4)
+    views = [RankView(me, mine, True)]
+    for r in others:
+        cur = latest[r]
+        state = True if r in alive else (None if cur.beat is None and cur.latest is None else False)
+        silent = None if cur.beat is None else max(0.0, time.time() - cur.beat)
+        views.append(RankView(r, cur.latest, state, silent, cur.frame))
+    return views
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def failure_error(
+    entry: Any, exc: BaseException, interval: float, watchdog: Any, channel: Any, mark: bool = True
+) -> DistributedError:
+    """The ``DistributedError`` for ``entry`` failing with ``exc`` (``mark``: it really failed)."""
+    first = _first_line(exc)
+    cause = report.classify(str(exc))
+    elapsed = time.time() - entry.t0
+    g = entry.group
+    if g is None or channel is None:
+        rank = dist.get_rank() if dist.is_initialized() else None
+        return DistributedError(
+            f"{entry.op} failed after {elapsed:.1f}s ({cause}): {first}",
+            fix=_FIX_UNTRACKED,
+            rank=rank,
+        )
+    if mark:
+        entry.state, entry.error = "failed", first
+        if watchdog is not None:
+            watchdog.beat(channel)  # tell the others at once that this rank is alive and failing
+    views = collect_views(g, entry.record(), channel, interval, settle="timed out" not in cause)
+    verb = "failed" if mark else "is still pending"
+    cause = cause if mark else first
+    msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
+    if mark:
+        msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
+    write_diag_file(g.global_rank, msg, fix)
+    return DistributedError(msg, fix=fix, rank=g.global_rank)
+
+
+def _rings(g: Any, seq: int, interval: float) -> dict[int, list[Record]]:
+    """Every rank's history, published by each rank as it finds the same mismatch."""
+    channel, me = g.channel, g.global_rank
+    ring = list(g.ring)
+    channel.set(key_ring(g.name, me), json.dumps({"seq": seq, "ring": [e.to_dict() for e in ring]}))
+    rings = {me: [e.record() for e in ring]}
+    pending = [r for r in g.ranks if r != me]
+    deadline = time.monotonic() + max(2.0, 2.5 * interval)
+    while pending and time.monotonic() < deadline:
+        for r in list(pending):
+            raw = channel.get(key_ring(g.name, r))
+            if raw:
+                rings[r] = [record_from_dict(d) for d in json.loads(raw)["ring"]]
+                pending.remove(r)
+        if pending:
+            time.sleep(0.02)
+    for r in pending:  # it did not answer: its last published collective is all we know
+        raw = channel.get(key_last(g.name, r))
+        rings[r] = [parse_wire(raw)[0]] if raw else []
+    return rings
+
+
+def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
+    """The ``DistributedError`` for fingerprints that differ at (or before) ``e``."""
+    e.state, e.error = "failed", "fingerprint mismatch"
+    seq, records = report.first_divergence(_rings(g, e.seq, interval))
+    msg, fix = report.mismatch_report(g.global_rank, seq, records)
+    write_diag_file(g.global_rank, msg, fix)
+    return DistributedError(msg, fix=fix, rank=g.global_rank)
+
+
+last: dict[str, str | None] = {"report": None}
+"""The latest diagnosis made on this rank (by a failure or by the watchdog)."""
+
+
+def write_diag_file(rank: int, message: str, fix: str) -> None:
+    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``)."""
+    last["report"] = f"[rank {rank}] {message}\nFix: {fix}"
+    folder = envmod.diag_dir()
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
+    except OSError:
+        pass
+
+
+def log_overdue(err: DistributedError) -> None:
+    """A collective is about to hit the backend's timeout: say why now, before the abort."""
+    print(f"rankwise: a collective is stuck (timeout soon):\n{err}", file=sys.stderr, flush=True)

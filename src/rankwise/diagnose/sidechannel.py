@@ -1,0 +1,176 @@
+"""The side channel: every rank's last collectives and heartbeat, kept in the rendezvous store.
+
+The store (torch's TCPStore behind ``init_process_group``, hosted by the launcher's agent or by
+rank 0) stays reachable when a collective is stuck, so it can say what every rank was doing.
+Keys (under the store's own prefix):
+
+- ``rankwise/diag/{group}/last/{rank}``: the collective a rank is about to issue. Written before
+  every collective, from the issuing thread (a TCPStore ``set`` is one socket write, ~2 us:
+  no reply is awaited), so it survives a rank that is killed or aborts inside the collective.
+- ``rankwise/diag/state/{rank}``: JSON heartbeat from the watchdog thread: time, where the main
+  thread is, the states (waiting/done/failed) of the last entries of every group.
+- ``rankwise/diag/{group}/ring/{rank}``: a rank's whole history, written only on a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .report import Record, Site
+
+_log = logging.getLogger("rankwise.diagnose")
+_PREFIX = "rankwise/diag"
+
+
+def key_last(group: str, rank: int) -> str:
+    return f"{_PREFIX}/{group}/last/{rank}"
+
+
+def key_state(rank: int) -> str:
+    return f"{_PREFIX}/state/{rank}"
+
+
+def key_ring(group: str, rank: int) -> str:
+    return f"{_PREFIX}/{group}/ring/{rank}"
+
+
+SEP = "\x1f"
+
+
+def wire(
+    seq: int, op: str, sig: str, label: str | None, site: Site | None, digest: int, t: float
+) -> str:
+    """The compact line published before each collective (parsed by ``parse_wire``)."""
+    f, line, func = (site.file, site.line, site.func) if site else ("", 0, "")
+    return SEP.join((str(seq), op, sig, label or "", f, str(line), func, str(digest), f"{t:.3f}"))
+
+
+def parse_wire(text: str) -> tuple[Record, float]:
+    seq, op, sig, label, f, line, func, digest, t = text.split(SEP)
+    site = Site(f, int(line), func) if f else None
+    rec = Record(int(seq), op, sig, label or None, site, "entered", int(digest))
+    return rec, float(t)
+
+
+def record_from_dict(d: dict[str, Any]) -> Record:
+    site = Site(*d["site"]) if d.get("site") else None
+    return Record(d["seq"], d["op"], d["sig"], d.get("label"), site, d["state"], d["digest"])
+
+
+class Channel:
+    """Reads and writes the diagnosis keys; turns itself off (once, with a warning) on errors."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.ok = store is not None
+
+    def _off(self, exc: BaseException) -> None:
+        if self.ok:
+            _log.warning("rankwise diagnosis side channel disabled: %s", exc)
+        self.ok = False
+
+    def set(self, key: str, value: str) -> None:
+        if not self.ok:
+            return
+        try:
+            self.store.set(key, value)
+        except Exception as exc:  # the store host is gone: diagnose with local facts only
+            self._off(exc)
+
+    def get(self, key: str) -> str | None:
+        """The value of ``key``, or None when it is not set (never blocks on a missing key)."""
+        if not self.ok:
+            return None
+        try:
+            if not self.store.check([key]):
+                return None
+            return self.store.get(key).decode("utf-8", "replace")
+        except Exception as exc:
+            self._off(exc)
+            return None
+
+    def state(self, rank: int) -> dict[str, Any] | None:
+        raw = self.get(key_state(rank))
+        try:
+            return None if raw is None else json.loads(raw)
+        except ValueError:
+            return None
+
+
+def user_site(frame: Any, skip: tuple[str, ...]) -> Site | None:
+    """The first frame, walking outwards, whose file is not under one of ``skip``."""
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(skip):
+            return Site(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None
+
+
+class Watchdog(threading.Thread):
+    """A daemon thread: heartbeat + entry states to the store, completion of async works.
+
+    It also reports a collective still pending after ``report_after`` seconds, for backends
+    whose collectives never raise on their own (NCCL aborts the process on its timeout, so the
+    diagnosis has to be out before that); gloo raises at the timeout and reports through the
+    exception instead.
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        rank: int,
+        interval: float,
+        snapshot: Callable[[], dict[str, Any] | None],
+        overdue: Callable[[], None],
+        skip: tuple[str, ...],
+        keep_going: Callable[[], bool],
+    ) -> None:
+        super().__init__(name="rankwise-diagnose", daemon=True)
+        self.channel, self.rank, self.interval = channel, rank, interval
+        self.own = channel
+        self.snapshot, self.overdue, self.skip = snapshot, overdue, skip
+        self.keep_going = keep_going
+        self.main_ident = threading.main_thread().ident
+        self.stopped = threading.Event()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+
+    def main_frame(self) -> Site | None:
+        frame = sys._current_frames().get(self.main_ident)
+        return user_site(frame, self.skip)
+
+    def beat(self, channel: Channel | None = None) -> None:
+        """Publish this rank's heartbeat once (the main thread passes its own ``channel``)."""
+        snapshot = self.snapshot()
+        if snapshot is None:
+            return
+        frame = self.main_frame()
+        payload = {
+            "t": time.time(),
+            "host": self.host,
+            "pid": self.pid,
+            "frame": [frame.file, frame.line, frame.func] if frame else None,
+            **snapshot,
+        }
+        (channel or self.own).set(key_state(self.rank), json.dumps(payload))
+
+    def run(self) -> None:
+        try:
+            # Its own connection: the heartbeat never queues behind the main thread's store use.
+            self.own = Channel(self.channel.store.clone())
+        except Exception:
+            self.own = self.channel
+        while not self.stopped.wait(self.interval) and self.keep_going():
+            try:
+                self.beat()
+                self.overdue()
+            except Exception as exc:  # never let diagnosis kill training
+                _log.debug("rankwise watchdog tick failed: %s", exc)
