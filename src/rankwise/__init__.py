@@ -13,6 +13,7 @@ from .comm import (
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
+from .parallel import DistributedDataParallel
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .topology import Slot, Topology
 
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "DistEnv",
+    "DistributedDataParallel",
     "DistributedError",
     "EnvError",
     "RankwiseError",
