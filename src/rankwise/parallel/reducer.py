@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import ConfigError, DistributedError
 from . import compression as comp
@@ -33,6 +34,11 @@ from .buckets import MB, Bucket
 
 _MAX_NAMES = 10
 """How many parameter names an error lists before '... and N more'."""
+
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""parameter -> the hook handle of the reducer that averages it. Wrapping a module again (say
+after freezing a layer) hands its parameters to the new wrapper; the old hook is removed so
+that two reducers never fight over one gradient."""
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -107,10 +113,13 @@ class Reducer:
                 for i, offset in zip(bucket.indices, bucket.offsets):
                     self._views[i] = grad_view(flat, offset, self.params[i])
         self._reset()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.params)
-        ]
+        self._handles = []
+        for i, p in enumerate(self.params):
+            previous = _OWNER.get(p)
+            if previous is not None:
+                previous.remove()
+            _OWNER[p] = handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._handles.append(handle)
 
     # -- the hot path: one call per parameter per backward pass; keep it short ----------------
 
