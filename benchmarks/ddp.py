@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import rankwise as rw  # noqa: E402
-from rankwise.bench import models  # noqa: E402
-from rankwise.testing import run_distributed  # noqa: E402
+import rankwise as rw
+from rankwise.bench import models
+from rankwise.testing import run_distributed
 
 
 def _make(kind: str, name: str, **kw):
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     sweep = [float(v) for v in args.sweep.split(",")]
     run = (args.batch, args.steps, args.repeats)
-    dist_res = run_distributed(
-        _distributed_part, args.world_size, args=(*run, sweep), timeout=600
-    )[0]
+    dist_res = run_distributed(_distributed_part, args.world_size, args=(*run, sweep), timeout=600)[
+        0
+    ]
     single = run_distributed(_single_part, 1, args=run, timeout=600)[0]
     result: dict = {
         "benchmark": "ddp",

@@ -48,7 +48,9 @@ class Tied(nn.Module):
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
 
 
 def cnn(bn: bool = False) -> nn.Module:

@@ -182,8 +182,9 @@ def test_mismatched_models_and_unused_parameters_are_named(world2):
         assert "parameter '0.weight' of shape [4, 8] float32 on rank 0" in res["mismatch"]
         assert "[5, 8] float32 on rank 1" in res["mismatch"]
         assert "Fix: build the same model" in res["mismatch"]
-        assert "2 of 8 parameters got no gradient in this backward pass: never.weight, " in (
-            res["unused"]
+        assert (
+            "2 of 8 parameters got no gradient in this backward pass: never.weight, "
+            in (res["unused"])
         )
         assert "never.bias." in res["unused"]
         assert "Fix: set find_unused_parameters=True" in res["unused"]

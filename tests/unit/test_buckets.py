@@ -34,7 +34,9 @@ def _torch_assignment(params, caps):
 def test_same_buckets_as_torch_for_reverse_order(numels, cap_mb):
     params = _meta(numels)
     ours = assign_buckets(params, cap_mb)
-    assert [b.indices for b in ours] == _torch_assignment(params, [min(MB, cap_mb * MB), cap_mb * MB])
+    assert [b.indices for b in ours] == _torch_assignment(
+        params, [min(MB, cap_mb * MB), cap_mb * MB]
+    )
 
 
 def test_last_parameters_come_first_in_a_small_first_bucket():

@@ -48,7 +48,9 @@ def test_unlaunched_wrapper_trains_exactly_like_the_bare_module():
     _train(bare)
     wrapped = rw.DistributedDataParallel(_fresh(), find_unused_parameters=True)
     _train(wrapped)
-    for (name, a), b in zip(bare.state_dict().items(), wrapped.module.state_dict().values()):
+    for (name, a), b in zip(
+        bare.state_dict().items(), wrapped.module.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
     assert wrapped.module.spare.weight.grad is None  # unused everywhere: left untouched
 
@@ -97,11 +99,16 @@ def test_deepcopy_and_torch_save_give_working_wrappers():
     buf.seek(0)
     for clone in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
         assert isinstance(clone, rw.DistributedDataParallel)
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), clone.parameters()))
+        assert all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), clone.parameters(), strict=True)
+        )
         twin = copy.deepcopy(model.module)
         _train(clone, 2)
         _train(twin, 2)
-        assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), clone.module.parameters()))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(twin.parameters(), clone.module.parameters(), strict=True)
+        )
 
 
 def test_launched_without_process_group_is_refused(monkeypatch):

@@ -17,7 +17,9 @@ from torch import nn
 MODELS = ("mlp", "cnn")
 
 
-def mlp(in_features: int = 1024, hidden: int = 2048, depth: int = 3, classes: int = 10) -> nn.Module:
+def mlp(
+    in_features: int = 1024, hidden: int = 2048, depth: int = 3, classes: int = 10
+) -> nn.Module:
     """``depth`` hidden layers of width ``hidden`` with ReLU; 10.5M parameters by default."""
     layers: list[nn.Module] = []
     width = in_features

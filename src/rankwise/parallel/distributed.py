@@ -171,9 +171,7 @@ def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in params if id(p) not in seen and not seen.add(id(p))]
 
 
-def _group_size_and_rank(
-    group: dist.ProcessGroup | None, strict: bool = True
-) -> tuple[int, int]:
+def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -> tuple[int, int]:
     """(world size, rank) of ``group``; (1, 0) when running alone without a process group."""
     if group is not None:
         return dist.get_world_size(group), dist.get_rank(group)

@@ -43,7 +43,7 @@ that two reducers never fight over one gradient."""
 
 def _is_dense(t: torch.Tensor) -> bool:
     """True when ``t``'s elements fill its storage without gaps or overlap (in some order)."""
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
     expected = 1
     for stride, size in dims:
         if stride != expected:
@@ -110,7 +110,7 @@ class Reducer:
                 self._flat.append(flat)
                 use_wire = comp.compresses(bucket.dtype, wire)
                 self._wire.append(comp.wire_buffer(flat, wire) if use_wire else None)
-                for i, offset in zip(bucket.indices, bucket.offsets):
+                for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
                     self._views[i] = grad_view(flat, offset, self.params[i])
         self._reset()
         self._handles = []

@@ -72,7 +72,7 @@ def verify_same_model(module: nn.Module, group: dist.ProcessGroup | None, rank: 
         if theirs == reference:
             continue
         k = next(
-            (i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b),
+            (i for i, (a, b) in enumerate(zip(reference, theirs, strict=False)) if a != b),
             min(len(reference), len(theirs)),
         )
         mine = reference[k] if k < len(reference) else None
