@@ -7,8 +7,11 @@ the small CNN (``rankwise.bench.models``) it measures the step time (forward, lo
 SGD step, zero_grad) of:
 
 - ``rankwise`` and ``torch`` DDP, alternating which goes first in every repeat;
-- ``single``: the bare model in one process on the same per-rank batch, for scaling efficiency
-  ``single / ddp`` (weak scaling: 1.0 means two processes do twice the work in the same time);
+- ``single``: the bare model in one process (rank 0, the other rank idle) on the same per-rank
+  batch, interleaved with the others, for scaling efficiency ``single / ddp`` (weak scaling:
+  1.0 means two processes do twice the work in the same time);
+- ``independent``: every rank trains its bare model with no communication at all: the best
+  any DDP can do on this machine (with 2 cores, two processes already slow each other down);
 - a bucket-size sweep (rankwise, MLP) and half-precision gradient compression (rankwise's
   ``compression='bf16'``/``'fp16'``; torch's ``fp16_compress_hook``, as its bf16 hook needs NCCL).
 
@@ -51,59 +54,72 @@ def _make(kind: str, name: str, **kw):
     return net
 
 
-def _time_steps(model, opt, x, y, steps: int) -> float:
-    """Median-free mean step time (ms) of ``steps`` full training steps after a barrier."""
-    if dist.is_initialized():
-        dist.barrier()
+def _steps(model, opt, x, y, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    elapsed = (time.perf_counter() - start) * 1000 / steps
-    if dist.is_initialized():  # the slowest rank decides the step time
-        t = torch.tensor([elapsed])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        elapsed = t.item()
-    return elapsed
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def _time(kind: str, model, opt, x, y, steps: int) -> float:
+    """Mean step time (ms) over ``steps`` steps; the slowest rank's for DDP.
+
+    ``single`` runs on rank 0 only while the other ranks wait at a barrier (a blocking wait, not
+    a busy one), so the one-process baseline is measured in the same run and under the same
+    machine load as the DDP configurations it is interleaved with.
+    """
+    dist.barrier()
+    if kind == "single":
+        elapsed = _steps(model, opt, x, y, steps) if dist.get_rank() == 0 else 0.0
+    else:
+        elapsed = _steps(model, opt, x, y, steps)
+    t = torch.tensor([elapsed])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _compare(configs: dict[str, tuple[str, str, dict]], batch: int, steps: int, repeats: int):
     """Interleave the configurations: every repeat runs each once, rotating the order."""
     torch.set_num_threads(1)
+    rank = dist.get_rank()
     built = {}
     for label, (kind, name, kw) in configs.items():
         model = _make(kind, name, **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = models.batch(name, batch, seed=rw.get_runtime().rank if rw.is_initialized() else 0)
-        _time_steps(model, opt, x, y, 3)  # warm-up (and torch's bucket rebuild)
-        built[label] = (model, opt, x, y)
+        x, y = models.batch(name, batch, seed=rank)
+        _time(kind, model, opt, x, y, 2)  # warm-up (and torch's bucket rebuild)
+        built[label] = (kind, model, opt, x, y)
     times: dict[str, list[float]] = {label: [] for label in configs}
     labels = list(configs)
     for r in range(repeats):
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
-            times[label].append(_time_steps(*built[label], steps))
+            times[label].append(_time(*built[label], steps))
     return {label: round(statistics.median(v), 3) for label, v in times.items()}
 
 
-def _distributed_part(batch: int, steps: int, repeats: int, sweep: list[float]):
+def _distributed_part(batch: int, steps: int, repeats: int, sweep: list[float]) -> dict:
     out = {}
     for name in models.MODELS:
         out[name] = _compare(
-            {"rankwise": ("rankwise", name, {}), "torch": ("torch", name, {})},
+            {
+                "rankwise": ("rankwise", name, {}),
+                "torch": ("torch", name, {}),
+                "single": ("single", name, {}),
+                "independent": ("independent", name, {}),
+            },
             batch,
             steps,
             repeats,
         )
+    few = max(2, repeats // 2)
     out["bucket_sweep_mlp"] = _compare(
-        {f"{mb}MB": ("rankwise", "mlp", {"bucket_cap_mb": mb}) for mb in sweep},
-        batch,
-        steps,
-        max(2, repeats // 2),
+        {f"{mb:g}MB": ("rankwise", "mlp", {"bucket_cap_mb": mb}) for mb in sweep}, batch, steps, few
     )
-    out["bf16_mlp"] = _compare(
+    out["compression_mlp"] = _compare(
         {
             "rankwise_fp32": ("rankwise", "mlp", {}),
             "rankwise_bf16": ("rankwise", "mlp", {"compression": "bf16"}),
@@ -112,16 +128,9 @@ def _distributed_part(batch: int, steps: int, repeats: int, sweep: list[float]):
         },
         batch,
         steps,
-        max(2, repeats // 2),
+        few,
     )
     return out
-
-
-def _single_part(batch: int, steps: int, repeats: int):
-    return {
-        name: _compare({"single": ("bare", name, {})}, batch, steps, repeats)["single"]
-        for name in models.MODELS
-    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,10 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     sweep = [float(v) for v in args.sweep.split(",")]
     run = (args.batch, args.steps, args.repeats)
-    dist_res = run_distributed(_distributed_part, args.world_size, args=(*run, sweep), timeout=600)[
-        0
-    ]
-    single = run_distributed(_single_part, 1, args=run, timeout=600)[0]
+    res = run_distributed(_distributed_part, args.world_size, args=(*run, sweep), timeout=600)[0]
     result: dict = {
         "benchmark": "ddp",
         "world_size": args.world_size,
@@ -149,16 +155,19 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "torch": torch.__version__,
         "parameters": {n: models.num_parameters(models.build(n)) for n in models.MODELS},
-        "step_ms": {n: {**dist_res[n], "single": single[n]} for n in models.MODELS},
+        "step_ms": {n: res[n] for n in models.MODELS},
         "ratio_rankwise_over_torch": {
-            n: round(dist_res[n]["rankwise"] / dist_res[n]["torch"], 3) for n in models.MODELS
+            n: round(res[n]["rankwise"] / res[n]["torch"], 3) for n in models.MODELS
         },
         "scaling_efficiency": {
-            n: {k: round(single[n] / dist_res[n][k], 3) for k in ("rankwise", "torch")}
+            n: {
+                k: round(res[n]["single"] / res[n][k], 3)
+                for k in ("rankwise", "torch", "independent")
+            }
             for n in models.MODELS
         },
-        "bucket_sweep_mlp_ms": dist_res["bucket_sweep_mlp"],
-        "compression_mlp_ms": dist_res["bf16_mlp"],
+        "bucket_sweep_mlp_ms": res["bucket_sweep_mlp"],
+        "compression_mlp_ms": res["compression_mlp"],
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -47,6 +47,18 @@ class Tied(nn.Module):
         return self.out(torch.relu(self.mid(self.emb(idx).mean(1))))
 
 
+class Span(nn.Module):
+    """Model parallel inside one process: the first layer on the CPU, the rest on cuda:0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.rest = nn.Sequential(nn.ReLU(), nn.Linear(16, 4)).to("cuda:0")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.first(x).to("cuda:0")).to(x.device)
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
@@ -97,6 +109,7 @@ CASES = {
     "accum_no_sync_forward": Case("mlp", micro=4, mode="no_sync_forward"),
     "accum_no_sync_backward": Case("mlp", optimizer="adam", micro=4, mode="no_sync_backward"),
     "accum_flag": Case("mlp", micro=4, mode="flag", torch_too=False),
+    "span": Case("span", optimizer="adam"),  # needs CUDA: not in the CPU runs
 }
 
 
@@ -108,6 +121,7 @@ def build(name: str) -> nn.Module:
         "branchy": Branchy,
         "frozen": frozen,
         "tied": Tied,
+        "span": Span,
     }[name]()
 
 
@@ -173,11 +187,13 @@ def train_replica(case: Case, model: nn.Module, world: int, rank: int) -> None:
         opt.zero_grad()
 
 
-def train_oracle(case: Case, world: int) -> nn.Module:
+def train_oracle(case: Case, world: int, device: str = "cpu") -> nn.Module:
     """One process, rank 0's initial weights, every rank's batches at once."""
     torch.manual_seed(1000)
     model = build(case.build)
-    x, y = data(case, world)
+    if not isinstance(model, Span):
+        model = model.to(device)
+    x, y = (t.to(device) for t in data(case, world))
     opt = optimizer(case, [p for p in model.parameters() if p.requires_grad])
     for step in range(STEPS):
         if case.build == "branchy":  # each rank's share has its own branch decision
@@ -192,7 +208,7 @@ def train_oracle(case: Case, world: int) -> nn.Module:
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return model
+    return model.cpu() if not isinstance(model, Span) else model
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

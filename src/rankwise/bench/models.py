@@ -2,7 +2,7 @@
 
 - ``mlp()``: a 10.5M-parameter MLP (1024 -> 2048 -> 2048 -> 2048 -> 10), communication-heavy:
   42 MB of fp32 gradients per step for little compute.
-- ``cnn()``: a small 3-block CNN with BatchNorm on 3x32x32 images (~0.1M parameters),
+- ``cnn()``: a small 3-block CNN with BatchNorm on 3x32x32 images (24k parameters),
   compute-heavy: a few hundred KB of gradients per step, and buffers to broadcast.
 
 ``batch(name, size, seed)`` makes a deterministic synthetic batch for either model, so that
@@ -30,7 +30,7 @@ def mlp(
     return nn.Sequential(*layers)
 
 
-def cnn(channels: int = 3, classes: int = 10, width: int = 32) -> nn.Module:
+def cnn(channels: int = 3, classes: int = 10, width: int = 16) -> nn.Module:
     """Three conv-BN-ReLU blocks (widths ``width``, 2x, 4x), global pooling, a linear head."""
 
     def block(cin: int, cout: int, pool: bool) -> list[nn.Module]:
