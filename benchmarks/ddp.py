@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=8, help="interleaved repeats")
+    parser.add_argument("--repeats", type=int, default=12, help="interleaved repeats")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sweep", default="1,5,25,100", help="bucket_cap_mb values (MiB)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -88,12 +88,16 @@ def verify_same_model(module: nn.Module, group: dist.ProcessGroup | None, rank: 
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group tensors by dtype and device into runs of at most _BROADCAST_CHUNK_BYTES."""
-    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_kind[(t.dtype, t.device)].append(t)
+    """Group tensors by device into runs of at most _BROADCAST_CHUNK_BYTES.
+
+    Within a run, wider dtypes come first, so that every tensor starts at a byte offset that is
+    a multiple of its element size when the run travels as one byte buffer.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for t in sorted(tensors, key=lambda t: -t.element_size()):
+        by_device[t.device].append(t)
     out: list[list[torch.Tensor]] = []
-    for group in by_kind.values():
+    for group in by_device.values():
         run: list[torch.Tensor] = []
         size = 0
         for t in group:
@@ -108,18 +112,21 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with rank 0's values, a few flat messages. Sync point: all ranks."""
+    """Overwrite ``tensors`` with rank 0's values: one byte message per device (and 256 MB).
+
+    Mixed dtypes (BatchNorm's float statistics and int64 counters) share one message, so a
+    forward pays for one broadcast, not one per dtype. Sync point: all ranks.
+    """
     if not tensors:
         return
     root = dist.get_rank(group) == 0
     pending = []
     with torch.no_grad():
         for run in _chunks(tensors):
-            wire = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in run]
-            flat = torch.cat([t.reshape(-1) for t in wire])
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in run])
             work = dist.broadcast(flat, group=group, group_src=0, async_op=True)
-            pending.append((work, flat, wire))
-        for work, flat, wire in pending:
+            pending.append((work, flat, run))
+        for work, flat, run in pending:
             try:
                 work.wait()
             except RuntimeError as exc:
@@ -132,9 +139,9 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
                 ) from exc
             if not root:
                 offset = 0
-                for t in wire:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view(t.shape))
+                for t in run:
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
                     offset += n
 
 
