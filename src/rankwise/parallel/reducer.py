@@ -94,24 +94,12 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.should_sync = should_sync
         self.communicates = world_size > 1
-        wire = comp.wire_dtype(compression)
         self._bucket_of = [0] * len(self.params)
         for b, bucket in enumerate(self.buckets):
             for i in bucket.indices:
                 self._bucket_of[i] = b
         self._sizes = [len(b.indices) for b in self.buckets]
-        # Flat buffers exist only when there is someone to talk to.
-        self._flat: list[torch.Tensor] = []
-        self._wire: list[torch.Tensor | None] = []
-        self._views: list[torch.Tensor | None] = [None] * len(self.params)
-        if self.communicates:
-            for bucket in self.buckets:
-                flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-                self._flat.append(flat)
-                use_wire = comp.compresses(bucket.dtype, wire)
-                self._wire.append(comp.wire_buffer(flat, wire) if use_wire else None)
-                for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
-                    self._views[i] = grad_view(flat, offset, self.params[i])
+        self._allocate(comp.wire_dtype(compression))
         self._reset()
         self._handles = []
         for i, p in enumerate(self.params):
@@ -120,6 +108,21 @@ class Reducer:
                 previous.remove()
             _OWNER[p] = handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
             self._handles.append(handle)
+
+    def _allocate(self, wire: torch.dtype | None) -> None:
+        """Flat buffers (and gradient views into them), only when there is someone to talk to."""
+        self._flat: list[torch.Tensor] = []
+        self._wire: list[torch.Tensor | None] = []
+        self._views: list[torch.Tensor | None] = [None] * len(self.params)
+        if not self.communicates:
+            return
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self._flat.append(flat)
+            use_wire = comp.compresses(bucket.dtype, wire)
+            self._wire.append(comp.wire_buffer(flat, wire) if use_wire else None)
+            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                self._views[i] = grad_view(flat, offset, self.params[i])
 
     # -- the hot path: one call per parameter per backward pass; keep it short ----------------
 
