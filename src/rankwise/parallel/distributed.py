@@ -89,11 +89,12 @@ class DistributedDataParallel(nn.Module):
     def _build_reducer(self) -> None:
         names, params = trainable_parameters(self.module, self.rank)
         buckets = assign_buckets(params, self.bucket_cap_mb)
+        # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
             for mod in self.module.modules()
             for name, buf in mod._buffers.items()
-            if buf is not None and name not in mod._non_persistent_buffers_set
+            if buf is not None
         ]
         self.reducer = Reducer(
             params,
@@ -116,7 +117,8 @@ class DistributedDataParallel(nn.Module):
         """Run the wrapped module; broadcast rank 0's buffers first (Sync point: all ranks)."""
         self.reducer.prepare_for_forward()
         grad_on = torch.is_grad_enabled()
-        self._forward_sync = self.require_backward_grad_sync or not grad_on
+        if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
+            self._forward_sync = self.require_backward_grad_sync
         if (
             self.broadcast_buffers
             and self.world_size > 1
@@ -131,7 +133,7 @@ class DistributedDataParallel(nn.Module):
 
     def _sync_buffers(self) -> None:
         # Read the buffers through their modules each time: a module may have reassigned one.
-        bufs = [mod._buffers[name] for mod, name in self._buffer_slots]
+        bufs = [mod._buffers.get(name) for mod, name in self._buffer_slots]
         with torch.no_grad():
             broadcast_tensors([b for b in bufs if b is not None], self.process_group)
 
