@@ -15,7 +15,7 @@ from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metric
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
 from .log import get_logger, print0
-from .parallel import DataParallel
+from .parallel import DataParallel, DistributedDataParallel
 from .pipeline import DistributedPipeline, Pipe, split
 from .progress import progress
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
@@ -28,6 +28,7 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "DistEnv",
+    "DistributedDataParallel",
     "DistributedError",
     "DistributedPipeline",
     "DistributedSampler",

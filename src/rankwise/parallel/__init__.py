@@ -1,8 +1,20 @@
-"""Data parallelism engines. DataParallel = scatter + replicate + parallel_apply + gather."""
+"""Data-parallel engines, each built from small pieces.
+
+DataParallel = scatter + replicate + parallel_apply + gather (one process, a thread per device).
+DistributedDataParallel = buckets + reducer + a thin wrapper (one process per device).
+"""
 
 from .data_parallel import DataParallel
+from .distributed import DistributedDataParallel
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter
 
-__all__ = ["DataParallel", "gather", "parallel_apply", "replicate", "scatter"]
+__all__ = [
+    "DataParallel",
+    "DistributedDataParallel",
+    "gather",
+    "parallel_apply",
+    "replicate",
+    "scatter",
+]

@@ -1,0 +1,180 @@
+"""rankwise DistributedDataParallel vs torch's, in the same processes, repeats interleaved.
+
+    flock /tmp/rankwise-bench.lock python benchmarks/ddp.py --out ddp.json
+
+World size 2 on gloo, one thread per process. For the reference MLP (10.5M parameters) and
+the small CNN (``rankwise.bench.models``) it measures the step time (forward, loss, backward,
+SGD step, zero_grad) of:
+
+- ``rankwise`` and ``torch`` DDP, alternating which goes first in every repeat;
+- ``single``: the bare model in one process (rank 0, the other rank idle) on the same per-rank
+  batch, interleaved with the others, for scaling efficiency ``single / ddp`` (weak scaling:
+  1.0 means two processes do twice the work in the same time);
+- ``independent``: every rank trains its bare model with no communication at all: the best
+  any DDP can do on this machine (with 2 cores, two processes already slow each other down);
+- a bucket-size sweep (rankwise, MLP) and half-precision gradient compression (rankwise's
+  ``compression='bf16'``/``'fp16'``; torch's ``fp16_compress_hook``, as its bf16 hook needs NCCL).
+
+Prints one JSON object (and writes it to ``--out``). Times are medians over repeats, in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import rankwise as rw
+from rankwise.bench import models
+from rankwise.testing import run_distributed
+
+
+def _make(kind: str, name: str, **kw):
+    torch.manual_seed(0)
+    net = models.build(name)
+    if kind == "rankwise":
+        return rw.DistributedDataParallel(net, **kw)
+    if kind == "torch":
+        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=kw.get("bucket_cap_mb"))
+        if kw.get("compression") == "fp16":
+            # torch's bf16_compress_hook refuses gloo (it needs NCCL); its fp16 hook runs.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    return net
+
+
+def _steps(model, opt, x, y, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def _time(kind: str, model, opt, x, y, steps: int) -> float:
+    """Mean step time (ms) over ``steps`` steps; the slowest rank's for DDP.
+
+    ``single`` runs on rank 0 only while the other ranks wait at a barrier (a blocking wait, not
+    a busy one), so the one-process baseline is measured in the same run and under the same
+    machine load as the DDP configurations it is interleaved with.
+    """
+    dist.barrier()
+    if kind == "single":
+        elapsed = _steps(model, opt, x, y, steps) if dist.get_rank() == 0 else 0.0
+    else:
+        elapsed = _steps(model, opt, x, y, steps)
+    t = torch.tensor([elapsed])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _compare(configs: dict[str, tuple[str, str, dict]], batch: int, steps: int, repeats: int):
+    """Interleave the configurations: every repeat runs each once, rotating the order."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    built = {}
+    for label, (kind, name, kw) in configs.items():
+        model = _make(kind, name, **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = models.batch(name, batch, seed=rank)
+        _time(kind, model, opt, x, y, 2)  # warm-up (and torch's bucket rebuild)
+        built[label] = (kind, model, opt, x, y)
+    times: dict[str, list[float]] = {label: [] for label in configs}
+    labels = list(configs)
+    for r in range(repeats):
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for label in order:
+            times[label].append(_time(*built[label], steps))
+    return {label: round(statistics.median(v), 3) for label, v in times.items()}
+
+
+def _distributed_part(batch: int, steps: int, repeats: int, sweep: list[float]) -> dict:
+    out = {}
+    for name in models.MODELS:
+        out[name] = _compare(
+            {
+                "rankwise": ("rankwise", name, {}),
+                "torch": ("torch", name, {}),
+                "single": ("single", name, {}),
+                "independent": ("independent", name, {}),
+            },
+            batch,
+            steps,
+            repeats,
+        )
+    few = max(2, repeats // 2)
+    out["bucket_sweep_mlp"] = _compare(
+        {f"{mb:g}MB": ("rankwise", "mlp", {"bucket_cap_mb": mb}) for mb in sweep}, batch, steps, few
+    )
+    out["compression_mlp"] = _compare(
+        {
+            "rankwise_fp32": ("rankwise", "mlp", {}),
+            "rankwise_bf16": ("rankwise", "mlp", {"compression": "bf16"}),
+            "rankwise_fp16": ("rankwise", "mlp", {"compression": "fp16"}),
+            "torch_fp16": ("torch", "mlp", {"compression": "fp16"}),
+        },
+        batch,
+        steps,
+        few,
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=12, help="interleaved repeats")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sweep", default="1,5,25,100", help="bucket_cap_mb values (MiB)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    sweep = [float(v) for v in args.sweep.split(",")]
+    run = (args.batch, args.steps, args.repeats)
+    res = run_distributed(_distributed_part, args.world_size, args=(*run, sweep), timeout=600)[0]
+    result: dict = {
+        "benchmark": "ddp",
+        "world_size": args.world_size,
+        "backend": "gloo",
+        "threads_per_process": 1,
+        "per_rank_batch": args.batch,
+        "steps_per_repeat": args.steps,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "parameters": {n: models.num_parameters(models.build(n)) for n in models.MODELS},
+        "step_ms": {n: res[n] for n in models.MODELS},
+        "ratio_rankwise_over_torch": {
+            n: round(res[n]["rankwise"] / res[n]["torch"], 3) for n in models.MODELS
+        },
+        "scaling_efficiency": {
+            n: {
+                k: round(res[n]["single"] / res[n][k], 3)
+                for k in ("rankwise", "torch", "independent")
+            }
+            for n in models.MODELS
+        },
+        "bucket_sweep_mlp_ms": res["bucket_sweep_mlp"],
+        "compression_mlp_ms": res["compression_mlp"],
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmark support shared by ``benchmarks/`` scripts and ``rankwise bench``."""

@@ -1,0 +1,256 @@
+"""``DistributedDataParallel``: one process per device, gradients averaged during backward.
+
+Construction checks, then agrees, then listens:
+
+1. **Check** the module is where it will compute (the seed's pitfall 1 becomes a message that
+   says what to move where) and that there is a process group when the job has several ranks.
+2. **Agree**: compare parameter names, shapes and dtypes across ranks (a mismatch names the
+   first differing parameter and both ranks), then broadcast rank 0's parameters and buffers,
+   once. From then on replicas stay identical because they apply identical averaged gradients.
+3. **Listen**: a :class:`~rankwise.parallel.reducer.Reducer` hooks every trainable parameter and
+   all-reduces bucketed gradients while backward runs.
+
+Before each forward (with ``broadcast_buffers``) rank 0's buffers, e.g. BatchNorm running
+statistics, are broadcast so every replica normalises with the same statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import env as envmod
+from .. import runtime
+from ..errors import ConfigError, RuntimeStateError
+from . import compression as comp
+from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from .reducer import Reducer
+from .state import (
+    add_module_prefix,
+    broadcast_tensors,
+    move_to_device,
+    strip_module_prefix,
+    trainable_parameters,
+    verify_same_model,
+)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism across processes: wrap a model that is already on its device.
+
+    Arguments follow torch's ``DistributedDataParallel`` where torch has the same name.
+    ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
+    ``rankwise.parallel.compression``). At world size 1 (no process group, not launched) the
+    wrapper communicates nothing and behaves like the bare module.
+
+    Sync point: all ranks, at construction and in every synchronised backward pass (and in
+    every forward when ``broadcast_buffers`` applies).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        compression: str | torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.world_size, self.rank = _group_size_and_rank(process_group)
+        self.device_ids, self.output_device = _check_devices(
+            module, device_ids, output_device, self.rank
+        )
+        _check_no_sparse(module, self.rank)
+        comp.wire_dtype(compression)  # validate before any collective
+        self.bucket_cap_mb = bucket_cap_mb
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.compression = compression
+        self.require_backward_grad_sync = True
+        self._forward_sync = True
+        if self.world_size > 1:
+            verify_same_model(module, process_group, self.rank)
+            state = [p.detach() for p in _unique(module.parameters())]
+            broadcast_tensors(state + [b.detach() for b in module.buffers()], process_group)
+        self._build_reducer()
+        self.register_state_dict_post_hook(strip_module_prefix)
+        self.register_load_state_dict_pre_hook(add_module_prefix)
+
+    def _build_reducer(self) -> None:
+        names, params = trainable_parameters(self.module, self.rank)
+        buckets = assign_buckets(params, self.bucket_cap_mb)
+        # Every buffer, persistent or not, as torch's DDP broadcasts them.
+        self._buffer_slots = [
+            (mod, name)
+            for mod in self.module.modules()
+            for name, buf in mod._buffers.items()
+            if buf is not None
+        ]
+        self.reducer = Reducer(
+            params,
+            names,
+            buckets,
+            group=self.process_group,
+            world_size=self.world_size,
+            rank=self.rank,
+            find_unused_parameters=self.find_unused_parameters,
+            compression=self.compression,
+            should_sync=self._should_sync,
+        )
+
+    def _should_sync(self) -> bool:
+        # Asked when backward's first hook fires: no_sync() around the backward call counts, and
+        # so does no_sync() around the forward that built the graph (torch's rule).
+        return self.require_backward_grad_sync and self._forward_sync
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; broadcast rank 0's buffers first (Sync point: all ranks)."""
+        self.reducer.prepare_for_forward()
+        grad_on = torch.is_grad_enabled()
+        if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
+            self._forward_sync = self.require_backward_grad_sync
+        if (
+            self.broadcast_buffers
+            and self.world_size > 1
+            and self._buffer_slots
+            and grad_on
+            and self.require_backward_grad_sync
+        ):
+            self._sync_buffers()
+        if self.device_ids:
+            inputs, kwargs = move_to_device((inputs, kwargs), self.device_ids[0])
+        return self.module(*inputs, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        # Read the buffers through their modules each time: a module may have reassigned one.
+        bufs = [mod._buffers.get(name) for mod, name in self._buffer_slots]
+        with torch.no_grad():
+            broadcast_tensors([b for b in bufs if b is not None], self.process_group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside this block communicate nothing.
+
+        Checked when backward runs (and, as in torch, when the forward ran), so it may wrap the
+        forward and backward, or the backward alone. The next backward outside it averages the
+        accumulated gradients.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # -- pickling / deepcopy: drop the process group and the hooks, rebuild them on load -------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("reducer", "process_group", "_buffer_slots"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # Like torch: a loaded or copied wrapper talks to the default group (if any).
+        self.process_group = None
+        self.world_size, self.rank = _group_size_and_rank(None, strict=False)
+        self._build_reducer()
+
+
+def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in params if id(p) not in seen and not seen.add(id(p))]
+
+
+def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -> tuple[int, int]:
+    """(world size, rank) of ``group``; (1, 0) when running alone without a process group."""
+    if group is not None:
+        return dist.get_world_size(group), dist.get_rank(group)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    env = runtime.get_runtime().env if runtime.is_initialized() else envmod.detect()
+    if env.world_size > 1 and strict:
+        raise RuntimeStateError(
+            f"DistributedDataParallel needs a process group: this process is rank {env.rank} "
+            f"of WORLD_SIZE={env.world_size} (from {env.source}), but torch.distributed is "
+            "not initialised",
+            fix="call `rt = rw.init()` at the start of the program, before wrapping the model.",
+            rank=env.rank,
+        )
+    return 1, 0
+
+
+def _check_devices(
+    module: nn.Module,
+    device_ids: Sequence[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    rank: int,
+) -> tuple[list[torch.device] | None, torch.device | None]:
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if device_ids is None:
+        return None, None if output_device is None else _as_device(output_device)
+    ids = [_as_device(d) for d in device_ids]
+    shown = sorted(str(d) for d in devices)
+    if len(ids) != 1:
+        raise ConfigError(
+            f"device_ids={list(device_ids)!r} names {len(ids)} devices; DistributedDataParallel "
+            "drives one device per process",
+            fix="pass device_ids=[local_rank] (one process per device), or device_ids=None for "
+            "a module that spans several devices.",
+            rank=rank,
+        )
+    if len(devices) > 1:
+        raise ConfigError(
+            f"the module spans devices {shown} but device_ids={list(device_ids)!r}",
+            fix="pass device_ids=None for a module split over several devices.",
+            rank=rank,
+        )
+    if devices and devices != {ids[0]}:
+        raise ConfigError(
+            f"the module's parameters are on {shown[0]} but device_ids={list(device_ids)!r} "
+            f"asks for {ids[0]}",
+            fix=f"move the model to {_fix_device(ids[0])} (or rt.device) before wrapping: "
+            "model = Net().to(rt.device); DistributedDataParallel(model, "
+            "device_ids=[rt.local_rank]).",
+            rank=rank,
+        )
+    out = ids[0] if output_device is None else _as_device(output_device)
+    return ids, out
+
+
+def _fix_device(device: torch.device) -> str:
+    return "cuda:K" if device.type == "cuda" else str(device)
+
+
+def _as_device(d: int | str | torch.device) -> torch.device:
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    dev = torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return torch.device("cuda", index)
+    return dev
+
+
+def _check_no_sparse(module: nn.Module, rank: int) -> None:
+    for name, mod in module.named_modules():
+        if getattr(mod, "sparse", False) is True and isinstance(
+            mod, (nn.Embedding, nn.EmbeddingBag)
+        ):
+            raise ConfigError(
+                f"module {name or type(mod).__name__} has sparse=True; sparse gradients are not "
+                "supported by rankwise's DistributedDataParallel",
+                fix="construct the embedding with sparse=False (the default).",
+                rank=rank,
+            )

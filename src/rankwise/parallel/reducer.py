@@ -1,0 +1,299 @@
+"""The reducer: gradients into flat buckets, one async all-reduce per bucket, all done by step().
+
+How one synchronised backward pass goes:
+
+1. The first parameter hook of the backward pass decides whether this pass synchronises (no
+   ``no_sync()``, ``require_backward_grad_sync`` set) and queues ``_finalize`` to run when
+   autograd has finished the whole pass.
+2. Every parameter's ``post_accumulate_grad`` hook copies its gradient, already divided by the
+   world size (one fused pass), into its slot of its bucket's flat buffer and makes ``.grad`` a
+   view of that slot: the averaged result lands in ``.grad`` without a copy back.
+3. When a bucket's last gradient arrives, its all-reduce starts asynchronously, while autograd
+   goes on computing earlier layers. Buckets are launched strictly in bucket order, so every rank
+   issues the same collectives in the same order even if hooks fire in a different order.
+4. ``_finalize`` (end of backward) deals with parameters that got no gradient, waits for every
+   all-reduce and leaves averaged gradients in ``.grad``, so an unchanged ``optimizer.step()``
+   works.
+
+At world size 1 nothing is copied or sent, but the bookkeeping still runs, so a parameter that
+never gets a gradient is reported on a laptop just as it would be on 64 GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..errors import ConfigError, DistributedError
+from . import compression as comp
+from .buckets import MB, Bucket
+
+_MAX_NAMES = 10
+"""How many parameter names an error lists before '... and N more'."""
+
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""parameter -> the hook handle of the reducer that averages it. Wrapping a module again (say
+after freezing a layer) hands its parameters to the new wrapper; the old hook is removed so
+that two reducers never fight over one gradient."""
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill its storage without gaps or overlap (in some order)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """The slot of ``flat`` that holds ``param``'s gradient, with ``param``'s strides.
+
+    Gradients follow their parameter's memory layout (autograd's layout contract; e.g. a
+    channels_last convolution weight), so the view takes the parameter's strides when they
+    are dense, and plain contiguous strides otherwise.
+    """
+    n = param.numel()
+    if param.is_contiguous() or not _is_dense(param):
+        return flat[offset : offset + n].view(param.shape)
+    return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + offset)
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over the process group during backward.
+
+    ``should_sync()`` is asked once per backward pass, when its first hook fires.
+    Sync point: all ranks, in every synchronised backward pass.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        buckets: Sequence[Bucket],
+        *,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
+        find_unused_parameters: bool,
+        compression: str | torch.dtype | None,
+        should_sync: Callable[[], bool],
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.buckets = list(buckets)
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.find_unused_parameters = find_unused_parameters
+        self.should_sync = should_sync
+        self.communicates = world_size > 1
+        self._bucket_of = [0] * len(self.params)
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.indices:
+                self._bucket_of[i] = b
+        self._sizes = [len(b.indices) for b in self.buckets]
+        self._allocate(comp.wire_dtype(compression))
+        self._reset()
+        self._handles = []
+        for i, p in enumerate(self.params):
+            previous = _OWNER.get(p)
+            if previous is not None:
+                previous.remove()
+            _OWNER[p] = handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._handles.append(handle)
+
+    def _allocate(self, wire: torch.dtype | None) -> None:
+        """Flat buffers (and gradient views into them), only when there is someone to talk to."""
+        self._flat: list[torch.Tensor] = []
+        self._wire: list[torch.Tensor | None] = []
+        self._views: list[torch.Tensor | None] = [None] * len(self.params)
+        if not self.communicates:
+            return
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self._flat.append(flat)
+            use_wire = comp.compresses(bucket.dtype, wire)
+            self._wire.append(comp.wire_buffer(flat, wire) if use_wire else None)
+            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                self._views[i] = grad_view(flat, offset, self.params[i])
+
+    # -- the hot path: one call per parameter per backward pass; keep it short ----------------
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        b = self._bucket_of[i]
+        view = self._views[i]
+        scale = 1.0 / self.world_size
+        mul = torch.mul
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._active:
+                self._begin()
+            if not self._syncing:
+                return
+            seen = self._seen
+            if seen[i]:
+                self._fired_twice(i)
+            seen[i] = True
+            if view is not None:
+                g = p.grad
+                if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
+                    view.mul_(scale)
+                else:  # copy and average in one pass, then let .grad alias the bucket
+                    mul(g, scale, out=view)
+                    p.grad = view
+            pending = self._pending
+            pending[b] -= 1
+            if pending[b] == 0 and b == self._next:
+                self._launch_ready()
+
+        return hook
+
+    def _begin(self) -> None:
+        self._active = True
+        self._syncing = bool(self.should_sync())
+        Variable._execution_engine.queue_callback(self._finalize)
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduce of every complete bucket, in bucket order."""
+        pending, n = self._pending, len(self._sizes)
+        while self._next < n and pending[self._next] == 0:
+            b = self._next
+            self._next += 1
+            if self.communicates:
+                wire = self._wire[b]
+                tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
+                self._works[b] = dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    # -- end of backward ----------------------------------------------------------------------
+
+    def _finalize(self) -> None:
+        """Runs once at the end of each backward pass (autograd's final callback)."""
+        self._active = False
+        if not self._syncing:
+            return
+        try:
+            missing: list[int] = []
+            if self._next < len(self._sizes):
+                missing = [i for i, seen in enumerate(self._seen) if not seen]
+                if not self.find_unused_parameters:
+                    raise self._unused_error(missing)
+                self._fill_unused(missing)
+            used = self._global_use() if self.find_unused_parameters else None
+            self._wait_all()
+            for i in missing:
+                # Torch's rule: a parameter unused on every rank keeps its .grad untouched.
+                if used is not None and used[i] > 0:
+                    self.params[i].grad = self._views[i]
+        finally:
+            self._reset()
+
+    def _fill_unused(self, missing: list[int]) -> None:
+        """Put what each locally unused parameter has (its .grad or zeros) into its slot."""
+        scale = 1.0 / self.world_size
+        for i in missing:
+            view, g = self._views[i], self.params[i].grad
+            if view is None:
+                continue
+            if g is None:
+                view.zero_()
+            elif g is view:
+                view.mul_(scale)
+            else:
+                torch.mul(g, scale, out=view)
+        for b in {self._bucket_of[i] for i in missing}:
+            self._pending[b] = 0
+        self._launch_ready()
+
+    def _global_use(self) -> list[int] | None:
+        """How many ranks gave each parameter a gradient. Sync point: all ranks."""
+        if not self.communicates:
+            return None
+        device = self.buckets[0].device
+        used = torch.tensor(self._seen, dtype=torch.int32, device=device)
+        try:
+            dist.all_reduce(used, group=self.group)
+        except RuntimeError as exc:
+            raise self._comm_error("the all-reduce of the used-parameter map", exc) from exc
+        return used.tolist()
+
+    def _wait_all(self) -> None:
+        for b, work in enumerate(self._works):
+            if work is None:
+                continue
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                bucket = self.buckets[b]
+                what = (
+                    f"the all-reduce of gradient bucket {b} ({len(bucket.indices)} parameters, "
+                    f"{bucket.nbytes / MB:.1f} MiB)"
+                )
+                raise self._comm_error(what, exc) from exc
+            wire = self._wire[b]
+            if wire is not None:
+                comp.decompress(wire, self._flat[b])
+
+    def _reset(self) -> None:
+        self._active = False
+        self._syncing = False
+        self._seen = [False] * len(self.params)
+        self._pending = list(self._sizes)
+        self._next = 0
+        self._works: list[dist.Work | None] = [None] * len(self.buckets)
+
+    def prepare_for_forward(self) -> None:
+        """Forget a backward pass that died half-way (an exception inside autograd)."""
+        if self._active:
+            self._reset()
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the wrapper is being rebuilt or discarded)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _names_of(self, indices: list[int]) -> str:
+        shown = ", ".join(self.names[i] for i in indices[:_MAX_NAMES])
+        extra = len(indices) - _MAX_NAMES
+        return shown + (f" ... and {extra} more" if extra > 0 else "")
+
+    def _unused_error(self, missing: list[int]) -> ConfigError:
+        return ConfigError(
+            f"{len(missing)} of {len(self.params)} parameters got no gradient in this backward "
+            f"pass: {self._names_of(missing)}. DistributedDataParallel cannot average a gradient "
+            "that was never computed, and with find_unused_parameters=False it does not look "
+            "for such parameters",
+            fix="set find_unused_parameters=True in DistributedDataParallel(...) if these "
+            "parameters are unused on purpose (a branch that is skipped, an auxiliary head), or "
+            "freeze them with requires_grad_(False) before wrapping if they never train.",
+            rank=self.rank,
+        )
+
+    def _fired_twice(self, i: int) -> None:
+        self._reset()
+        raise ConfigError(
+            f"parameter {self.names[i]} received its gradient twice in one backward pass "
+            "(reentrant activation checkpointing, or a nested backward through the model)",
+            fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or run the "
+            "inner backward outside DistributedDataParallel.",
+            rank=self.rank,
+        )
+
+    def _comm_error(self, what: str, exc: Exception) -> DistributedError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return DistributedError(
+            f"{what} failed or timed out: {first}",
+            fix="another rank probably failed first or stopped calling backward (look for its "
+            "error); every rank must run the same synchronised backward passes. The timeout "
+            "is the runtime's: rw.init(timeout=...).",
+            rank=self.rank,
+        )

@@ -1,0 +1,194 @@
+"""What the replicas of a DistributedDataParallel module agree on, and how they agree.
+
+- which parameters are averaged (trainable, each shared tensor once),
+- that every rank built the same model (names, shapes, dtypes compared before any broadcast),
+- rank 0's values, broadcast in a few large messages instead of one per tensor,
+- state_dict keys without the ``module.`` prefix (loading accepts both spellings).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError, DistributedError
+
+_BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
+"""Largest single broadcast at construction: bounds the temporary copy of the model."""
+
+PREFIX = "module."
+
+
+def trainable_parameters(module: nn.Module, rank: int) -> tuple[list[str], list[nn.Parameter]]:
+    """(names, parameters) that get averaged: requires_grad, shared ones once, in module order."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ConfigError(
+            f"the module ({type(module).__name__}) has no parameter with requires_grad=True, so "
+            "DistributedDataParallel has nothing to average",
+            fix="wrap the model you train; for evaluation only, use the bare module.",
+            rank=rank,
+        )
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+    sig = [
+        ("parameter", n, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+        for n, p in module.named_parameters()
+    ]
+    sig += [
+        ("buffer", n, tuple(b.shape), str(b.dtype).replace("torch.", ""), False)
+        for n, b in module.named_buffers()
+    ]
+    return sig
+
+
+def _describe(entry: tuple | None) -> str:
+    if entry is None:
+        return "nothing"
+    kind, name, shape, dtype, grad = entry
+    frozen = "" if kind == "buffer" or grad else ", frozen"
+    return f"{kind} {name!r} of shape {list(shape)} {dtype}{frozen}"
+
+
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
+    """Refuse to continue unless every rank holds the same parameter and buffer layout.
+
+    Every rank receives every rank's signature, so all ranks raise the same error together
+    (no rank is left waiting in a later collective). Sync point: all ranks.
+    """
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, _signature(module), group=group)
+    reference = gathered[0]
+    for other in range(1, world):
+        theirs = gathered[other]
+        if theirs == reference:
+            continue
+        k = next(
+            (i for i, (a, b) in enumerate(zip(reference, theirs, strict=False)) if a != b),
+            min(len(reference), len(theirs)),
+        )
+        mine = reference[k] if k < len(reference) else None
+        them = theirs[k] if k < len(theirs) else None
+        raise DistributedError(
+            f"the model differs across ranks: entry {k} is {_describe(mine)} on rank 0 but "
+            f"{_describe(them)} on rank {other} (rank 0 has {len(reference)} parameters and "
+            f"buffers, rank {other} has {len(theirs)})",
+            fix="build the same model, with the same arguments and frozen layers, on every "
+            "rank before wrapping; rank 0's weights are then copied to all ranks.",
+            rank=rank,
+        )
+
+
+def _chunks(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors by device into runs of at most _BROADCAST_CHUNK_BYTES.
+
+    Within a run, wider dtypes come first, so that every tensor starts at a byte offset that is
+    a multiple of its element size when the run travels as one byte buffer.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for t in sorted(tensors, key=lambda t: -t.element_size()):
+        by_device[t.device].append(t)
+    out: list[list[torch.Tensor]] = []
+    for group in by_device.values():
+        run: list[torch.Tensor] = []
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if run and size + nbytes > _BROADCAST_CHUNK_BYTES:
+                out.append(run)
+                run, size = [], 0
+            run.append(t)
+            size += nbytes
+        out.append(run)
+    return out
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` with rank 0's values: one byte message per device (and 256 MB).
+
+    Mixed dtypes (BatchNorm's float statistics and int64 counters) share one message, so a
+    forward pays for one broadcast, not one per dtype. Sync point: all ranks.
+    """
+    if not tensors:
+        return
+    root = dist.get_rank(group) == 0
+    pending = []
+    with torch.no_grad():
+        for run in _chunks(tensors):
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in run])
+            work = dist.broadcast(flat, group=group, group_src=0, async_op=True)
+            pending.append((work, flat, run))
+        for work, flat, run in pending:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise DistributedError(
+                    f"broadcast of rank 0's parameters/buffers failed or timed out: "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                    fix="every rank must wrap the model (and run forward) together; look for a "
+                    "rank that failed first.",
+                    rank=dist.get_rank(),
+                ) from exc
+            if not root:
+                offset = 0
+                for t in run:
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
+                    offset += n
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor inside tuples, lists and dicts moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(move_to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [move_to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: move_to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def strip_module_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict post-hook: ``module.fc.weight`` -> ``fc.weight`` (the seed's pitfall 5)."""
+    head = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(head)]:
+        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        old = head[:-1]
+        for key in [k for k in metadata if k == old or k.startswith(head)]:
+            new = prefix[:-1] if key == old else prefix + key[len(head) :]
+            metadata[new] = metadata.pop(key)
+
+
+def add_module_prefix(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    *args: Any,
+) -> None:
+    """load_state_dict pre-hook: accept keys with or without ``module.``."""
+    inner = getattr(module, "module", None)
+    ambiguous = isinstance(inner, nn.Module) and "module" in inner._modules
+    head = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.startswith(head) and not ambiguous:
+            continue
+        state_dict[head + key[len(prefix) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None and prefix == "" and head[:-1] not in metadata and "" in metadata:
+        for key in [k for k in metadata if not k.startswith(head)]:
+            metadata[head + key if key else head[:-1]] = metadata[key]
