@@ -40,6 +40,10 @@ class DistEnv:
     """Port of rank 0's rendezvous store."""
     source: str = "single"
     """Where the values came from: 'launcher', 'slurm', 'mpi' or 'single'."""
+    restart_count: int = 0
+    """How often the launcher restarted the worker group (``--max-restarts``); 0 at first."""
+    agent_store: bool = False
+    """True when the launcher's agent hosts the store and every rank connects as a client."""
 
     def __post_init__(self) -> None:
         # Errors name the variables the values were read from (SLURM_PROCID, not RANK, on Slurm).
@@ -160,6 +164,8 @@ def _from_launcher(e: Mapping[str, str]) -> DistEnv:
         master_addr=e.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
         master_port=_int(e, "MASTER_PORT", DEFAULT_MASTER_PORT),
         source="launcher",
+        restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_store=e.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 

@@ -209,10 +209,10 @@ def init(
     try:
         dist.init_process_group(
             backend=chosen,
-            init_method="env://",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout_td,
+            **_rendezvous(env, timeout_td),
         )
     except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
         raise DistributedError(
@@ -228,6 +228,21 @@ def init(
         env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True
     )
     return _current
+
+
+def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
+    """How ``init_process_group`` finds its peers: torch's ``env://``, with one exception.
+
+    Under the launcher's agent the store outlives a restart of the worker group. The keys the
+    previous attempt's ranks left in it (their Gloo addresses among them) would be read as
+    the new ranks' and the connection refused; a prefix per attempt keeps attempts apart.
+    """
+    if not env.agent_store:
+        return {"init_method": "env://"}
+    store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+    )
+    return {"store": dist.PrefixStore(f"/rankwise/attempt_{env.restart_count}", store)}
 
 
 def get_runtime() -> Runtime:
