@@ -224,3 +224,24 @@ def test_watchdog_reports_a_stuck_collective_before_the_timeout() -> None:
     )
     assert f"rank 0 is waiting in all_reduce #2 (sum, float32[3], from {HERE}:{s})" in report
     assert f"and is running user code at {HERE}:{b}" in report
+
+
+def _ddp_rank1_skips_backward() -> None:
+    rank = _start(checks=False)
+    model = rw.DistributedDataParallel(torch.nn.Linear(8, 4))
+    for step in range(3):
+        loss = model(torch.randn(2, 8)).sum()
+        if rank == 1 and step == 2:
+            # Rank 1 never calls this step's backward; it waits in a barrier instead.
+            rw.barrier()  # rank1-site
+        loss.backward()  # backward-site
+
+
+def test_ddp_gradient_bucket_names_the_stuck_ranks_and_sites() -> None:
+    text = _failure_text(_ddp_rank1_skips_backward)
+    b, r1 = _line("backward-site"), _line("rank1-site")
+    assert (
+        f"rank 0 is waiting in all_reduce #6 (gradient bucket 0, sum, float32[36], "
+        f"from {HERE}:{b}); rank 1 is waiting in barrier #6 (from {HERE}:{r1}, "
+        "inside `if rank == 1 and step == 2`)"
+    ) in text

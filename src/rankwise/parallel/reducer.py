@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import ConfigError, DistributedError
+from ..diagnose import fingerprints
+from ..errors import ConfigError
 from . import compression as comp
-from .buckets import MB, Bucket
+from .buckets import Bucket
 
 _MAX_NAMES = 10
 """How many parameter names an error lists before '... and N more'."""
@@ -169,7 +170,16 @@ class Reducer:
             if self.communicates:
                 wire = self._wire[b]
                 tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
-                self._works[b] = dist.all_reduce(tensor, group=self.group, async_op=True)
+                # Fingerprinted: a rank that diverges or stops is explained, not just timed out.
+                entry = fingerprints.record(
+                    "all_reduce",
+                    tensor,
+                    label=f"gradient bucket {b}",
+                    group=self.group,
+                    extra="sum",
+                )
+                self._works[b] = entry
+                entry.watch(dist.all_reduce(tensor, group=self.group, async_op=True))
 
     # -- end of backward ----------------------------------------------------------------------
 
@@ -217,25 +227,17 @@ class Reducer:
             return None
         device = self.buckets[0].device
         used = torch.tensor(self._seen, dtype=torch.int32, device=device)
-        try:
+        with fingerprints.collective(
+            "all_reduce", used, label="used-parameter map", group=self.group, extra="sum"
+        ):
             dist.all_reduce(used, group=self.group)
-        except RuntimeError as exc:
-            raise self._comm_error("the all-reduce of the used-parameter map", exc) from exc
         return used.tolist()
 
     def _wait_all(self) -> None:
-        for b, work in enumerate(self._works):
-            if work is None:
+        for b, entry in enumerate(self._works):
+            if entry is None:
                 continue
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                bucket = self.buckets[b]
-                what = (
-                    f"the all-reduce of gradient bucket {b} ({len(bucket.indices)} parameters, "
-                    f"{bucket.nbytes / MB:.1f} MiB)"
-                )
-                raise self._comm_error(what, exc) from exc
+            entry.wait()  # a failure raises the diagnosis: every rank's last collective
             wire = self._wire[b]
             if wire is not None:
                 comp.decompress(wire, self._flat[b])
@@ -246,7 +248,7 @@ class Reducer:
         self._seen = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._next = 0
-        self._works: list[dist.Work | None] = [None] * len(self.buckets)
+        self._works: list[fingerprints.Entry | None] = [None] * len(self.buckets)
 
     def prepare_for_forward(self) -> None:
         """Forget a backward pass that died half-way (an exception inside autograd)."""
@@ -285,15 +287,5 @@ class Reducer:
             "(reentrant activation checkpointing, or a nested backward through the model)",
             fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or run the "
             "inner backward outside DistributedDataParallel.",
-            rank=self.rank,
-        )
-
-    def _comm_error(self, what: str, exc: Exception) -> DistributedError:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return DistributedError(
-            f"{what} failed or timed out: {first}",
-            fix="another rank probably failed first or stopped calling backward (look for its "
-            "error); every rank must run the same synchronised backward passes. The timeout "
-            "is the runtime's: rw.init(timeout=...).",
             rank=self.rank,
         )

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..diagnose import fingerprints
 from ..errors import ConfigError, DistributedError
 
 _BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
@@ -65,7 +66,8 @@ def verify_same_model(module: nn.Module, group: dist.ProcessGroup | None, rank: 
     """
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, _signature(module), group=group)
+    with fingerprints.collective("all_gather_object", label="model signature", group=group):
+        dist.all_gather_object(gathered, _signature(module), group=group)
     reference = gathered[0]
     for other in range(1, world):
         theirs = gathered[other]
@@ -124,19 +126,13 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     with torch.no_grad():
         for run in _chunks(tensors):
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in run])
-            work = dist.broadcast(flat, group=group, group_src=0, async_op=True)
-            pending.append((work, flat, run))
-        for work, flat, run in pending:
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise DistributedError(
-                    f"broadcast of rank 0's parameters/buffers failed or timed out: "
-                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                    fix="every rank must wrap the model (and run forward) together; look for a "
-                    "rank that failed first.",
-                    rank=dist.get_rank(),
-                ) from exc
+            entry = fingerprints.record(
+                "broadcast", flat, label="rank 0's parameters/buffers", group=group, extra="src=0"
+            )
+            entry.watch(dist.broadcast(flat, group=group, group_src=0, async_op=True))
+            pending.append((entry, flat, run))
+        for entry, flat, run in pending:
+            entry.wait()  # a failure raises the diagnosis naming every rank's last collective
             if not root:
                 offset = 0
                 for t in run:
