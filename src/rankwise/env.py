@@ -284,6 +284,11 @@ def set_default(name: str, value: str) -> None:
     os.environ.setdefault(name, value)
 
 
+def set_for_workers(name: str, value: str) -> None:
+    """Set an environment variable that the workers this process starts will inherit."""
+    os.environ[name] = value
+
+
 def fingerprints_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``RANKWISE_FINGERPRINTS`` is 0/off/false/no (collective fingerprints are on by default)."""
     e = os.environ if environ is None else environ

@@ -229,3 +229,27 @@ def test_bad_input_and_unreachable_master_give_clear_errors(job: Path):
     ) in stderr
     assert "Fix: start node 0 first" in stderr
     assert time.monotonic() - begin < 60  # not a hang: the 3 s timeout plus start-up
+
+
+MISMATCHED = textwrap.dedent("""
+    # Rank 0 waits in a barrier that rank 1 never reaches (rank 1 all-reduces instead).
+    import torch, rankwise as rw
+    from rankwise.diagnose import fingerprints
+    rt = rw.init(timeout=5)
+    fingerprints.configure(checks=False)  # let the hang happen, then be explained
+    if rt.rank == 0:
+        rw.barrier()
+    rw.all_reduce_sum(torch.ones(3))
+""")
+
+
+def test_launcher_summary_carries_the_hang_diagnosis(job: Path):
+    (job / "mismatched.py").write_text(MISMATCHED)
+    result = rankwise("run", "--nproc-per-node", "2", "mismatched.py", cwd=job)
+    assert result.returncode != 0
+    summary = result.stderr[result.stderr.index("rankwise run:") :]
+    assert "  diagnosis:" in summary
+    assert "rank 0 is waiting in barrier #1 (from mismatched.py:8, inside `if rt.rank == 0`)" in (
+        summary
+    )
+    assert "rank 1 is waiting in all_reduce #1 (sum, float32[3], from mismatched.py:9)" in summary

@@ -21,7 +21,7 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
-from .report import JobFailed, from_elastic
+from .report import JobFailed, from_elastic, read_diagnoses
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
@@ -109,12 +109,18 @@ def launch(opts: LaunchOptions) -> None:
     cmd, args = worker_command(opts)
     with tempfile.TemporaryDirectory(prefix="rankwise-run-") as tmp:
         config = _config(opts, rdzv, opts.log_dir or tmp)
+        # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
+        diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
+        envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
         try:
             elastic_launch(config, cmd)(*args)
         except ChildFailedError as exc:
             failures = from_elastic(exc.failures)
             raise JobFailed(
-                failures, world_size=opts.world_size, node_rank=opts.node_rank
+                failures,
+                world_size=opts.world_size,
+                node_rank=opts.node_rank,
+                diagnoses=read_diagnoses(diag),
             ) from None
         except SignalException as exc:
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None

@@ -5,8 +5,10 @@ Pure functions over a small record type, so the text can be tested without killi
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import DistributedError
 
@@ -44,12 +46,19 @@ class RankFailure:
 class JobFailed(DistributedError):
     """One or more workers failed; every other worker of this node was stopped."""
 
-    def __init__(self, failures: list[RankFailure], *, world_size: int, node_rank: int) -> None:
+    def __init__(
+        self,
+        failures: list[RankFailure],
+        *,
+        world_size: int,
+        node_rank: int,
+        diagnoses: dict[int, str] | None = None,
+    ) -> None:
         self.failures = failures
         self.world_size = world_size
         self.root = split_stopped(failures)[0][0]
         super().__init__(
-            summarize(failures, world_size=world_size, node_rank=node_rank),
+            summarize(failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses),
             fix=f"see rank {self.root.rank}'s output above (its lines start with "
             f"[rank{self.root.rank}]:); the other ranks were stopped because of it.",
         )
@@ -72,8 +81,28 @@ def split_stopped(failures: list[RankFailure]) -> tuple[list[RankFailure], list[
     return (failed, stopped) if failed else (stopped, [])
 
 
-def summarize(failures: list[RankFailure], *, world_size: int, node_rank: int) -> str:
-    """A few lines per failed rank, the first failure (usually the root cause) first."""
+def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
+    """The ``rank<r>.txt`` diagnoses that ranks wrote (``rankwise.diagnose``), by rank."""
+    found: dict[int, str] = {}
+    for path in sorted(Path(folder).glob("rank*.txt")) if Path(folder).is_dir() else []:
+        digits = path.stem[len("rank") :]
+        if digits.isdigit():
+            found[int(digits)] = path.read_text(encoding="utf-8", errors="replace").strip()
+    return found
+
+
+def summarize(
+    failures: list[RankFailure],
+    *,
+    world_size: int,
+    node_rank: int,
+    diagnoses: dict[int, str] | None = None,
+) -> str:
+    """A few lines per failed rank, the first failure (usually the root cause) first.
+
+    When a rank diagnosed a failed collective, the first diagnosis (by the failing ranks'
+    order, then by rank) is quoted: it says which rank waited where, and why.
+    """
     failed, stopped = split_stopped(failures)
     ranks = ", ".join(str(f.rank) for f in failed)
     lines = [
@@ -92,6 +121,10 @@ def summarize(failures: list[RankFailure], *, world_size: int, node_rank: int) -
         lines.append(
             f"  stopped by the launcher: rank(s) {', '.join(str(f.rank) for f in stopped)}"
         )
+    if diagnoses:
+        order = [f.rank for f in failed if f.rank in diagnoses] + sorted(diagnoses)
+        lines.append("  diagnosis:")
+        lines.extend(f"    {line}" for line in diagnoses[order[0]].splitlines())
     return "\n".join(lines)
 
 
