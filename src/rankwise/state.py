@@ -44,3 +44,44 @@ def strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The bare model's state dict: no ``module.``/``_orig_mod.`` whatever wraps it."""
     return strip_prefixes(unwrap_model(model).state_dict())
+
+
+# -- hooks for wrappers (our DDP and DP): the wrapper level never shows in keys ----------
+
+PREFIX = "module."
+
+
+def strip_module_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict post-hook: ``module.fc.weight`` -> ``fc.weight`` (the seed's pitfall 5)."""
+    head = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(head)]:
+        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        old = head[:-1]
+        for key in [k for k in metadata if k == old or k.startswith(head)]:
+            new = prefix[:-1] if key == old else prefix + key[len(head) :]
+            metadata[new] = metadata.pop(key)
+
+
+def add_module_prefix(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    *args: Any,
+) -> None:
+    """load_state_dict pre-hook: accept keys with or without ``module.``."""
+    inner = getattr(module, "module", None)
+    ambiguous = isinstance(inner, nn.Module) and "module" in inner._modules
+    head = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.startswith(head) and not ambiguous:
+            continue
+        state_dict[head + key[len(prefix) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None and prefix == "" and head[:-1] not in metadata and "" in metadata:
+        for key in [k for k in metadata if not k.startswith(head)]:
+            metadata[head + key if key else head[:-1]] = metadata[key]

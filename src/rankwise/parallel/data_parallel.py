@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..state import add_module_prefix, strip_module_prefix
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes
@@ -117,15 +118,6 @@ class _LossStep(nn.Module):
         return self.loss_fn(output, target) if has_target else self.loss_fn(output)
 
 
-def _accept_module_prefix(dp: DataParallel, state_dict: dict, prefix: str, *_: Any) -> None:
-    """Load hook: keys saved without ``module.`` (our ``state_dict``) get it, so both load."""
-    expected = dp.module.state_dict(keep_vars=True).keys()
-    for key in list(state_dict):
-        rest = key[len(prefix) :]
-        if key.startswith(prefix) and rest in expected:
-            state_dict[f"{prefix}module.{rest}"] = state_dict.pop(key)
-
-
 class DataParallel(nn.Module):
     """Data parallelism in one process: the batch is split over ``device_ids``, one thread each.
 
@@ -192,7 +184,9 @@ class DataParallel(nn.Module):
             # Kept out of the module tree so state_dict stays the model's alone.
             object.__setattr__(self, "loss_fn", loss_fn)
         self._check_master()
-        self.register_load_state_dict_pre_hook(_accept_module_prefix)
+        # No `module.` in saved keys; loading accepts keys with or without it (pitfall 5).
+        self.register_state_dict_post_hook(strip_module_prefix)
+        self.register_load_state_dict_pre_hook(add_module_prefix)
 
     def _check_master(self) -> None:
         master = self.device_ids[0]
@@ -242,9 +236,3 @@ class DataParallel(nn.Module):
         # mean over N samples = sum_i n_i * mean_i / N: every sample's gradient is scaled by 1/N
         # exactly as in one loss over the gathered batch, also for uneven chunks.
         return torch.stack([m * n for m, n in zip(moved, sizes, strict=True)]).sum() / sum(sizes)
-
-    def state_dict(
-        self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> Any:
-        """The wrapped module's state, without a ``module.`` prefix (loads into the bare model)."""
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

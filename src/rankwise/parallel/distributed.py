@@ -27,14 +27,13 @@ from torch import nn
 from .. import env as envmod
 from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
+from ..state import add_module_prefix, strip_module_prefix
 from . import compression as comp
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from .reducer import Reducer
 from .state import (
-    add_module_prefix,
     broadcast_tensors,
     move_to_device,
-    strip_module_prefix,
     trainable_parameters,
     verify_same_model,
 )

@@ -22,8 +22,6 @@ from ..errors import ConfigError, DistributedError
 _BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
 """Largest single broadcast at construction: bounds the temporary copy of the model."""
 
-PREFIX = "module."
-
 
 def trainable_parameters(module: nn.Module, rank: int) -> tuple[list[str], list[nn.Parameter]]:
     """(names, parameters) that get averaged: requires_grad, shared ones once, in module order."""
@@ -152,39 +150,3 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: move_to_device(v, device) for k, v in obj.items()}
     return obj
-
-
-def strip_module_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """state_dict post-hook: ``module.fc.weight`` -> ``fc.weight`` (the seed's pitfall 5)."""
-    head = prefix + PREFIX
-    for key in [k for k in state_dict if k.startswith(head)]:
-        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        old = head[:-1]
-        for key in [k for k in metadata if k == old or k.startswith(head)]:
-            new = prefix[:-1] if key == old else prefix + key[len(head) :]
-            metadata[new] = metadata.pop(key)
-
-
-def add_module_prefix(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    *args: Any,
-) -> None:
-    """load_state_dict pre-hook: accept keys with or without ``module.``."""
-    inner = getattr(module, "module", None)
-    ambiguous = isinstance(inner, nn.Module) and "module" in inner._modules
-    head = prefix + PREFIX
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if key.startswith(head) and not ambiguous:
-            continue
-        state_dict[head + key[len(prefix) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None and prefix == "" and head[:-1] not in metadata and "" in metadata:
-        for key in [k for k in metadata if not k.startswith(head)]:
-            metadata[head + key if key else head[:-1]] = metadata[key]
