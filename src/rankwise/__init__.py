@@ -1,5 +1,6 @@
 """rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many."""
 
+from . import updates
 from .comm import (
     all_gather_object,
     all_reduce,
@@ -43,4 +44,5 @@ __all__ = [
     "is_initialized",
     "print0",
     "shutdown",
+    "updates",
 ]
