@@ -44,8 +44,8 @@ class AsyncUpdates(UpdateStrategy):
         dedicated_server: bool = False,
         timeout: float | None = None,
     ) -> None:
-        super().__init__(model, optimizer)
         StalenessGate((), staleness)  # validates the bound on every rank, before any traffic
+        super().__init__(model, optimizer)
         world = self.runtime.world_size
         _check_placement(server_rank, dedicated_server, world)
         self.staleness_bound = staleness
@@ -68,6 +68,7 @@ class AsyncUpdates(UpdateStrategy):
             reply = self._request(Message(Kind.PULL, self.rank))
             self._version = reply.version
             self.flat.load_values(reply.payload)
+        self._opened()
 
     def _start_server(self, optimizer: torch.optim.Optimizer) -> None:
         params, server_opt = _server_copy(self.flat.params, optimizer)

@@ -32,8 +32,7 @@ class UpdateStrategy:
         self.flat = FlatParams(model.parameters())
         _check_optimizer_params(self.flat, optimizer, self.name)
         self.steps = 0
-        self.closed = False
-        atexit.register(self._at_exit)
+        self.closed = True  # until the subclass is fully built and calls _opened()
 
     # ---- the optimizer interface the training loop uses --------------------------------------
     @property
@@ -74,6 +73,11 @@ class UpdateStrategy:
     def abort(self, exc: BaseException) -> None:
         """This rank failed with ``exc``: stop without waiting for the others."""
         self._closed()
+
+    def _opened(self) -> None:
+        """Construction succeeded: from now on, the end of the program must stop us cleanly."""
+        self.closed = False
+        atexit.register(self._at_exit)
 
     def _closed(self) -> None:
         self.closed = True

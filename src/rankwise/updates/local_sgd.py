@@ -35,6 +35,7 @@ class LocalSGD(UpdateStrategy):
         self.every = every
         self.averages = 0
         broadcast_parameters(self)
+        self._opened()
 
     def step(self) -> None:
         self._check_open()

@@ -26,6 +26,7 @@ class SyncUpdates(UpdateStrategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(model, optimizer)
         broadcast_parameters(self)
+        self._opened()
 
     def step(self) -> None:
         self._check_open()
