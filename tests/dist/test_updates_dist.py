@@ -122,7 +122,7 @@ def test_every_strategy_reaches_the_least_squares_optimum_and_staleness_stays_bo
     results = run_distributed(_all_strategies, 3, timeout=240)
     optimum = _lstsq()
     for name in CASES:
-        finals = [results[r][name]["final"] for r in range(3)]
+        finals = [torch.tensor(results[r][name]["final"], dtype=torch.float64) for r in range(3)]
         for r in range(3):
             # close() leaves every rank with the same final parameters, at the optimum.
             assert torch.equal(finals[r], finals[0]), (name, r)

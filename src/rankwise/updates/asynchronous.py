@@ -192,7 +192,7 @@ class AsyncUpdates(UpdateStrategy):
             self._local.notify(msg)
             return
         with contextlib.suppress(RuntimeError):  # best effort: the server may be gone already
-            self._wire.isend_text(self.server_rank, msg, timeout=min(self.timeout, 30.0))
+            self._wire.isend(self.server_rank, msg, timeout=min(self.timeout, 30.0))
 
     def _lost_server(self, exc: BaseException) -> DistributedError:
         if isinstance(exc, queue.Empty):

@@ -1,18 +1,20 @@
 """The parameter server's wire format: a fixed tensor schema, no pickle.
 
-Every message is an int64 header ``[kind, rank, version, aux]`` followed by at most one payload
-whose shape the kind fixes:
+Every message is one fixed-size byte frame: an int64 header ``[kind, rank, version, aux]``
+(32 bytes) followed by a body whose meaning the kind fixes. The frame size is the same for
+every message of a run (``32 + max(numel * itemsize, TEXT_BYTES)``), so a receiver always
+knows how much to receive, and a message costs one Gloo send instead of two:
 
 =========  ==========  =====================================  ===============================
-kind       direction   header fields                          payload
+kind       direction   header fields                          body
 =========  ==========  =====================================  ===============================
-PULL       worker→PS   rank                                   none
+PULL       worker→PS   rank                                   unused
 PUSH       worker→PS   rank, version computed on, local step  gradients, ``numel`` elements
-DONE       worker→PS   rank                                   none
-ABORT      worker→PS   rank, -, text length                   error text, ``TEXT_BYTES`` uint8
-BYE        worker→PS   rank (after receiving STOP)            none
+DONE       worker→PS   rank                                   unused
+ABORT      worker→PS   rank, -, text length                   error text, UTF-8
+BYE        worker→PS   rank (after receiving STOP)            unused
 PARAMS     PS→worker   rank, version, staleness of the push   parameters, ``numel`` elements
-STOP       PS→worker   failed rank, -, text length            reason, ``TEXT_BYTES`` uint8
+STOP       PS→worker   failed rank, -, text length            reason, UTF-8
 =========  ==========  =====================================  ===============================
 
 The protocol is strict request/reply: each PULL, PUSH or DONE gets exactly one PARAMS or STOP,
@@ -75,48 +77,53 @@ def _decode_text(buf: torch.Tensor, length: int) -> str:
     return bytes(buf[: max(0, min(length, TEXT_BYTES))].tolist()).decode("utf-8", "replace")
 
 
+_HEADER_BYTES = 32  # 4 x int64; also keeps the body aligned for any dtype
+
+
 class WireChannel:
-    """Send and receive ``Message`` over a (Gloo) process group; the caller names the peer."""
+    """Send and receive ``Message`` frames over a (Gloo) process group; the caller names the peer."""
 
     def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> None:
         self.group = group
         self.numel = numel
         self.dtype = dtype
+        self._flat_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.frame_bytes = _HEADER_BYTES + max(self._flat_bytes, TEXT_BYTES)
+
+    def _frame(self, msg: Message) -> torch.Tensor:
+        frame = torch.zeros(self.frame_bytes, dtype=torch.uint8)
+        aux = msg.aux
+        body = frame[_HEADER_BYTES:]
+        if msg.kind in _FLAT_PAYLOAD:
+            body[: self._flat_bytes].view(self.dtype).copy_(msg.payload.reshape(-1))
+        elif msg.kind in _TEXT_PAYLOAD:
+            text, aux = _encode_text(msg.text)
+            body[:TEXT_BYTES].copy_(text)
+        header = torch.tensor([int(msg.kind), msg.rank, msg.version, aux], dtype=torch.int64)
+        frame[:_HEADER_BYTES].view(torch.int64).copy_(header)
+        return frame
 
     def send(self, dst: int, msg: Message) -> None:
         """Blocking send (returns once the peer has received it, on Gloo)."""
-        aux, payload = msg.aux, msg.payload
-        if msg.kind in _TEXT_PAYLOAD:
-            payload, aux = _encode_text(msg.text)
-        header = torch.tensor([int(msg.kind), msg.rank, msg.version, aux], dtype=torch.int64)
-        dist.send(header, dst=dst, group=self.group)
-        if msg.kind in _FLAT_PAYLOAD:
-            dist.send(payload.to("cpu", self.dtype).contiguous(), dst=dst, group=self.group)
-        elif msg.kind in _TEXT_PAYLOAD:
-            dist.send(payload, dst=dst, group=self.group)
+        dist.send(self._frame(msg), dst=dst, group=self.group)
 
-    def isend_text(self, dst: int, msg: Message, timeout: float) -> None:
-        """Best-effort send of an ABORT: gives up after ``timeout`` instead of blocking."""
-        payload, aux = _encode_text(msg.text)
-        header = torch.tensor([int(msg.kind), msg.rank, msg.version, aux], dtype=torch.int64)
-        for t in (header, payload):
-            work = dist.isend(t, dst=dst, group=self.group)
-            work.wait(timedelta(seconds=timeout))
+    def isend(self, dst: int, msg: Message, timeout: float) -> None:
+        """Send that gives up after ``timeout`` s (for an ABORT, when the server may be gone)."""
+        work = dist.isend(self._frame(msg), dst=dst, group=self.group)
+        work.wait(timedelta(seconds=timeout))
 
     def recv(self, src: int) -> Message:
         """Blocking receive of one message from ``src``; raises on timeout or a lost peer."""
-        header = torch.empty(4, dtype=torch.int64)
-        dist.recv(header, src=src, group=self.group)
-        kind, rank, version, aux = (int(v) for v in header.tolist())
+        frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
+        dist.recv(frame, src=src, group=self.group)
+        kind, rank, version, aux = frame[:_HEADER_BYTES].view(torch.int64).tolist()
         kind = Kind(kind)
+        body = frame[_HEADER_BYTES:]
         if kind in _FLAT_PAYLOAD:
-            payload = torch.empty(self.numel, dtype=self.dtype)
-            dist.recv(payload, src=src, group=self.group)
+            payload = body[: self._flat_bytes].view(self.dtype)
             return Message(kind, rank, version, aux, payload)
         if kind in _TEXT_PAYLOAD:
-            buf = torch.empty(TEXT_BYTES, dtype=torch.uint8)
-            dist.recv(buf, src=src, group=self.group)
-            return Message(kind, rank, version, aux, text=_decode_text(buf, aux))
+            return Message(kind, rank, version, aux, text=_decode_text(body, aux))
         return Message(kind, rank, version, aux)
 
 
