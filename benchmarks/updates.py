@@ -82,17 +82,22 @@ def _agree_to_stop(deadline: float) -> bool:
     return bool(flag.item())
 
 
-def _run(name: str, cfg: dict) -> dict:
+def _make(name: str, cfg: dict):
     kind, options = STRATEGIES[name]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = _data(cfg)
     torch.manual_seed(1)
     model = torch.nn.Linear(cfg["dim"], 1)
     base = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     if kind == "torch-ddp":
         opt = _TorchDDP(model, base)
-    else:
-        opt = rw.updates.wrap(model, base, kind, **options)
+        return model, opt.ddp, opt
+    return model, model, rw.updates.wrap(model, base, kind, **options)
+
+
+def _train_for(name: str, cfg: dict, model, forward, opt) -> tuple[float, list]:
+    """Train until the budget is spent; the last rank sleeps longer per step (the slow worker)."""
+    kind, options = STRATEGIES[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _data(cfg)
     shard_x, shard_y = (
         x[opt.worker_index :: opt.num_workers],
         y[opt.worker_index :: opt.num_workers],
@@ -100,13 +105,12 @@ def _run(name: str, cfg: dict) -> dict:
     gen = torch.Generator().manual_seed(100 + rank)
     step_s = cfg["step_ms"] / 1000 * (cfg["slow_factor"] if rank == world - 1 else 1.0)
     every = options.get("every", 1)
-    forward = opt.ddp if kind == "torch-ddp" else model
     curve: list[tuple[float, float]] = []
     dist.barrier()
     start = time.monotonic()
     deadline = start + cfg["seconds"]
     while True:
-        if kind == "async":
+        if kind == "async":  # no agreement needed: each worker stops on its own
             if time.monotonic() > deadline:
                 break
         elif opt.steps % every == 0 and _agree_to_stop(deadline):
@@ -119,20 +123,24 @@ def _run(name: str, cfg: dict) -> dict:
         if rank == 0:
             with torch.no_grad():
                 curve.append((time.monotonic() - start, F.mse_loss(model(x), y).item()))
-    elapsed = time.monotonic() - start
+    return time.monotonic() - start, curve
+
+
+def _run(name: str, cfg: dict) -> dict:
+    model, forward, opt = _make(name, cfg)
+    elapsed, curve = _train_for(name, cfg, model, forward, opt)
     opt.close()
-    stats = opt.server_stats() if kind == "async" else None
+    stats = opt.server_stats() if STRATEGIES[name][0] == "async" else None
     totals = torch.tensor([opt.steps * cfg["batch"], elapsed], dtype=torch.float64)
-    gathered = [torch.zeros_like(totals) for _ in range(world)]
+    gathered = [torch.zeros_like(totals) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, totals)
-    samples = sum(int(t[0]) for t in gathered)
-    wall = max(float(t[1]) for t in gathered)
+    x, y = _data(cfg)
     with torch.no_grad():
         final = F.mse_loss(model(x), y).item()
     return {
-        "samples_per_s": samples / wall,
+        "samples_per_s": sum(float(t[0]) for t in gathered) / max(float(t[1]) for t in gathered),
         "steps_per_rank": [int(t[0]) // cfg["batch"] for t in gathered],
-        "wall_s": wall,
+        "wall_s": max(float(t[1]) for t in gathered),
         "final_loss": final,
         "curve": curve,
         "staleness_histogram": None if stats is None else stats.staleness_histogram,

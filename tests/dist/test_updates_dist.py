@@ -229,3 +229,28 @@ def test_a_worker_that_dies_stops_every_rank_naming_it(tmp_path):
         assert text.startswith(
             f"DistributedError: [rank {r}] training stopped: lost contact with worker rank 2 ("
         ), text
+
+
+def _cuda_sync_and_async_s0() -> dict:
+    # Both ranks on cuda:0 with Gloo (one GPU is enough); the server's wire stays on the CPU.
+    rw.init("gloo", device="cuda:0")
+    x, y = (t.cuda() for t in _problem())
+    out = {}
+    for strategy, options in (("sync", {}), ("async", {"staleness": 0})):
+        model = _model().cuda()
+        opt = rw.updates.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy, **options)
+        rank = rw.get_runtime().rank
+        with opt:
+            for _ in range(10):
+                torch.nn.functional.mse_loss(model(x[rank::2]), y[rank::2]).backward()
+                opt.step()
+                opt.zero_grad()
+        out[strategy] = _params(model)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_staleness_zero_still_equals_synchronous_training():
+    results = run_distributed(_cuda_sync_and_async_s0, 2, init=False, timeout=180)
+    for r in range(2):
+        assert results[r]["async"] == results[r]["sync"] == results[0]["sync"], r
