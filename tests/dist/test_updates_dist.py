@@ -254,3 +254,47 @@ def test_on_cuda_staleness_zero_still_equals_synchronous_training():
     results = run_distributed(_cuda_sync_and_async_s0, 2, init=False, timeout=180)
     for r in range(2):
         assert results[r]["async"] == results[r]["sync"] == results[0]["sync"], r
+
+
+def _slow_but_alive_then_silent() -> dict:
+    rank = rw.get_runtime().rank
+    x, y = _problem()
+    model = _model()
+    out = {}
+
+    def step(opt) -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    # Rank 1 takes 4 steps of 1 s; rank 0 takes one and then waits ~4 s in close(), longer
+    # than the 3 s timeout: the server's heartbeats make that a wait, not an error.
+    opt = rw.updates.asynchronous(model, torch.optim.SGD(model.parameters(), lr=0.01), timeout=3)
+    with opt:
+        for _ in range(1 if rank == 0 else 4):
+            time.sleep(1.0 if rank == 1 else 0.0)
+            step(opt)
+    out["steps"] = opt.steps
+    # Rank 1 falls silent for 7 s, longer than the timeout: that is a hang, and an error.
+    try:
+        with rw.updates.asynchronous(
+            model, torch.optim.SGD(model.parameters(), lr=0.01), staleness=1, timeout=3
+        ) as opt:
+            for i in range(200):
+                time.sleep(7.0 if rank == 1 and i == 3 else 0.0)
+                step(opt)
+    except DistributedError as exc:
+        out["silent"] = str(exc).splitlines()[0]
+    return out
+
+
+def test_waiting_for_a_slow_worker_is_not_a_timeout_but_a_silent_one_is():
+    results = run_distributed(_slow_but_alive_then_silent, 2, timeout=120)
+    assert [r["steps"] for r in results] == [1, 4]
+    assert results[0]["silent"].startswith(
+        "[rank 0] training stopped: lost contact with worker rank 1 (RuntimeError: "
+    ), results[0]["silent"]
+    assert "Timed out" in results[0]["silent"]
+    assert results[1]["silent"].startswith(
+        "[rank 1] async: lost contact with the parameter server on rank 0 at step 3 ("
+    ), results[1]["silent"]

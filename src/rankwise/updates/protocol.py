@@ -15,11 +15,13 @@ ABORT      worker→PS   rank, -, text length                   error text, UTF-
 BYE        worker→PS   rank (after receiving STOP)            unused
 PARAMS     PS→worker   rank, version, staleness of the push   parameters, ``numel`` elements
 STOP       PS→worker   failed rank, -, text length            reason, UTF-8
+WAIT       PS→worker   rank, version                          unused
 =========  ==========  =====================================  ===============================
 
 The protocol is strict request/reply: each PULL, PUSH or DONE gets exactly one PARAMS or STOP,
-and the server never sends unsolicited messages. That matters on Gloo, where a send blocks
-until the peer posts the matching receive: a reply always finds its worker waiting.
+possibly preceded by WAIT heartbeats while the server holds the worker back; the server never
+sends to a worker that is not waiting for it. That matters on Gloo, where a send blocks until
+the peer posts the matching receive: a message always finds its worker waiting.
 The same ``Message`` tuples travel through in-process queues between rank 0's training thread
 and its server thread (the server cannot send to its own rank over Gloo).
 """
@@ -47,6 +49,7 @@ class Kind(IntEnum):
     LOST = 6  # never on the wire: a receiver thread's note that a worker vanished
     PARAMS = 10
     STOP = 11
+    WAIT = 12
 
 
 _FLAT_PAYLOAD = (Kind.PUSH, Kind.PARAMS)
@@ -136,6 +139,9 @@ class LocalChannel:
 
     def request(self, msg: Message, timeout: float) -> Message:
         self.inbox.put(msg)
+        return self.next_reply(timeout)
+
+    def next_reply(self, timeout: float) -> Message:
         return self.replies.get(timeout=timeout)
 
     def notify(self, msg: Message) -> None:

@@ -6,14 +6,21 @@ receiver thread per remote worker that turns blocking Gloo receives into queue i
 from one named peer is how Gloo reports that this peer died; a receive from "any source" is not).
 Rank 0's own training thread, when it trains too, talks to the loop through queues.
 
-A receiver only listens for a worker's next message after the server has replied to it, so its
-timeout measures the worker's own silence, never the time the server held the worker back.
+Timeouts measure the silence of whoever is being waited for, never a legitimate wait:
+
+- a receiver only listens for a worker's next message after the server has replied to it, so
+  its timeout measures the worker's own silence between two steps (rank 0's own worker is
+  watched by the loop with the same limit);
+- a worker held back by the staleness bound, or waiting at ``close()`` for slower workers to
+  finish, receives a WAIT heartbeat every ``timeout / 4``, so its own timeout measures the
+  server's silence, and a long wait for a live, slow worker is not an error.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -57,6 +64,7 @@ class ParameterServer:
         channel: WireChannel | None,
         bound: int | None,
         rank: int,
+        timeout: float,
     ) -> None:
         self._flat = FlatParams(params)
         self._opt = optimizer
@@ -78,6 +86,9 @@ class ParameterServer:
         self._by_worker: Counter[int] = Counter()
         self._updates = 0
         self._threads: list[threading.Thread] = []
+        self._timeout = timeout
+        self._heartbeat = timeout / 4
+        self._local_since = time.monotonic()  # when the local worker last got a reply
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,9 +118,6 @@ class ParameterServer:
         """The server's current parameters (the final ones once ``join`` returned True)."""
         return self._flat.values()
 
-    def unfinished(self) -> list[int]:
-        return [w for w in self._workers if w not in self._finished]
-
     def stats(self) -> ServerStats:
         with self._lock:
             return ServerStats(
@@ -134,10 +142,18 @@ class ParameterServer:
             self.inbox.put(text_message(Kind.LOST, worker, text))
 
     def _serve(self) -> None:
+        next_beat = time.monotonic() + self._heartbeat
         while len(self._finished) < len(self._workers):
-            msg = self.inbox.get()
             try:
-                self._handle(msg)
+                msg = self.inbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                msg = None
+            try:
+                if msg is not None:
+                    self._handle(msg)
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self._heartbeat
+                    self._beat()
             except Exception as exc:
                 if self._failure is None:
                     text = (
@@ -147,6 +163,20 @@ class ParameterServer:
                     self._fail(text_message(Kind.STOP, self._rank, text))
         for go in self._go.values():  # release receivers still waiting for a go-ahead
             go.put(False)
+
+    def _beat(self) -> None:
+        """Tell waiting workers the server is alive; notice a silent local worker."""
+        for w in sorted(self._waiting):
+            self._send(w, Message(Kind.WAIT, w, self._gate.version))
+        local = self._local
+        silent = time.monotonic() - self._local_since
+        busy = local is not None and local not in self._waiting and local not in self._finished
+        if busy and silent > self._timeout:
+            text = (
+                f"lost contact with worker rank {local} (no step for {silent:.0f}s, "
+                f"timeout {self._timeout:.0f}s)"
+            )
+            self.inbox.put(text_message(Kind.LOST, local, text))
 
     # ---- the protocol ------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
@@ -217,16 +247,23 @@ class ParameterServer:
         if last:
             self._finished.add(w)
         if w == self._local:
+            self._local_since = time.monotonic()
+        if self._send(w, msg) and not last and w != self._local:
+            self._go[w].put(True)  # it will send again: PUSH or DONE after PARAMS, BYE after STOP
+
+    def _send(self, w: int, msg: Message) -> bool:
+        """Deliver to a waiting worker; a worker that cannot be reached ends the run."""
+        if w == self._local:
             self.local_replies.put(msg)
-            return
+            return True
         try:
             self._channel.send(w, msg)
+            return True
         except Exception as exc:
+            self._waiting.pop(w, None)
             self._finished.add(w)
             self._go[w].put(False)
             if self._failure is None:
                 text = f"lost contact with worker rank {w} ({type(exc).__name__}: {exc})"
                 self._fail(text_message(Kind.STOP, w, text))
-            return
-        if not last:  # it will send again: a PUSH or DONE after PARAMS, a BYE after STOP
-            self._go[w].put(True)
+            return False
