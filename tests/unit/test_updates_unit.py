@@ -156,6 +156,8 @@ def test_bad_arguments_are_refused_with_the_value_and_the_fix():
         ConfigError, match=r"server_rank=3 is not a rank of this job \(world size 1\)"
     ):
         rw.updates.asynchronous(model, opt, server_rank=3)
+    with pytest.raises(ConfigError, match=r"async: timeout=0 must be a positive number of seconds"):
+        rw.updates.asynchronous(model, opt, timeout=0)
     other = torch.optim.SGD(torch.nn.Linear(5, 1).parameters(), lr=0.1)
     with pytest.raises(
         ConfigError, match=r"holds a tensor of shape \(1, 5\) that is not a trainable"

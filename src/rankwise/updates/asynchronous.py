@@ -50,7 +50,13 @@ class AsyncUpdates(UpdateStrategy):
         self.staleness_bound = staleness
         self.server_rank = server_rank
         self.workers = [r for r in range(world) if not (dedicated_server and r == server_rank)]
-        self.timeout = self.runtime.timeout.total_seconds() if timeout is None else float(timeout)
+        self.timeout = self.runtime.timeout.total_seconds() if timeout is None else timeout
+        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
+            raise ConfigError(
+                f"async: timeout={timeout!r} must be a positive number of seconds",
+                fix="pass e.g. timeout=300 (the longest a worker may go without a step), "
+                "or leave it unset to use the runtime's.",
+            )
         self.staleness: list[int] = []
         """Staleness of each of this worker's gradients when the server applied it, in order."""
         self._version = 0
