@@ -1,5 +1,6 @@
 """rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many."""
 
+from . import updates
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .comm import (
     all_gather_object,
@@ -65,4 +66,5 @@ __all__ = [
     "shutdown",
     "split",
     "unwrap_model",
+    "updates",
 ]

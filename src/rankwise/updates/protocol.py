@@ -1,0 +1,148 @@
+"""The parameter server's wire format: a fixed tensor schema, no pickle.
+
+Every message is one fixed-size byte frame: an int64 header ``[kind, rank, version, aux]``
+(32 bytes) followed by a body whose meaning the kind fixes. The frame size is the same for
+every message of a run (``32 + max(numel * itemsize, TEXT_BYTES)``), so a receiver always
+knows how much to receive, and a message costs one Gloo send instead of two:
+
+=========  ==========  =====================================  ===============================
+kind       direction   header fields                          body
+=========  ==========  =====================================  ===============================
+PULL       worker→PS   rank                                   unused
+PUSH       worker→PS   rank, version computed on, local step  gradients, ``numel`` elements
+DONE       worker→PS   rank                                   unused
+ABORT      worker→PS   rank, -, text length                   error text, UTF-8
+BYE        worker→PS   rank (after receiving STOP)            unused
+PARAMS     PS→worker   rank, version, staleness of the push   parameters, ``numel`` elements
+STOP       PS→worker   failed rank, -, text length            reason, UTF-8
+WAIT       PS→worker   rank, version                          unused
+=========  ==========  =====================================  ===============================
+
+The protocol is strict request/reply: each PULL, PUSH or DONE gets exactly one PARAMS or STOP,
+possibly preceded by WAIT heartbeats while the server holds the worker back; the server never
+sends to a worker that is not waiting for it. That matters on Gloo, where a send blocks until
+the peer posts the matching receive: a message always finds its worker waiting.
+The same ``Message`` tuples travel through in-process queues between rank 0's training thread
+and its server thread (the server cannot send to its own rank over Gloo).
+"""
+
+from __future__ import annotations
+
+import queue
+from datetime import timedelta
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+TEXT_BYTES = 512
+"""Size of the error-text payload of ABORT and STOP (UTF-8, truncated)."""
+
+
+class Kind(IntEnum):
+    PULL = 1
+    PUSH = 2
+    DONE = 3
+    ABORT = 4
+    BYE = 5
+    LOST = 6  # never on the wire: a receiver thread's note that a worker vanished
+    PARAMS = 10
+    STOP = 11
+    WAIT = 12
+
+
+_FLAT_PAYLOAD = (Kind.PUSH, Kind.PARAMS)
+_TEXT_PAYLOAD = (Kind.ABORT, Kind.STOP)
+
+
+class Message(NamedTuple):
+    kind: Kind
+    rank: int
+    version: int = 0
+    aux: int = 0
+    payload: torch.Tensor | None = None
+    text: str = ""
+
+
+def text_message(kind: Kind, rank: int, text: str) -> Message:
+    return Message(kind, rank, text=text)
+
+
+def _encode_text(text: str) -> tuple[torch.Tensor, int]:
+    raw = text.encode("utf-8")[:TEXT_BYTES]
+    buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return buf, len(raw)
+
+
+def _decode_text(buf: torch.Tensor, length: int) -> str:
+    return bytes(buf[: max(0, min(length, TEXT_BYTES))].tolist()).decode("utf-8", "replace")
+
+
+_HEADER_BYTES = 32  # 4 x int64; also keeps the body aligned for any dtype
+
+
+class WireChannel:
+    """Send and receive ``Message`` frames over a (Gloo) process group; the caller names the peer."""
+
+    def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> None:
+        self.group = group
+        self.numel = numel
+        self.dtype = dtype
+        self._flat_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.frame_bytes = _HEADER_BYTES + max(self._flat_bytes, TEXT_BYTES)
+
+    def _frame(self, msg: Message) -> torch.Tensor:
+        frame = torch.zeros(self.frame_bytes, dtype=torch.uint8)
+        aux = msg.aux
+        body = frame[_HEADER_BYTES:]
+        if msg.kind in _FLAT_PAYLOAD:
+            body[: self._flat_bytes].view(self.dtype).copy_(msg.payload.reshape(-1))
+        elif msg.kind in _TEXT_PAYLOAD:
+            text, aux = _encode_text(msg.text)
+            body[:TEXT_BYTES].copy_(text)
+        header = torch.tensor([int(msg.kind), msg.rank, msg.version, aux], dtype=torch.int64)
+        frame[:_HEADER_BYTES].view(torch.int64).copy_(header)
+        return frame
+
+    def send(self, dst: int, msg: Message) -> None:
+        """Blocking send (returns once the peer has received it, on Gloo)."""
+        dist.send(self._frame(msg), dst=dst, group=self.group)
+
+    def isend(self, dst: int, msg: Message, timeout: float) -> None:
+        """Send that gives up after ``timeout`` s (for an ABORT, when the server may be gone)."""
+        work = dist.isend(self._frame(msg), dst=dst, group=self.group)
+        work.wait(timedelta(seconds=timeout))
+
+    def recv(self, src: int) -> Message:
+        """Blocking receive of one message from ``src``; raises on timeout or a lost peer."""
+        frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
+        dist.recv(frame, src=src, group=self.group)
+        kind, rank, version, aux = frame[:_HEADER_BYTES].view(torch.int64).tolist()
+        kind = Kind(kind)
+        body = frame[_HEADER_BYTES:]
+        if kind in _FLAT_PAYLOAD:
+            payload = body[: self._flat_bytes].view(self.dtype)
+            return Message(kind, rank, version, aux, payload)
+        if kind in _TEXT_PAYLOAD:
+            return Message(kind, rank, version, aux, text=_decode_text(body, aux))
+        return Message(kind, rank, version, aux)
+
+
+class LocalChannel:
+    """Rank 0's training thread talking to the server thread in the same process."""
+
+    def __init__(self, inbox: queue.Queue, replies: queue.Queue) -> None:
+        self.inbox = inbox
+        self.replies = replies
+
+    def request(self, msg: Message, timeout: float) -> Message:
+        self.inbox.put(msg)
+        return self.next_reply(timeout)
+
+    def next_reply(self, timeout: float) -> Message:
+        return self.replies.get(timeout=timeout)
+
+    def notify(self, msg: Message) -> None:
+        self.inbox.put(msg)

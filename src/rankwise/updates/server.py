@@ -1,0 +1,269 @@
+"""The parameter server: it holds the parameters and a copy of the user's optimizer, and applies
+each gradient as it arrives (or, under a staleness bound, as soon as the bound allows).
+
+It runs in background threads of the server rank: one loop thread that owns all state, and one
+receiver thread per remote worker that turns blocking Gloo receives into queue items (a receive
+from one named peer is how Gloo reports that this peer died; a receive from "any source" is not).
+Rank 0's own training thread, when it trains too, talks to the loop through queues.
+
+Timeouts measure the silence of whoever is being waited for, never a legitimate wait:
+
+- a receiver only listens for a worker's next message after the server has replied to it, so
+  its timeout measures the worker's own silence between two steps (rank 0's own worker is
+  watched by the loop with the same limit);
+- a worker held back by the staleness bound, or waiting at ``close()`` for slower workers to
+  finish, receives a WAIT heartbeat every ``timeout / 4``, so its own timeout measures the
+  server's silence, and a long wait for a live, slow worker is not an error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ._flat import FlatParams
+from .gate import Applied, StalenessGate
+from .protocol import Kind, Message, WireChannel, text_message
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """What the server applied, and how late. Read it on the server rank."""
+
+    staleness_bound: int | None
+    """The bound ``s`` the server enforced (None: none)."""
+    updates: int
+    """Optimizer steps applied (one per batch of gradients released together)."""
+    gradients: int
+    """Gradients applied (each worker step pushes one)."""
+    staleness_histogram: dict[int, int] = field(default_factory=dict)
+    """Staleness -> number of gradients applied with it."""
+    gradients_by_worker: dict[int, int] = field(default_factory=dict)
+    """Worker rank -> number of its gradients applied."""
+
+    @property
+    def max_staleness(self) -> int:
+        return max(self.staleness_histogram, default=0)
+
+
+class ParameterServer:
+    """Serves ``workers`` from the current rank; call ``start()``, then ``join()`` at the end."""
+
+    def __init__(
+        self,
+        *,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        workers: list[int],
+        local_worker: int | None,
+        channel: WireChannel | None,
+        bound: int | None,
+        rank: int,
+        timeout: float,
+    ) -> None:
+        self._flat = FlatParams(params)
+        self._opt = optimizer
+        self._gate = StalenessGate(workers, bound)
+        self._workers = sorted(workers)
+        self._local = local_worker
+        self._channel = channel
+        self._rank = rank
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.local_replies: queue.Queue[Message] = queue.Queue()
+        self._go = {r: queue.Queue() for r in self._workers if r != local_worker}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._waiting: dict[int, Kind] = {}  # worker -> request still without a reply
+        self._done: set[int] = set()
+        self._finished: set[int] = set()
+        self._failure: Message | None = None
+        self._lock = threading.Lock()
+        self._hist: Counter[int] = Counter()
+        self._by_worker: Counter[int] = Counter()
+        self._updates = 0
+        self._threads: list[threading.Thread] = []
+        self._timeout = timeout
+        self._heartbeat = timeout / 4
+        self._local_since = time.monotonic()  # when the local worker last got a reply
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for r in self._go:
+            self._spawn(self._receive, r, name=f"rankwise-ps-recv{r}")
+        self._loop = self._spawn(self._serve, name="rankwise-ps")
+
+    def _spawn(self, target, *args, name: str) -> threading.Thread:
+        # Daemon: at interpreter exit, Python joins non-daemon threads BEFORE atexit handlers,
+        # and our atexit handler is what tells the server to stop.
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the server loop to end; True when it did."""
+        self._loop.join(timeout)
+        return not self._loop.is_alive()
+
+    @property
+    def failure(self) -> Message | None:
+        """The STOP sent to every worker after a failure (its rank and reason), else None."""
+        return self._failure
+
+    def values(self) -> torch.Tensor:
+        """The server's current parameters (the final ones once ``join`` returned True)."""
+        return self._flat.values()
+
+    def stats(self) -> ServerStats:
+        with self._lock:
+            return ServerStats(
+                staleness_bound=self._gate.bound,
+                updates=self._updates,
+                gradients=sum(self._hist.values()),
+                staleness_histogram=dict(sorted(self._hist.items())),
+                gradients_by_worker=dict(sorted(self._by_worker.items())),
+            )
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _receive(self, worker: int) -> None:
+        try:
+            while True:
+                msg = self._channel.recv(worker)
+                self.inbox.put(msg)
+                if msg.kind in (Kind.DONE, Kind.ABORT, Kind.BYE) or not self._go[worker].get():
+                    return
+        except Exception as exc:  # a timeout or a vanished peer: both end this worker
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            text = f"lost contact with worker rank {worker} ({type(exc).__name__}: {first})"
+            self.inbox.put(text_message(Kind.LOST, worker, text))
+
+    def _serve(self) -> None:
+        next_beat = time.monotonic() + self._heartbeat
+        while len(self._finished) < len(self._workers):
+            try:
+                msg = self.inbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                msg = None
+            try:
+                if msg is not None:
+                    self._handle(msg)
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self._heartbeat
+                    self._beat()
+            except Exception as exc:
+                if self._failure is None:
+                    text = (
+                        f"the parameter server on rank {self._rank} failed with "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    self._fail(text_message(Kind.STOP, self._rank, text))
+        for go in self._go.values():  # release receivers still waiting for a go-ahead
+            go.put(False)
+
+    def _beat(self) -> None:
+        """Tell waiting workers the server is alive; notice a silent local worker."""
+        for w in sorted(self._waiting):
+            self._send(w, Message(Kind.WAIT, w, self._gate.version))
+        local = self._local
+        silent = time.monotonic() - self._local_since
+        busy = local is not None and local not in self._waiting and local not in self._finished
+        if busy and silent > self._timeout:
+            text = (
+                f"lost contact with worker rank {local} (no step for {silent:.0f}s, "
+                f"timeout {self._timeout:.0f}s)"
+            )
+            self.inbox.put(text_message(Kind.LOST, local, text))
+
+    # ---- the protocol ------------------------------------------------------------------------
+    def _handle(self, msg: Message) -> None:
+        w, kind = msg.rank, msg.kind
+        if kind == Kind.BYE:
+            self._finished.add(w)
+        elif kind in (Kind.ABORT, Kind.LOST):
+            self._finished.add(w)
+            self._waiting.pop(w, None)
+            text = msg.text if kind == Kind.LOST else f"worker rank {w} failed with {msg.text}"
+            if self._failure is None:
+                self._fail(text_message(Kind.STOP, w, text))
+        elif self._failure is not None:
+            self._waiting[w] = kind
+            self._stop(w)
+        elif kind == Kind.PULL:
+            version = self._gate.start(w)
+            self._waiting[w] = kind
+            self._reply(w, Message(Kind.PARAMS, w, version, 0, self._flat.values()))
+        elif kind == Kind.PUSH:
+            self._grads[w] = msg.payload
+            self._waiting[w] = kind
+            self._apply(self._gate.push(w))
+        elif kind == Kind.DONE:
+            self._done.add(w)
+            self._waiting[w] = kind
+            self._apply(self._gate.leave(w))
+            if self._done == set(self._workers):
+                self._finish()
+
+    def _apply(self, batch: list[Applied]) -> None:
+        """One optimizer step with the released gradients, each weighted 1/num_workers."""
+        if not batch:
+            return
+        total: torch.Tensor | None = None
+        for a in batch:  # rank order: the same sum on every run
+            g = self._grads.pop(a.worker).to(self._flat.device)
+            total = g.clone() if total is None else total.add_(g)
+        total.div_(len(self._workers))
+        self._flat.load_grads(total)
+        self._opt.step()
+        with self._lock:
+            self._updates += 1
+            self._hist.update(a.staleness for a in batch)
+            self._by_worker.update(a.worker for a in batch)
+        values = self._flat.values()
+        for a in batch:
+            reply = Message(Kind.PARAMS, a.worker, self._gate.version, a.staleness, values)
+            self._reply(a.worker, reply)
+
+    def _finish(self) -> None:
+        values = self._flat.values()
+        for w in sorted(self._done):
+            self._reply(w, Message(Kind.PARAMS, w, self._gate.version, 0, values))
+
+    def _fail(self, stop: Message) -> None:
+        self._failure = stop
+        for w in sorted(self._waiting):
+            self._stop(w)
+
+    def _stop(self, w: int) -> None:
+        self._reply(w, self._failure._replace(payload=None))
+
+    def _reply(self, w: int, msg: Message) -> None:
+        """Answer ``w``'s outstanding request; after a DONE or a STOP-to-DONE it is finished."""
+        request = self._waiting.pop(w)
+        last = request == Kind.DONE
+        if last:
+            self._finished.add(w)
+        if w == self._local:
+            self._local_since = time.monotonic()
+        if self._send(w, msg) and not last and w != self._local:
+            self._go[w].put(True)  # it will send again: PUSH or DONE after PARAMS, BYE after STOP
+
+    def _send(self, w: int, msg: Message) -> bool:
+        """Deliver to a waiting worker; a worker that cannot be reached ends the run."""
+        if w == self._local:
+            self.local_replies.put(msg)
+            return True
+        try:
+            self._channel.send(w, msg)
+            return True
+        except Exception as exc:
+            self._waiting.pop(w, None)
+            self._finished.add(w)
+            self._go[w].put(False)
+            if self._failure is None:
+                text = f"lost contact with worker rank {w} ({type(exc).__name__}: {exc})"
+                self._fail(text_message(Kind.STOP, w, text))
+            return False
