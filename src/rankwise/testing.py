@@ -133,6 +133,8 @@ def run_distributed(
         return _collect(procs, results, stack_files, timeout)
     finally:
         for p in procs:
+            if p.pid is None:  # never started (spawning an earlier rank failed)
+                continue
             if p.is_alive():
                 p.kill()
             p.join(5)
