@@ -349,7 +349,10 @@ def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
     if isinstance(given, Loader):
         return "rw.loader kept as built"
     if global_batch_size is not None:
-        return f"global_batch_size={global_batch_size} (DataLoader batch_size={given.batch_size} unused)"
+        unused = given.batch_size != global_batch_size
+        return f"global_batch_size={global_batch_size}" + (
+            f" (the DataLoader's batch_size={given.batch_size} is not used)" * unused
+        )
     b = given.batch_size
     return {
         "single": f"batch_size={b} is the batch per step",
