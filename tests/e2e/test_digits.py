@@ -46,3 +46,15 @@ def test_plain_python_then_resume_under_dataparallel(tmp_path):
     )
     assert f"resumed from {ckpt} after epoch 0" in second
     assert FINAL.search(second).group(4, 5, 6, 7) == ("dp", "2", "1", "1")
+
+
+def test_the_demo_passes_rankwise_check(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "rankwise", "check", DIGITS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "No pitfalls found in 1 file."), (
+        done.stderr
+    )
