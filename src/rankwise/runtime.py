@@ -69,9 +69,16 @@ class Runtime:
         """True when a process group with more than one rank is active."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    # The one-call API; the logic lives in session.py.
+    # The one-call API; the logic lives in the session package (strategy, model, loader).
 
-    def prepare(self, model, optimizer=None, loader=None, *, global_batch_size=None) -> Any:
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loader: Any = None,
+        *,
+        global_batch_size: int | None = None,
+    ) -> Any:
         """Move, then wrap the model for ``strategy``; split the loader; see ``session.prepare``.
 
         Sync point: all ranks under 'ddp'.
@@ -80,7 +87,9 @@ class Runtime:
 
         return session.prepare(self, model, optimizer, loader, global_batch_size=global_batch_size)
 
-    def prepare_loader(self, loader, *, global_batch_size=None, evaluation=False) -> Any:
+    def prepare_loader(
+        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
+    ) -> Any:
         """A loader split over the replicas, batches on the device; ``evaluation``: each sample
         once. No sync point."""
         from . import session
@@ -95,13 +104,13 @@ class Runtime:
 
         print0(*args, **kwargs)
 
-    def save(self, path, **kwargs: Any) -> Path:
+    def save(self, path: str | Path, **kwargs: Any) -> Path:
         """``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks (call it on every rank)."""
         from .checkpoint import save_checkpoint
 
         return save_checkpoint(path, **kwargs)
 
-    def load(self, path, **kwargs: Any) -> dict[str, Any]:
+    def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
         """``rw.load_checkpoint``, mapped to this process's device. No sync point."""
         from .checkpoint import load_checkpoint
 

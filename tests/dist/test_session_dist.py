@@ -66,7 +66,8 @@ def test_single_dp_and_ddp_reach_the_same_parameters():
     single, steps, _, name = train("single", None, GLOBAL_BATCH, True)
     assert name == "single" and steps == EPOCHS * STEPS_PER_EPOCH
     rw.shutdown()
-    dp, dp_steps, dp_log, name = train("dp", ["cpu", "cpu"], GLOBAL_BATCH, True)
+    # dp: global_batch_size= decides; the DataLoader's batch_size=5 is not used.
+    dp, dp_steps, dp_log, name = train("dp", ["cpu", "cpu"], 5, True)
     assert name == "dp" and dp_steps == steps
     rw.shutdown()
     # ddp: the DataLoader's batch_size keeps torch's meaning (per process), global = 8 x 2.
@@ -89,6 +90,6 @@ def test_single_dp_and_ddp_reach_the_same_parameters():
     )
     assert log1 == ""
     assert dp_log == (
-        "[rank 0/1] rankwise prepare [dp]: global_batch_size=16 (DataLoader batch_size=16 "
-        "unused): global batch 16 = 8 per device x 2 devices\n"
+        "[rank 0/1] rankwise prepare [dp]: global_batch_size=16 (the DataLoader's batch_size=5 "
+        "is not used): global batch 16 = 8 per device x 2 devices\n"
     )
