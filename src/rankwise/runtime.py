@@ -8,8 +8,12 @@ both values named, instead of torch's error.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,10 @@ class Runtime:
     """Timeout of the rendezvous and of every collective."""
     owns_process_group: bool = field(default=False, repr=False)
     """True when ``init`` created the process group (and ``shutdown`` should destroy it)."""
+    strategy: str = "single"
+    """How ``prepare`` parallelises: 'single', 'dp' (DataParallel) or 'ddp' ('auto' resolved)."""
+    devices: tuple[torch.device, ...] = ()
+    """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
 
     @property
     def rank(self) -> int:
@@ -60,6 +68,53 @@ class Runtime:
     def distributed(self) -> bool:
         """True when a process group with more than one rank is active."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    # The one-call API; the logic lives in the session package (strategy, model, loader).
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loader: Any = None,
+        *,
+        global_batch_size: int | None = None,
+    ) -> Any:
+        """Move, then wrap the model for ``strategy``; split the loader; see ``session.prepare``.
+
+        Sync point: all ranks under 'ddp'.
+        """
+        from . import session
+
+        return session.prepare(self, model, optimizer, loader, global_batch_size=global_batch_size)
+
+    def prepare_loader(
+        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
+    ) -> Any:
+        """A loader split over the replicas, batches on the device; ``evaluation``: each sample
+        once. No sync point."""
+        from . import session
+
+        return session.prepare_loader(
+            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
+        )
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (``rw.print0``)."""
+        from .log import print0
+
+        print0(*args, **kwargs)
+
+    def save(self, path: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks (call it on every rank)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(path, **kwargs)
+
+    def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
+        """``rw.load_checkpoint``, mapped to this process's device. No sync point."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(path, **kwargs)
 
 
 # The process group is process-global state in torch; this mirrors it, nothing more.
@@ -177,29 +232,43 @@ def init(
     device: str | torch.device | None = None,
     timeout: float | timedelta | None = None,
     env: DistEnv | None = None,
+    strategy: str | None = None,
+    devices: Sequence[Any] | None = None,
 ) -> Runtime:
     """Join the distributed job described by the environment, or run as a single process.
 
     Idempotent: a second call returns the same runtime. Works unlaunched (``python train.py``)
     as world size 1, where no process group is created and every collective is a no-op.
+    ``strategy`` ('auto', 'single', 'dp', 'ddp') and ``devices`` (DataParallel's) decide what
+    ``rt.prepare`` does; 'auto' (the default) is 'ddp' when launched, 'dp' over every GPU
+    when unlaunched with several, else 'single'.
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
     global _current
+    from . import session
+
     if _current is not None:
         _check_same(_current, backend, device, timeout)
+        session.check_same(_current, strategy, devices)
         return _current
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
-        _current = _adopt_existing(env, device, timeout_td)
+        rt = _adopt_existing(env, device, timeout_td)
+        _current = _with_plan(rt, session.plan(strategy, devices, rt.env, device))
         return _current
+    # Settled before the rendezvous: a refused strategy fails every rank at once.
+    the_plan = session.plan(strategy, devices, env, device)
+    if the_plan.devices:
+        device = the_plan.devices[0]
     dev = choose_device(env, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.world_size == 1:
-        _current = Runtime(env=env, device=dev, backend=None, timeout=timeout_td)
+        rt = Runtime(env=env, device=dev, backend=None, timeout=timeout_td)
+        _current = _with_plan(rt, the_plan)
         return _current
     chosen = choose_backend(dev, backend)
     _pick_gloo_interface(env, chosen)
@@ -224,9 +293,8 @@ def init(
             "from this machine (`rankwise doctor`), or raise the timeout.",
             rank=env.rank,
         ) from exc
-    _current = Runtime(
-        env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True
-    )
+    rt = Runtime(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
+    _current = _with_plan(rt, the_plan)
     return _current
 
 
@@ -243,6 +311,10 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
         env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
     )
     return {"store": dist.PrefixStore(f"/rankwise/attempt_{env.restart_count}", store)}
+
+
+def _with_plan(rt: Runtime, plan: Any) -> Runtime:
+    return dataclasses.replace(rt, strategy=plan.strategy, devices=plan.devices or (rt.device,))
 
 
 def get_runtime() -> Runtime:

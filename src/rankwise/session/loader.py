@@ -1,0 +1,229 @@
+"""The loader: a plain DataLoader rebuilt as ``rw.loader`` with an explicit batch meaning, and
+batches moved to the device (the seed's pitfalls 3 and 4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+from ..data import Loader
+from ..data import loader as make_loader
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+
+def _shuffle_of(dl: DataLoader) -> bool:
+    """shuffle=True/False from torch's default samplers; anything else is refused."""
+    sampler = dl.sampler
+    if dl.batch_size is None:
+        what = "batch_sampler=" if dl.batch_sampler is not None else "batch_size=None"
+        raise ConfigError(
+            f"rt.prepare() cannot re-create a DataLoader built with {what}: the batches are "
+            "not described by a batch size it could split over the replicas",
+            fix="build the loader yourself with rw.loader(dataset, batch_size=..., sampler=...) "
+            "and pass it to rt.prepare (an rw.loader is kept as it is).",
+        )
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True
+    name = type(sampler).__name__
+    if "DistributedSampler" in name:
+        fix = (
+            "rt.prepare builds the distributed sampler itself: pass DataLoader(dataset, "
+            "batch_size=B, shuffle=True) without sampler=."
+        )
+    else:
+        fix = (
+            "build the loader yourself: rw.loader(dataset, batch_size=B, sampler=...) with a "
+            "sampler that splits the data over the ranks, and pass that to rt.prepare."
+        )
+    raise ConfigError(
+        f"rt.prepare() cannot re-create DataLoader(sampler={name}(...)): only shuffle=True "
+        "or shuffle=False (RandomSampler / SequentialSampler) can be split over the ranks "
+        "without changing what the sampler means",
+        fix=fix,
+    )
+
+
+def _dataloader_kwargs(dl: DataLoader) -> dict[str, Any]:
+    """Everything of ``dl`` except what the sampler and the batch contract decide."""
+    keys = (
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "timeout",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory_device",
+        "in_order",
+    )
+    return {k: getattr(dl, k) for k in keys if hasattr(dl, k)}
+
+
+def _rebuild(
+    rt: Runtime, dl: DataLoader, global_batch_size: int | None, evaluation: bool
+) -> Loader:
+    shuffle = _shuffle_of(dl)
+    in_process = len(rt.devices) if rt.strategy == "dp" else 1
+    batch_size = dl.batch_size if global_batch_size is None else None
+    if batch_size is not None and rt.strategy == "dp":
+        # torch's DataParallel meaning: the loader's batch is the global batch, split.
+        if dl.batch_size % in_process:
+            below = dl.batch_size // in_process * in_process
+            raise ConfigError(
+                f"DataLoader(batch_size={dl.batch_size}) is the global batch under "
+                f"strategy='dp' and does not split evenly over {in_process} devices",
+                fix=f"use batch_size={below or in_process} or {below + in_process}, or "
+                "rt.prepare(..., global_batch_size=...).",
+            )
+        batch_size = dl.batch_size // in_process
+    return make_loader(
+        dl.dataset,
+        batch_size=batch_size,
+        global_batch_size=global_batch_size,
+        shuffle=shuffle,
+        drop_last=dl.drop_last,
+        evaluation=evaluation,
+        replicas_in_process=in_process,
+        **_dataloader_kwargs(dl),
+    )
+
+
+def describe_batch(strategy: str, loader: Loader, source: str) -> str:
+    """The log line that says what the batch size means (``source``: how it was given)."""
+    g, b, per = loader.global_batch_size, loader.batch_size, loader.per_device_batch_size
+    if strategy == "ddp":
+        split = f"global batch {g} = {b} per process x {loader.num_replicas} processes"
+    elif strategy == "dp":
+        split = f"global batch {g} = {per} per device x {loader.replicas_in_process} devices"
+    else:
+        split = f"global batch {g}"
+    return f"rankwise prepare [{strategy}]: {source}: {split}"
+
+
+def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
+    if isinstance(given, Loader):
+        return "rw.loader kept as built"
+    if global_batch_size is not None:
+        unused = given.batch_size != global_batch_size
+        return f"global_batch_size={global_batch_size}" + (
+            f" (the DataLoader's batch_size={given.batch_size} is not used)" * unused
+        )
+    b = given.batch_size
+    return {
+        "single": f"batch_size={b} is the batch per step",
+        "ddp": f"batch_size={b} is per process (torch DDP's meaning)",
+        "dp": f"batch_size={b} is the global batch, split over the devices "
+        "(torch DataParallel's meaning)",
+    }[rt.strategy]
+
+
+def _check_kept(rt: Runtime, kept: Loader, global_batch_size: int | None) -> None:
+    in_process = len(rt.devices) if rt.strategy == "dp" else 1
+    if kept.replicas_in_process != in_process:
+        raise ConfigError(
+            f"the rw.loader was built with replicas_in_process={kept.replicas_in_process}, but "
+            f"strategy={rt.strategy!r} splits each batch over {in_process} device(s)",
+            fix=f"build it with replicas_in_process={in_process}, or pass a plain DataLoader "
+            "and let rt.prepare build the loader.",
+        )
+    if global_batch_size is not None and global_batch_size != kept.global_batch_size:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} was given, but the rw.loader passed has "
+            f"global batch {kept.global_batch_size}",
+            fix="build the loader with rw.loader(..., global_batch_size=...) or drop the argument.",
+        )
+
+
+def prepare_loader(
+    rt: Runtime,
+    loader: DataLoader | Loader,
+    *,
+    global_batch_size: int | None = None,
+    evaluation: bool = False,
+) -> DeviceLoader:
+    """``loader`` split over the replicas with our sampler; batches arrive on ``rt.device``.
+
+    A plain ``DataLoader``'s ``batch_size`` keeps torch's meaning for the strategy ('single':
+    per step; 'ddp': per process; 'dp': the global batch, split over the devices) unless
+    ``global_batch_size`` is given. The meaning is logged once, on rank 0. ``evaluation=True``
+    visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
+    No sync point.
+    """
+    from ..log import get_logger
+
+    if isinstance(loader, DeviceLoader):
+        loader = loader.loader
+    if isinstance(loader, Loader):
+        _check_kept(rt, loader, global_batch_size)
+        built = loader
+    elif isinstance(loader, DataLoader):
+        built = _rebuild(rt, loader, global_batch_size, evaluation)
+    else:
+        raise ConfigError(
+            f"loader={type(loader).__name__} is not a torch DataLoader nor an rw.loader",
+            fix="pass DataLoader(dataset, batch_size=B, shuffle=...) or rw.loader(dataset, ...).",
+        )
+    line = describe_batch(rt.strategy, built, _source(rt, loader, global_batch_size))
+    get_logger("rankwise.session").info(line + (" (evaluation: each sample once)" * evaluation))
+    return DeviceLoader(built, rt.device)
+
+
+class DeviceLoader:
+    """An ``rw.Loader`` whose batches are moved to ``device`` (DataParallel: its output device).
+
+    Keeps the loader's ``len``, ``set_epoch``, ``state_dict``/``load_state_dict`` (so
+    checkpoints and exact resume work) and its batch attributes (``batch_size``,
+    ``global_batch_size``, ``sampler``, ...). No sync point.
+    """
+
+    def __init__(self, loader: Loader, device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+        # Copies from pinned host memory can overlap compute; from pageable memory they are
+        # synchronous anyway, so non_blocking is only asked for where it helps.
+        self._non_blocking = device.type != "cpu" and bool(loader.dataloader.pin_memory)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield _to(batch, self.device, self._non_blocking)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``obj`` with every tensor in tuples, namedtuples, lists and dicts on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, tuple):
+        moved = [_to(o, device, non_blocking) for o in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [_to(o, device, non_blocking) for o in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, _to(v, device, non_blocking)) for k, v in obj.items())
+    return obj

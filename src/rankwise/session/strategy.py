@@ -1,0 +1,129 @@
+"""Which strategy this process runs: 'auto' resolved, refused combinations named with the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..env import DistEnv
+from ..errors import ConfigError, RuntimeStateError
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+STRATEGIES = ("auto", "single", "dp", "ddp")
+_LAUNCHER_FIX = (
+    "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
+    "with plain `python train.py` for one process."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``rw.init`` settles before it joins the job."""
+
+    strategy: str
+    """'single', 'dp' or 'ddp' ('auto' resolved)."""
+    devices: tuple[torch.device, ...] = ()
+    """DataParallel's devices under 'dp' (the first is the master); empty otherwise."""
+
+
+def _accelerator_count() -> int:
+    acc = torch.accelerator.current_accelerator()
+    return torch.accelerator.device_count() if acc is not None else 0
+
+
+def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, device: Any) -> Plan:
+    """Resolve ``strategy`` ('auto' included) for this process; errors say the fix.
+
+    'auto': launched with world size > 1 -> 'ddp'; unlaunched with ``devices=`` or several
+    GPUs (and no explicit ``device=``) -> 'dp'; otherwise 'single'. No sync point.
+    """
+    name = "auto" if strategy is None else strategy
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}",
+            fix="pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
+            "or name one of 'single', 'dp', 'ddp'.",
+        )
+    if devices is not None and name in ("single", "ddp"):
+        raise ConfigError(
+            f"devices={list(devices)!r} lists DataParallel's devices, but strategy={name!r} "
+            "computes on one device per process (rt.device)",
+            fix="drop devices=, or use strategy='dp' to split each batch over those devices.",
+        )
+    if name == "auto":
+        if env.world_size > 1:
+            name = "ddp" if devices is None else "dp"
+        elif devices is not None or (device is None and _accelerator_count() > 1):
+            name = "dp"
+        else:
+            name = "single"
+    if name in ("single", "dp") and env.world_size > 1:
+        raise ConfigError(
+            f"strategy={name!r} runs one process, but this process is rank {env.rank} of "
+            f"WORLD_SIZE={env.world_size} (from {env.source})",
+            fix=_LAUNCHER_FIX,
+            rank=env.rank,
+        )
+    if name != "dp":
+        return Plan(strategy=name)
+    return Plan(strategy="dp", devices=_dp_devices(devices, device))
+
+
+def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:
+    from ..parallel.data_parallel import resolve_device
+
+    if devices is None:
+        count = _accelerator_count()
+        if count == 0:
+            raise ConfigError(
+                "strategy='dp' was asked for on a machine without GPUs, and devices= was not given",
+                fix="pass devices=['cpu', 'cpu'] for two CPU replicas (threads in this process), "
+                "or use strategy='single'.",
+            )
+        acc = torch.accelerator.current_accelerator()
+        devices = [torch.device(acc.type, i) for i in range(count)]
+    if isinstance(devices, (str, int, torch.device)) or len(devices) == 0:
+        raise ConfigError(
+            f"devices={devices!r} must be a non-empty list of devices",
+            fix="pass e.g. devices=[0, 1] or devices=['cpu', 'cpu'].",
+        )
+    resolved = tuple(resolve_device(d, f"devices[{i}]") for i, d in enumerate(devices))
+    if device is not None and resolve_device(device, "device") != resolved[0]:
+        raise ConfigError(
+            f"device={device!r} differs from devices[0]={devices[0]!r}, DataParallel's master",
+            fix="drop device= (strategy='dp' computes on devices[0]), or list it first in devices.",
+        )
+    return resolved
+
+
+def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | None) -> None:
+    """A second ``rw.init`` may repeat the strategy (or say 'auto'), not ask for another one."""
+    if strategy in (None, "auto") and devices is None:
+        return
+    if devices is None:  # a named strategy: compare names ('dp' alone means "the same devices")
+        if strategy not in STRATEGIES:
+            plan(strategy, None, current.env, None)  # raises the bad-name error
+        asked = Plan(strategy=strategy)
+    else:
+        asked = plan(strategy, devices, current.env, None)
+    if asked.strategy != current.strategy:
+        key, have, want = "strategy", current.strategy, asked.strategy
+    elif devices is not None and asked.devices != current.devices:
+        key, have, want = "devices", _names(current.devices), _names(asked.devices)
+    else:
+        return
+    raise RuntimeStateError(
+        f"rw.init() was already called with {key}={have}; this call asks for {key}={want}",
+        fix="call rw.init() once at the start of the program (later calls return the same "
+        "runtime), or rw.shutdown() first to start over with other settings.",
+        rank=current.rank,
+    )
+
+
+def _names(devices: Sequence[torch.device]) -> str:
+    return "[" + ", ".join(f"'{d}'" for d in devices) + "]"

@@ -1,0 +1,60 @@
+"""The README's demo, run as a user runs it: `rankwise run` and plain `python`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "examples" / "digits.py")
+FINAL = re.compile(
+    r"test accuracy (\d\.\d{4}) \((\d+)/360\) \| throughput ([\d,]+) samples/s \| "
+    r"strategy (\w+), (\d) replica\(s\), epochs (\d+)-(\d+) in [\d.]+ s"
+)
+
+
+def _run(cmd: list[str], cwd: Path) -> str:
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_readme_command_trains_to_95_percent_with_two_processes(tmp_path):
+    # The README's first command, minus the install: two processes, default settings.
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", DIGITS]
+    out = _run([*cmd, "--ckpt", str(tmp_path / "ckpt")], tmp_path)
+    found = FINAL.findall(out)
+    assert len(found) == 1, out  # printed once, by rank 0
+    acc, correct, throughput, strategy, replicas, first, last = found[0]
+    assert float(acc) >= 0.95 and int(correct) / 360 == float(acc)
+    assert int(throughput.replace(",", "")) > 0
+    assert (strategy, replicas, first, last) == ("ddp", "2", "0", "7")
+    assert "[rank0]: " in out and "[rank1]: test accuracy" not in out
+    assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 3  # saved every epoch, keep 3
+
+
+def test_plain_python_then_resume_under_dataparallel(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _run([sys.executable, DIGITS, "--epochs", "1", "--ckpt", ckpt], tmp_path)
+    assert FINAL.search(first).group(4, 5, 6, 7) == ("single", "1", "0", "0")
+    # The checkpoint holds the bare model and the data position: another strategy resumes it.
+    dp = ["--strategy", "dp", "--devices", "cpu,cpu"]
+    second = _run(
+        [sys.executable, DIGITS, *dp, "--epochs", "2", "--resume", "--ckpt", ckpt], tmp_path
+    )
+    assert f"resumed from {ckpt} after epoch 0" in second
+    assert FINAL.search(second).group(4, 5, 6, 7) == ("dp", "2", "1", "1")
+
+
+def test_the_demo_passes_rankwise_check(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "rankwise", "check", DIGITS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "No pitfalls found in 1 file."), (
+        done.stderr
+    )
