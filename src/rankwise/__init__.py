@@ -1,29 +1,98 @@
-"""rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many."""
+"""rankwise: data-parallel and model-parallel training for PyTorch, on one machine or many.
 
-from . import updates
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .comm import (
-    all_gather_object,
-    all_reduce,
-    all_reduce_max,
-    all_reduce_mean,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    gather_object,
-)
-from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
-from .env import DistEnv
-from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
-from .log import get_logger, print0
-from .parallel import DataParallel, DistributedDataParallel
-from .pipeline import DistributedPipeline, Pipe, split
-from .progress import progress
-from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
-from .state import unwrap_model
-from .topology import Slot, Topology
+Names are imported on first use (PEP 562): ``import rankwise`` stays cheap, so commands that
+need no torch (``rankwise check``, ``rankwise topology``) start fast, and the launcher does not
+import the training engines it only starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "all_gather_object": ".comm",
+    "all_reduce": ".comm",
+    "all_reduce_max": ".comm",
+    "all_reduce_mean": ".comm",
+    "all_reduce_sum": ".comm",
+    "barrier": ".comm",
+    "broadcast_object": ".comm",
+    "ConfigError": ".errors",
+    "DataParallel": ".parallel",
+    "DistEnv": ".env",
+    "DistributedDataParallel": ".parallel",
+    "DistributedError": ".errors",
+    "DistributedPipeline": ".pipeline",
+    "DistributedSampler": ".data",
+    "EnvError": ".errors",
+    "gather_for_metrics": ".data",
+    "gather_object": ".comm",
+    "get_logger": ".log",
+    "get_runtime": ".runtime",
+    "init": ".runtime",
+    "is_initialized": ".runtime",
+    "join": ".data",
+    "list_checkpoints": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "Loader": ".data",
+    "loader": ".data",
+    "Pipe": ".pipeline",
+    "print0": ".log",
+    "progress": ".progress",
+    "RankwiseError": ".errors",
+    "Runtime": ".runtime",
+    "RuntimeStateError": ".errors",
+    "save_checkpoint": ".checkpoint",
+    "ShardedIterable": ".data",
+    "shutdown": ".runtime",
+    "Slot": ".topology",
+    "split": ".pipeline",
+    "Topology": ".topology",
+    "unwrap_model": ".state",
+    "updates": ".updates",
+}
+"""Public name -> the module that defines it (``updates`` is a module itself)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rankwise' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    value = module if name == "updates" else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from . import updates
+    from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from .comm import (
+        all_gather_object,
+        all_reduce,
+        all_reduce_max,
+        all_reduce_mean,
+        all_reduce_sum,
+        barrier,
+        broadcast_object,
+        gather_object,
+    )
+    from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
+    from .env import DistEnv
+    from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
+    from .log import get_logger, print0
+    from .parallel import DataParallel, DistributedDataParallel
+    from .pipeline import DistributedPipeline, Pipe, split
+    from .progress import progress
+    from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
+    from .state import unwrap_model
+    from .topology import Slot, Topology
 
 __all__ = [
     "ConfigError",

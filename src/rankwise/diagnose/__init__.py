@@ -36,16 +36,5 @@ API for code that issues collectives (the DDP reducer, checkpoints, samplers)::
 ``record`` works on any process group (``group=``); at world size 1 it records nothing.
 """
 
-from . import fingerprints
-from .fingerprints import Entry, Settings, collective, configure, failure, record, verify
-
-__all__ = [
-    "Entry",
-    "Settings",
-    "collective",
-    "configure",
-    "failure",
-    "fingerprints",
-    "record",
-    "verify",
-]
+# Submodules are imported where used (``from rankwise.diagnose import fingerprints as fp``), so
+# that ``rankwise doctor`` and the CLI parser do not pay for importing torch.

@@ -24,7 +24,7 @@ from .sidechannel import Channel, key_last, key_ring, parse_wire, record_from_di
 
 _FIX_UNTRACKED = (
     "every rank must reach the same collectives; check every rank's log for the first error, "
-    "or turn fingerprints on (rankwise.diagnose.configure(enabled=True)) for a diagnosis."
+    "or turn fingerprints on (rankwise.diagnose.fingerprints.configure(enabled=True)) for a diagnosis."
 )
 
 
