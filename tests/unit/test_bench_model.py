@@ -98,6 +98,14 @@ def test_recommendation_is_the_fastest_exact_strategy_with_numbers():
     assert "local-sgd is 1.40x faster still but does not compute the same update" in rec["text"]
 
 
+def test_recommendation_notes_when_the_fastest_repeat_disagrees_with_the_median():
+    noisy = _row("threads", 120.0)
+    noisy["step_ms"]["min"] = 34.0  # one undisturbed repeat, the others slowed by other jobs
+    rec = recommend([_row("single", 60.0), noisy])
+    assert rec["strategy"] == "single"
+    assert "by its fastest repeat threads would win (34.0 vs 58.8 ms/step)" in rec["text"]
+
+
 def test_recommendation_says_when_nothing_beats_one_process():
     rec = recommend([_row("single", 10.0), _row("ddp", 30.0, comm=20.0)])
     assert rec["strategy"] == "single"

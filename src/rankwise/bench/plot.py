@@ -52,13 +52,24 @@ def _projection(ax, doc: dict) -> None:
     )
     checks = p["validation"]["rows"]
     if checks:
-        # Measured efficiency here: the independent step (compute) over the synchronous step.
+        # Here the compute term is this machine's independent step (cores shared by the ranks):
+        # efficiency = independent / synchronous step, measured and as the model predicts it.
+        worlds_here = [c["world"] for c in checks]
         ax.scatter(
-            [c["world"] for c in checks],
+            worlds_here,
             [c["independent_ms"] / c["measured_ms"] for c in checks],
             color="tab:red",
             zorder=3,
-            label="measured here: independent / ddp step",
+            label="here, measured (independent / ddp step)",
+        )
+        ax.scatter(
+            worlds_here,
+            [c["independent_ms"] / c["predicted_ms"] for c in checks],
+            facecolors="none",
+            edgecolors="tab:red",
+            s=80,
+            zorder=3,
+            label="here, modelled",
         )
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
