@@ -132,6 +132,14 @@ def recommend(rows: list[dict]) -> dict:
     runner_up = exact[1] if len(exact) > 1 else None
     if runner_up and runner_up["step_ms"]["min"] <= best["step_ms"]["median"]:
         head += f", tied with {runner_up['name']} within run-to-run spread"
+    notes = _notes(ok, exact, best)
+    text = f"Recommendation: {head}; vs " + "; ".join(parts) if parts else f"Recommendation: {head}"
+    if notes:
+        text += ". Note: " + "; ".join(notes)
+    return {"strategy": best["name"], "text": text + "."}
+
+
+def _notes(ok: list[dict], exact: list[dict], best: dict) -> list[str]:
     notes = []
     quickest = min(exact, key=lambda r: r["step_ms"]["min"])
     if quickest is not best:
@@ -146,12 +154,10 @@ def recommend(rows: list[dict]) -> dict:
         if not r["exact"] and r["samples_per_s"] > 1.1 * best["samples_per_s"]:
             notes.append(
                 f"{r['name']} is {r['samples_per_s'] / best['samples_per_s']:.2f}x faster still but "
-                f"does not compute the same update (loss after the run {r['loss']:.4f} vs {best['loss']:.4f})"
+                f"does not compute the same update (loss after the run {r['loss']:.4f} vs "
+                f"{best['loss']:.4f})"
             )
-    text = f"Recommendation: {head}; vs " + "; ".join(parts) if parts else f"Recommendation: {head}"
-    if notes:
-        text += ". Note: " + "; ".join(notes)
-    return {"strategy": best["name"], "text": text + "."}
+    return notes
 
 
 def build(cfg, raw: dict, grad_bytes: int, parameters: int) -> dict:

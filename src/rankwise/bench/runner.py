@@ -236,24 +236,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     main = run_distributed(
         _worker, cfg.nproc, args=(cfg, names, True), backend=backend, timeout=cfg.timeout
     )[0]
-    validation = {}
-    for world in sorted(set(cfg.validate_worlds)):
-        if world == cfg.nproc and "ddp" in main["times"]:
-            times = main["times"]
-        else:
-            log(f"rankwise bench: validation run at world size {world}")
-            sub = replace(cfg, nproc=world)
-            times = run_distributed(
-                _worker,
-                world,
-                args=(sub, ["ddp", st.REFERENCE], False),
-                backend=backend,
-                timeout=cfg.timeout,
-            )[0]["times"]
-        validation[world] = {
-            "independent_ms": statistics.median(times[st.REFERENCE]),
-            "ddp_ms": statistics.median(times["ddp"]),
-        }
+    validation = _validate(cfg, main["times"], backend, log)
     return {
         "names": names,
         "skipped": skipped,
@@ -264,6 +247,28 @@ def run(cfg: BenchConfig, log=print) -> dict:
         "seconds": round(time.perf_counter() - t0, 1),
         "loadavg_1m": [load, _load()],
     }
+
+
+def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dict]:
+    """Median ``independent`` and ``ddp`` step (ms) at each world size of ``--validate``."""
+    from ..testing import run_distributed
+
+    out = {}
+    for world in sorted(set(cfg.validate_worlds)):
+        if backend == "nccl" and world > torch.cuda.device_count():
+            log(f"rankwise bench: no validation at world size {world}: not enough GPUs")
+            continue
+        here = times
+        if world != cfg.nproc or "ddp" not in times:
+            log(f"rankwise bench: validation run at world size {world}")
+            args = (replace(cfg, nproc=world), ["ddp", st.REFERENCE], False)
+            job = run_distributed(_worker, world, args=args, backend=backend, timeout=cfg.timeout)
+            here = job[0]["times"]
+        out[world] = {
+            "independent_ms": statistics.median(here[st.REFERENCE]),
+            "ddp_ms": statistics.median(here["ddp"]),
+        }
+    return out
 
 
 def _load() -> float | None:
