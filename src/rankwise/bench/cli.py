@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +43,11 @@ def config_from(args: argparse.Namespace):
     """The ``BenchConfig`` the flags describe (validated)."""
     from .runner import BenchConfig
 
+    # As `python -m` would: --model mymodule:factory is found in the current directory even
+    # through the `rankwise` script (whose sys.path starts at its own bin/ directory). The
+    # spawned ranks inherit sys.path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return BenchConfig(
         model=args.model,
         data=args.data,

@@ -31,8 +31,9 @@ def _throughput(ax, doc: dict) -> None:
     gb = doc["config"]["global_batch"] * 1e3
     med = [r["samples_per_s"] for r in rows]
     # Error bars span the repeats: samples/s at the slowest and fastest repeat.
-    low = [m - gb / r["step_ms"]["max"] for m, r in zip(med, rows, strict=True)]
-    high = [gb / r["step_ms"]["min"] - m for m, r in zip(med, rows, strict=True)]
+    # (Clamped at 0: samples/s is rounded, so with one repeat a bar could be "below" itself.)
+    low = [max(0.0, m - gb / r["step_ms"]["max"]) for m, r in zip(med, rows, strict=True)]
+    high = [max(0.0, gb / r["step_ms"]["min"] - m) for m, r in zip(med, rows, strict=True)]
     colors = ["tab:gray" if not r["exact"] else "tab:blue" for r in rows]
     best = doc["recommendation"]["strategy"]
     colors = ["tab:green" if n == best else c for n, c in zip(names, colors, strict=True)]
