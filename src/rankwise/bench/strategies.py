@@ -17,8 +17,8 @@ independent     every rank   the bare model on each rank's share, no communicati
                              the bound for any multi-process strategy on this machine
 ==============  ===========  =============================================================
 
-Ranks that do not work in a strategy wait in a barrier (a blocking wait: they leave the CPU
-to the working rank).
+Ranks that do not work in a strategy wait in the collective that ends its timed block (a blocking
+wait, measured: they leave the CPU to the working rank).
 """
 
 from __future__ import annotations
