@@ -1,0 +1,81 @@
+"""The report as a PNG: throughput per strategy, and scaling efficiency projected to 256 ranks.
+
+matplotlib with the Agg backend (no display needed); imported only when a plot is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_png(doc: dict, path: Path) -> Path:
+    """Draw ``doc`` (a ``report.build`` document) to ``path``; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    _throughput(left, doc)
+    _projection(right, doc)
+    fig.suptitle(f"rankwise bench: {doc['config']['model']}, {doc['config']['nproc']} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+    return path
+
+
+def _throughput(ax, doc: dict) -> None:
+    rows = [r for r in doc["strategies"] if r["available"]]
+    names = [r["name"] for r in rows]
+    gb = doc["config"]["global_batch"] * 1e3
+    med = [r["samples_per_s"] for r in rows]
+    # Error bars span the repeats: samples/s at the slowest and fastest repeat.
+    # (Clamped at 0: samples/s is rounded, so with one repeat a bar could be "below" itself.)
+    low = [max(0.0, m - gb / r["step_ms"]["max"]) for m, r in zip(med, rows, strict=True)]
+    high = [max(0.0, gb / r["step_ms"]["min"] - m) for m, r in zip(med, rows, strict=True)]
+    colors = ["tab:gray" if not r["exact"] else "tab:blue" for r in rows]
+    best = doc["recommendation"]["strategy"]
+    colors = ["tab:green" if n == best else c for n, c in zip(names, colors, strict=True)]
+    ax.bar(names, med, yerr=[low, high], color=colors, capsize=3)
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['speedup']:.2f}x", (i, med[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("samples/s (median, min-max over repeats)")
+    ax.set_title("measured here (green: recommended, grey: not exact)")
+    ax.tick_params(axis="x", rotation=30)
+
+
+def _projection(ax, doc: dict) -> None:
+    p = doc["projection"]
+    worlds = [r["world"] for r in p["curve"]]
+    ax.plot(
+        worlds, [r["efficiency"] for r in p["curve"]], marker="o", label="projected (ring model)"
+    )
+    checks = p["validation"]["rows"]
+    if checks:
+        # Here the compute term is this machine's independent step (cores shared by the ranks):
+        # efficiency = independent / synchronous step, measured and as the model predicts it.
+        worlds_here = [c["world"] for c in checks]
+        ax.scatter(
+            worlds_here,
+            [c["independent_ms"] / c["measured_ms"] for c in checks],
+            color="tab:red",
+            zorder=3,
+            label="here, measured (independent / ddp step)",
+        )
+        ax.scatter(
+            worlds_here,
+            [c["independent_ms"] / c["predicted_ms"] for c in checks],
+            facecolors="none",
+            edgecolors="tab:red",
+            s=80,
+            zorder=3,
+            label="here, modelled",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_title(f"synchronous data parallel, {p['network']['source']} network")
+    ax.legend(loc="lower left", fontsize=8)
+    ax.grid(alpha=0.3)
