@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.topology_cli",  # rankwise topology
     "rankwise.check.cli",  # rankwise check
     "rankwise.diagnose.doctor",  # rankwise doctor
+    "rankwise.bench.cli",  # rankwise bench
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 
