@@ -339,5 +339,8 @@ def shutdown() -> None:
     """
     global _current
     if _current is not None and _current.owns_process_group and dist.is_initialized():
+        from .diagnose import fingerprints
+
+        fingerprints.reset()  # its watchdog talks to the store the group is about to drop
         dist.destroy_process_group()
     _current = None

@@ -245,3 +245,17 @@ def test_ddp_gradient_bucket_names_the_stuck_ranks_and_sites() -> None:
         f"from {HERE}:{b}); rank 1 is waiting in barrier #6 (from {HERE}:{r1}, "
         "inside `if rank == 1 and step == 2`)"
     ) in text
+
+
+def _watchdog_after_shutdown() -> tuple[bool, bool]:
+    rw.init("gloo", timeout=30)
+    rw.all_reduce_sum(1.0)  # starts the watchdog thread
+    running = any(t.name == "rankwise-diagnose" for t in threading.enumerate())
+    rw.shutdown()
+    # A watchdog left running at interpreter exit is killed inside a store call: SIGABRT.
+    return running, any(t.name == "rankwise-diagnose" for t in threading.enumerate())
+
+
+def test_shutdown_joins_the_watchdog_so_exit_cannot_abort() -> None:
+    for running, left in run_distributed(_watchdog_after_shutdown, 2, init=False, timeout=90):
+        assert running and not left

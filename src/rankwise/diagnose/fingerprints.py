@@ -13,6 +13,7 @@ and every call that passes ``check=True`` (the user-level helpers in ``rankwise.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -185,10 +186,17 @@ def settings() -> Settings:
 
 
 def reset() -> None:
-    """Forget all groups and stop the watchdog (the next collective starts afresh)."""
+    """Forget all groups and stop the watchdog (the next collective starts afresh).
+
+    The watchdog is joined, not just told to stop: a daemon thread still inside a store call
+    when the interpreter finalises is killed mid-C++ and aborts the process ("terminate called
+    without an active exception"), which is why this also runs at exit.
+    """
     wd = _world["watchdog"]
     if wd is not None:
         wd.stopped.set()
+        if wd.is_alive() and wd is not threading.current_thread():
+            wd.join(timeout=10)
     _groups.clear()
     _world.update(pg=None, channel=None, watchdog=None)
 
@@ -205,6 +213,9 @@ def _interval() -> float:
 
 def _start_world(world: Any) -> None:
     reset()
+    if not _world.get("atexit"):
+        atexit.register(reset)
+        _world["atexit"] = True
     try:
         store = c10d._get_default_store()
     except Exception:
