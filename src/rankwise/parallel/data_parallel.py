@@ -21,53 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import DeviceLike, accelerator, resolve_device
 from ..errors import ConfigError
 from ..state import add_module_prefix, strip_module_prefix
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes
 
-DeviceLike = torch.device | str | int
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _accelerator() -> torch.device | None:
-    acc = torch.accelerator.current_accelerator()
-    return acc if acc is not None and torch.accelerator.is_available() else None
-
-
-def resolve_device(device: DeviceLike, what: str) -> torch.device:
-    """A full device (``cuda`` -> ``cuda:<current>``; an int -> that accelerator; -1 -> CPU)."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        if device == -1:
-            return torch.device("cpu")
-        acc = _accelerator()
-        if acc is None:
-            raise ConfigError(
-                f"{what}={device!r} names accelerator device {device}, but no accelerator "
-                "(CUDA, ...) is available in this process",
-                fix="use device_ids=['cpu', 'cpu'] for CPU replicas (threads on the CPU), or "
-                "run on a machine with GPUs",
-            )
-        device = torch.device(acc.type, device)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(
-            f"{what}={device!r} is not a device ({exc})",
-            fix="pass ints (accelerator indices), 'cuda:1', 'cpu' or torch.device objects",
-        ) from None
-    if dev.type == "cpu":
-        return torch.device("cpu")  # 'cpu:0' and 'cpu' are the same device
-    backend = torch.get_device_module(dev.type)
-    if dev.index is None:
-        dev = torch.device(dev.type, backend.current_device())
-    if dev.index >= backend.device_count():
-        raise ConfigError(
-            f"{what}={device!r}: this process sees {backend.device_count()} {dev.type} device(s)",
-            fix=f"use indices 0..{backend.device_count() - 1} (check CUDA_VISIBLE_DEVICES)",
-        )
-    return dev
 
 
 def resolve_device_ids(
@@ -75,7 +36,7 @@ def resolve_device_ids(
 ) -> list[torch.device]:
     """``device_ids`` as devices; ``None`` means every accelerator, or else the module's device."""
     if device_ids is None:
-        acc = _accelerator()
+        acc = accelerator()
         if acc is not None:
             return [torch.device(acc.type, i) for i in range(torch.accelerator.device_count())]
         first = next(itertools.chain(module.parameters(), module.buffers()), None)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
+from ..devices import resolve_device
 from ..errors import ConfigError, DistributedError
 from . import p2p, partition
 from .pipe import _check_chunks
@@ -87,7 +88,7 @@ class DistributedPipeline(nn.Module):
             )
         self.loss_reduction = loss_reduction
         self.stage_index = self.ranks.index(self.rank)
-        self.device = partition.resolve_device(device if device else rt.device, "device")
+        self.device = resolve_device(device if device else rt.device, "device")
         start = sum(self.balance[: self.stage_index])
         mine = OrderedDict(layers[start : start + self.balance[self.stage_index]])
         for name, layer in mine.items():

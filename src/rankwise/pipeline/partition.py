@@ -126,29 +126,3 @@ def balance_by_time(
                 x = layer(x)
                 best[idx] = min(best[idx], time.perf_counter() - start)
     return balance_by_weight(best, num_stages)
-
-
-def resolve_device(device: str | int | torch.device, where: str) -> torch.device:
-    """A ``torch.device`` that exists on this machine, or an error naming it and the fix."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(
-            f"{where}={device!r} is not a device name",
-            fix="use names like 'cpu', 'cuda:0', 'cuda:1'.",
-        ) from exc
-    if dev.type == "cpu":
-        return dev
-    backend = getattr(torch, dev.type, None)
-    count = backend.device_count() if backend and hasattr(backend, "device_count") else 0
-    if dev.index is None and count > 0:
-        dev = torch.device(dev.type, backend.current_device())
-    if count == 0 or dev.index >= count:
-        have = ", ".join(f"{dev.type}:{i}" for i in range(count)) or f"no {dev.type} device"
-        raise ConfigError(
-            f"{where}={device!r} does not exist: this machine has {count} {dev.type} "
-            f"device(s) ({have})",
-            fix=f"use devices among: {have}; or 'cpu' placeholders to try the split without "
-            "accelerators (check CUDA_VISIBLE_DEVICES if you expected more).",
-        )
-    return dev

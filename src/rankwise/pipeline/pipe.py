@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..devices import resolve_device
 from ..errors import ConfigError
 from . import partition, schedule
 
@@ -46,7 +47,7 @@ def _check_devices(devices: Sequence[str | int | torch.device]) -> list[torch.de
             f"devices={devices!r} must be a non-empty list, one device per stage",
             fix="pass e.g. devices=['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to try it on CPU).",
         )
-    return [partition.resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
+    return [resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
 
 
 class Pipe(nn.Module):

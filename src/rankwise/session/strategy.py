@@ -75,7 +75,7 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
 
 
 def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:
-    from ..parallel.data_parallel import resolve_device
+    from ..devices import resolve_device
 
     if devices is None:
         count = _accelerator_count()
