@@ -60,28 +60,36 @@ def test_failed_write_is_reported_on_every_rank_without_hanging(tmp_path):
         assert "failed on rank 0" in text and "previous checkpoint is untouched" in text
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_checkpoint_from_world_2_loads_at_other_world_sizes(tmp_path, world):
+@pytest.mark.parametrize(("world", "into"), [(1, "bare"), (1, "dp"), (3, "torch-ddp"), (3, "ddp")])
+def test_checkpoint_from_our_ddp_at_world_2_loads_anywhere(tmp_path, world, into):
     run_distributed(_write_world2, 2, args=(str(tmp_path),), timeout=60)
-    results = run_distributed(_load_anywhere, world, args=(str(tmp_path),), timeout=60)
+    results = run_distributed(_load_anywhere, world, args=(str(tmp_path), into), timeout=60)
     reference = _net()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(1.0)
     for state in results:
+        assert state.keys() == reference.state_dict().keys()
         assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
 
 
 def _write_world2(directory: str):
-    model = _net()
+    model = rw.DistributedDataParallel(_net())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     rw.save_checkpoint(directory, model=model, step=3)
 
 
-def _load_anywhere(directory: str):
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+def _load_anywhere(directory: str, into: str):
+    bare = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = {
+        "bare": lambda m: m,
+        "dp": lambda m: rw.DataParallel(m, device_ids=["cpu", "cpu"]),
+        "torch-ddp": lambda m: torch.nn.parallel.DistributedDataParallel(m),
+        "ddp": rw.DistributedDataParallel,
+    }[into](bare)
     info = rw.load_checkpoint(directory, model=model)
     assert info["meta"]["world_size"] == 2 and info["step"] == 3
-    return model.state_dict()
+    assert info["meta"]["strategy"] == "DistributedDataParallel"
+    return bare.state_dict()
