@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -69,5 +70,8 @@ def progress(
 
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
+    if not sys.stderr.isatty():
+        # Under a launcher each refresh becomes a log line: a few a second is plenty.
+        tqdm_kwargs.setdefault("mininterval", 2.0)
     bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, **tqdm_kwargs)
     return _Counted(iterable, bar, comm.world_size() if replicas is None else replicas)
