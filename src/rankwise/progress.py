@@ -44,7 +44,9 @@ class _Counted:
                 yield batch
                 samples += _batch_len(batch) * self.replicas
                 elapsed = max(time.perf_counter() - start, 1e-9)
-                self.bar.set_postfix_str(f"{samples / elapsed:,.0f} samples/s (global)")
+                self.bar.set_postfix_str(
+                    f"{samples / elapsed:,.0f} samples/s (global)", refresh=False
+                )
                 self.bar.update(1)
         finally:
             self.bar.close()
