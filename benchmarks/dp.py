@@ -10,8 +10,7 @@ CPU: DP replicas are threads on the CPU (``device_ids=["cpu"] * R``), DDP is R g
 one intra-op thread everywhere. CUDA (when available): DP over every GPU, torch's
 ``nn.DataParallel`` on the same GPUs in the same run, DDP one NCCL process per GPU.
 
-DDP is ``rankwise.DistributedDataParallel`` when importable, else torch's as a stand-in (the JSON
-says which); torch's DDP is also run beside ours when ours exists.
+DDP is ``rankwise.DistributedDataParallel``; torch's DDP runs beside it in the same run.
 
 Memory, standard vs balanced (``loss_fn=``) DataParallel:
 - CUDA: ``torch.cuda.max_memory_allocated`` per device over one forward+loss+backward, above
@@ -244,11 +243,7 @@ def parse() -> argparse.Namespace:
 
 
 def ddp_implementations() -> dict[str, str]:
-    """Strategy name -> DDP implementation: ours when importable (and torch's beside it)."""
-    try:
-        from rankwise import DistributedDataParallel  # noqa: F401
-    except ImportError:
-        return {"ddp": "torch"}  # stand-in until rankwise's DDP is on this branch
+    """Strategy name -> DDP implementation: ours, and torch's beside it."""
     return {"ddp": "rankwise", "torch_ddp": "torch"}
 
 

@@ -86,13 +86,11 @@ def test_two_rank_pipeline_equals_single_process_after_10_steps():
 
 
 def _ddp_over_split_rank(per_rank: int, chunks: int):
-    try:
-        from rankwise import DistributedDataParallel as DDP
-    except ImportError:
-        from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
     pipe = rw.split(_model(), devices=["cpu", "cpu"], balance=[2, 3], chunks=chunks)
-    model = DDP(pipe)  # device_ids=None: a module that may span several devices
+    model = rw.DistributedDataParallel(
+        pipe
+    )  # device_ids=None: a module that may span several devices
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for x, y in _data(per_rank * world):
         mine = slice(rank * per_rank, (rank + 1) * per_rank)

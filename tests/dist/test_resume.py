@@ -14,18 +14,13 @@ TOTAL_STEPS = 14  # 2 ranks x 4 per device over 40 samples: 5 steps an epoch, so
 STOP_AT = 7  # mid-epoch 1
 
 
-def _wrap(model: nn.Module) -> nn.Module:
-    ddp = getattr(rw, "DistributedDataParallel", None)
-    if ddp is None:  # until our engine is merged
-        from torch.nn.parallel import DistributedDataParallel as ddp
-    return ddp(model)
-
-
 def _train(ckpt_dir: str, stop_at: int | None, resume: bool) -> dict[str, torch.Tensor] | None:
     rt = rw.get_runtime()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
-    model = _wrap(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)))
+    model = rw.DistributedDataParallel(
+        nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = rw.loader(data, batch_size=4, shuffle=True)
     torch.manual_seed(1000 + rt.rank)  # dropout differs per rank: the RNG must be resumed too
