@@ -3,9 +3,7 @@
 Hot path of ``record`` (every collective rankwise issues): a signature lookup (cached per
 op/shape/dtype), a rolling hash, the user's call site (a walk up ``f_back`` to the first frame
 outside rankwise and torch), a ring-buffer append and one TCPStore ``set`` (no reply awaited).
-A few microseconds; ``benchmarks/diagnostics.py`` measures it against a step.
-
-Agreement checks all-gather ``(seq, rolling hash)`` before the collective exchanges data. The
+A few microseconds (``benchmarks/diagnostics.py``). Agreement checks all-gather ``(seq, rolling hash)`` before the collective exchanges data. The
 rolling hash covers every collective so far, so a check also vouches for all unchecked ones
 before it. Checked: each of the first ``check_first`` collectives, then every ``check_every``-th,
 and every call that passes ``check=True`` (the user-level helpers in ``rankwise.comm``).
@@ -186,12 +184,8 @@ def settings() -> Settings:
 
 
 def reset() -> None:
-    """Forget all groups and stop the watchdog (the next collective starts afresh).
-
-    The watchdog is joined, not just told to stop: a daemon thread still inside a store call
-    when the interpreter finalises is killed mid-C++ and aborts the process ("terminate called
-    without an active exception"), which is why this also runs at exit.
-    """
+    """Forget all groups; stop AND join the watchdog (also at exit: a daemon thread killed
+    inside a store call at finalisation aborts the process with SIGABRT)."""
     wd = _world["watchdog"]
     if wd is not None:
         wd.stopped.set()
