@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
     "ShardedIterable": ".data",
+    "ShardedDataParallel": ".parallel",
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
@@ -87,7 +88,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
-    from .parallel import DataParallel, DistributedDataParallel
+    from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
     from .pipeline import DistributedPipeline, Pipe, split
     from .progress import progress
     from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
@@ -108,6 +109,7 @@ __all__ = [
     "RankwiseError",
     "Runtime",
     "RuntimeStateError",
+    "ShardedDataParallel",
     "ShardedIterable",
     "Slot",
     "Topology",

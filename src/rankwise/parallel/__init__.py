@@ -2,12 +2,14 @@
 
 DataParallel = scatter + replicate + parallel_apply + gather (one process, a thread per device).
 DistributedDataParallel = buckets + reducer + a thin wrapper (one process per device).
+ShardedDataParallel = flat shard layout + the same hook pattern (ZeRO stages 1-3).
 """
 
 from .data_parallel import DataParallel
 from .distributed import DistributedDataParallel
 from .parallel_apply import parallel_apply
 from .replicate import replicate
+from .sharded import ShardedDataParallel
 from .scatter_gather import gather, scatter
 
 __all__ = [
@@ -17,4 +19,5 @@ __all__ = [
     "parallel_apply",
     "replicate",
     "scatter",
+    "ShardedDataParallel",
 ]
