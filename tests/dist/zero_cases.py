@@ -17,7 +17,9 @@ from torch import nn
 import rankwise as rw
 
 STEPS = 20
-BATCH = 3
+GLOBAL_BATCH = 12
+"""Fixed whatever the world size (12 = 1, 2, 3, 4 ranks x 12/N): runs at different world sizes
+are then the same computation, so a checkpoint may move between them mid-run."""
 
 
 class Net(nn.Module):
@@ -74,7 +76,7 @@ def use_side(kind: str, rank: int, step: int) -> dict:
 
 def batch(kind: str, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    n = world * BATCH
+    n = GLOBAL_BATCH
     if kind != "net":
         return torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 11, (n,), generator=g)
     return torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
@@ -91,19 +93,20 @@ def make_opt(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)
 
 
-def _mine(x: torch.Tensor, rank: int) -> torch.Tensor:
-    return x[rank * BATCH : (rank + 1) * BATCH]
+def _mine(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    b = GLOBAL_BATCH // world
+    return x[rank * b : (rank + 1) * b]
 
 
 def train(
     engine: str, kind: str, opt: str, steps: int = STEPS, *, accum: int = 1, clip: float = 0.0,
-    model: nn.Module | None = None, start: int = 0, stage3_unit_numel: int = 1,
+    start: int = 0, load: str | None = None, save: str | None = None, device: str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Train ``steps`` steps from ``start``; returns the full state. engine: 'one' (one process
     on the concatenated batch), 'ddp', 'zero1|2|3'. ``accum`` micro-batches per step (no_sync
-    on all but the last). The 'side' layer of Tied is unused on rank 1 at odd steps."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    base = model if model is not None else build(kind, 1000 + (0 if engine == "one" else rank))
+    on all but the last). ``load``/``save``: a checkpoint read before / written after."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    base = build(kind, 1000 + (0 if engine == "one" else rank)).to(device)
     if engine == "one":
         wrapped, optimizer = base, make_opt(opt)(list(base.parameters()))
     elif engine == "ddp":
@@ -111,24 +114,29 @@ def train(
         optimizer = make_opt(opt)(list(base.parameters()))
     else:
         wrapped = rw.ShardedDataParallel(base, make_opt(opt), stage=int(engine[-1]),
-                                         unit_numel=stage3_unit_numel)
+                                         unit_numel=1)
         optimizer = wrapped.optimizer
+    if load is not None:
+        rw.load_checkpoint(load, model=wrapped, optimizer=optimizer)
     for step in range(start, start + steps):
         for micro in range(accum):
-            x, y = batch(kind, step * accum + micro, world)
+            x, y = (t.to(device) for t in batch(kind, step * accum + micro, world))
             kw = use_side(kind, rank, step)
             if engine == "one":
                 # The concatenated batch, with each rank's share weighted as the mean of means.
                 losses = []
                 for r in range(world):
                     kw_r = use_side(kind, r, step)
-                    losses.append(loss_of(kind, wrapped, _mine(x, r), _mine(y, r), **kw_r))
+                    losses.append(
+                        loss_of(kind, wrapped, _mine(x, r, world), _mine(y, r, world), **kw_r)
+                    )
                 (torch.stack(losses).mean() / accum).backward()
                 continue
             last = micro == accum - 1
             ctx = contextlib.nullcontext() if last else wrapped.no_sync()
             with ctx:
-                (loss_of(kind, wrapped, _mine(x, rank), _mine(y, rank), **kw) / accum).backward()
+                loss = loss_of(kind, wrapped, _mine(x, rank, world), _mine(y, rank, world), **kw)
+                (loss / accum).backward()
         if kind == "tied_all" and engine in ("one", "ddp"):
             # The sharded engine's rule for a parameter no rank used: a zero gradient (the
             # optimizer still applies momentum and weight decay), as torch's FSDP does.
@@ -142,8 +150,45 @@ def train(
                 wrapped.clip_grad_norm_(clip)
         optimizer.step()
         optimizer.zero_grad()
+    if save is not None:
+        rw.save_checkpoint(save, model=wrapped, optimizer=optimizer)
     state = wrapped.state_dict()
-    return {k: v.detach().clone() for k, v in state.items()}
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def torch_peers(opt: str) -> dict[str, float]:
+    """torch's ZeroRedundancyOptimizer (over torch's DDP) vs our stage 1, and FSDP2's
+    ``fully_shard`` (one unit per layer and the root) vs our stage 3, on the same inputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    zro_model = torch.nn.parallel.DistributedDataParallel(build("net", 1000 + rank))
+    kwargs = {"momentum": 0.9} if opt == "sgd" else {}
+    cls = torch.optim.SGD if opt == "sgd" else torch.optim.AdamW
+    probe = make_opt(opt)([torch.nn.Parameter(torch.zeros(1))])
+    hyper = {k: probe.defaults[k] for k in ("lr", "weight_decay", *kwargs)}
+    zro = ZeroRedundancyOptimizer(zro_model.parameters(), optimizer_class=cls, **hyper)
+    fsdp_model = build("net", 1000)
+    mesh = init_device_mesh("cpu", (world,))
+    for sub in (fsdp_model.inp, fsdp_model.block, fsdp_model.out):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(fsdp_model, mesh=mesh)
+    fsdp_opt = make_opt(opt)(list(fsdp_model.parameters()))
+    for step in range(STEPS):
+        x, y = batch("net", step, world)
+        for model, optimizer in ((zro_model, zro), (fsdp_model, fsdp_opt)):
+            loss_of("net", model, _mine(x, rank, world), _mine(y, rank, world)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    full = {k: v.full_tensor() for k, v in fsdp_model.state_dict().items()}
+    out["torch_zero_redundancy_vs_zero1"] = max_diff(
+        {k: v.detach() for k, v in zro_model.module.state_dict().items()}, train("zero1", "net", opt)
+    )
+    out["torch_fsdp2_vs_zero3"] = max_diff(full, train("zero3", "net", opt))
+    return out
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
