@@ -9,15 +9,15 @@ from .data_parallel import DataParallel
 from .distributed import DistributedDataParallel
 from .parallel_apply import parallel_apply
 from .replicate import replicate
-from .sharded import ShardedDataParallel
 from .scatter_gather import gather, scatter
+from .sharded import ShardedDataParallel
 
 __all__ = [
     "DataParallel",
     "DistributedDataParallel",
+    "ShardedDataParallel",
     "gather",
     "parallel_apply",
     "replicate",
     "scatter",
-    "ShardedDataParallel",
 ]

@@ -43,6 +43,9 @@ from .state import broadcast_tensors, trainable_parameters, verify_same_model
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
+_IN_FLIGHT = 2
+"""Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""
+
 DEFAULT_UNIT_NUMEL = 1 << 20
 """Stage 3: a module becomes its own gather unit from this many parameter elements (1M)."""
 
@@ -116,12 +119,18 @@ class ShardedDataParallel(nn.Module):
             # rank, but their interleaving need not be.
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             gather_group = dist.new_group(ranks, backend=dist.get_backend(self.process_group))
+        specs = layout(numels, groups, self.world_size)
         self.units = [
             FlatUnit(
-                spec, [self.params[i] for i in spec.indices], number=n, stage=self.stage,
-                rank=self.rank, group=self.process_group, gather_group=gather_group,
-            )  # fmt: skip
-            for n, spec in enumerate(layout(numels, groups, self.world_size))
+                spec,
+                [self.params[i] for i in spec.indices],
+                number=n,
+                stage=self.stage,
+                rank=self.rank,
+                group=self.process_group,
+                gather_group=gather_group,
+            )
+            for n, spec in enumerate(specs)
         ]
         self._unit_modules = modules
         self._where = [(0, 0)] * len(self.params)
@@ -131,7 +140,7 @@ class ShardedDataParallel(nn.Module):
         # Reductions are issued strictly in this order on every rank: buckets complete in
         # bucket order; stage 3 units complete in reverse forward order, the root's last.
         n = len(self.units)
-        self._order = list(range(n)) if self.stage < 3 else list(range(n - 2, -1, -1)) + [n - 1]
+        self._order = list(range(n)) if self.stage < 3 else [*range(n - 2, -1, -1), n - 1]
 
     # -- the backward pass --------------------------------------------------------------------
 
@@ -176,13 +185,18 @@ class ShardedDataParallel(nn.Module):
         while self._next < len(order) and pending[order[self._next]] == 0:
             self.units[order[self._next]].launch_reduce()
             self._next += 1
+            # Stages 2/3 keep at most _IN_FLIGHT full gradient buffers: finishing an earlier
+            # reduction drops its buffer, so the full gradient never exists all at once.
+            while self.stage > 1 and self._next - self._done > _IN_FLIGHT:
+                self.units[order[self._done]].finish_reduce()
+                self._done += 1
 
     def _finalize(self) -> None:
         """End of backward: fill parameters that got no gradient, wait for every reduction."""
         try:
             if self._syncing:
                 self._fill_unused()
-                for u in self._order:
+                for u in self._order[self._done :]:
                     self.units[u].finish_reduce()
         finally:
             if self.stage3 is not None:
@@ -214,6 +228,7 @@ class ShardedDataParallel(nn.Module):
         self._seen = [False] * len(self.params)
         self._pending = [len(u.spec.indices) for u in self.units]
         self._next = 0
+        self._done = 0
 
     # -- forward, no_sync, step ---------------------------------------------------------------
 

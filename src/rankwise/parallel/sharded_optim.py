@@ -24,8 +24,8 @@ from ..errors import ConfigError
 from ..state import strip_prefixes
 
 if TYPE_CHECKING:
-    from .sharded import OptimizerFactory, ShardedDataParallel
     from .shard_unit import FlatUnit
+    from .sharded import OptimizerFactory, ShardedDataParallel
 
 _WHOLE_MODEL = (torch.optim.LBFGS, torch.optim.SparseAdam)
 """Optimizers whose update is not elementwise over a flat shard (or that need sparse grads)."""

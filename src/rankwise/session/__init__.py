@@ -28,6 +28,7 @@ from ..data import Loader
 from ..errors import ConfigError
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrap
+from .sharded import ZERO_STAGES, prepare_sharded
 from .strategy import STRATEGIES, Plan, check_same, plan
 
 if TYPE_CHECKING:
@@ -72,7 +73,10 @@ def prepare(
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
-    wrapped = prepare_model(rt, model)
+    if rt.strategy in ZERO_STAGES:
+        wrapped, optimizer = prepare_sharded(rt, model, optimizer)
+    else:
+        wrapped = prepare_model(rt, model)
     if optimizer is not None:
         move_optimizer_state(optimizer)  # the model has moved: its state follows
     if loader is None:

@@ -14,12 +14,13 @@ if TYPE_CHECKING:
 
 
 def _wrapper_types() -> tuple[type, ...]:
-    from ..parallel import DataParallel, DistributedDataParallel
+    from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
     from ..pipeline import DistributedPipeline
 
     return (
         DataParallel,
         DistributedDataParallel,
+        ShardedDataParallel,
         DistributedPipeline,
         nn.DataParallel,
         nn.parallel.DistributedDataParallel,

@@ -14,7 +14,7 @@ from ..errors import ConfigError, RuntimeStateError
 if TYPE_CHECKING:
     from ..runtime import Runtime
 
-STRATEGIES = ("auto", "single", "dp", "ddp")
+STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3")
 _LAUNCHER_FIX = (
     "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
     "with plain `python train.py` for one process."
@@ -26,7 +26,7 @@ class Plan:
     """What ``rw.init`` settles before it joins the job."""
 
     strategy: str
-    """'single', 'dp' or 'ddp' ('auto' resolved)."""
+    """'single', 'dp', 'ddp' or 'zero1'/'zero2'/'zero3' ('auto' resolved)."""
     devices: tuple[torch.device, ...] = ()
     """DataParallel's devices under 'dp' (the first is the master); empty otherwise."""
 
@@ -47,9 +47,9 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
         raise ConfigError(
             f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}",
             fix="pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
-            "or name one of 'single', 'dp', 'ddp'.",
+            "or name one of 'single', 'dp', 'ddp', 'zero1', 'zero2', 'zero3'.",
         )
-    if devices is not None and name in ("single", "ddp"):
+    if devices is not None and name not in ("auto", "dp"):
         raise ConfigError(
             f"devices={list(devices)!r} lists DataParallel's devices, but strategy={name!r} "
             "computes on one device per process (rt.device)",
