@@ -44,9 +44,13 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
     """
     name = "auto" if strategy is None else strategy
     if name not in STRATEGIES:
+        sharded = str(name).lower() in ("fsdp", "zero", "deepspeed")
         raise ConfigError(
             f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}",
-            fix="pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
+            fix="pass strategy='zero3' (parameters, gradients and optimizer state sharded, as "
+            "FSDP), or 'zero1'/'zero2' to shard less; see docs/zero.md."
+            if sharded
+            else "pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
             "or name one of 'single', 'dp', 'ddp', 'zero1', 'zero2', 'zero3'.",
         )
     if devices is not None and name not in ("auto", "dp"):
