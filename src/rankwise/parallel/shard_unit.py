@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..diagnose import fingerprints
+from . import shard_comm
 from .flat import UnitLayout
 
 
@@ -53,11 +54,13 @@ class FlatUnit:
                 p.data = full[off : off + n].view(p.shape)
         self.full = full
         self._nbytes = full.untyped_storage().nbytes()
+        self.gathered = True
         if stage < 3:
             self.shard = nn.Parameter(full[self.lo : self.hi])
-        else:
+        else:  # freed at once: building unit by unit, the model never exists twice
             self.shard = nn.Parameter(full[self.lo : self.hi].clone())
-        self.gathered = True
+            full.untyped_storage().resize_(0)
+            self.gathered = False
         self._gather_entry: fingerprints.Entry | None = None
         self.grad_full: torch.Tensor | None = None
         self._reduce_entry: fingerprints.Entry | None = None
@@ -85,9 +88,7 @@ class FlatUnit:
             "all_gather", self.shard, label=f"parameters of unit {self.number}",
             group=self.gather_group,
         )  # fmt: skip
-        work = dist.all_gather_single(
-            self.full, self.shard.detach(), group=self.gather_group, async_op=True
-        )
+        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group)
         self._gather_entry = entry
         entry.watch(work)
 
@@ -104,8 +105,7 @@ class FlatUnit:
             "all_gather", self.shard, label=f"updated parameters of unit {self.number}",
             group=self.group,
         )  # fmt: skip
-        mine = self.full[self.lo : self.hi]
-        entry.watch(dist.all_gather_single(self.full, mine, group=self.group, async_op=True))
+        entry.watch(shard_comm.all_gather(self.full, self.full[self.lo : self.hi], self.group))
         return entry
 
     # -- gradients ----------------------------------------------------------------------------
@@ -129,10 +129,11 @@ class FlatUnit:
             work = lambda: dist.all_reduce(self.grad_full, group=self.group, async_op=True)  # noqa: E731
         else:
             op = "reduce_scatter"
-            out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
-            work = lambda: dist.reduce_scatter_single(  # noqa: E731
-                out, self.grad_full, group=self.group, async_op=True
-            )
+            if shard_comm.in_place(self.group):  # the sum lands in this rank's own chunk
+                out = self.grad_full[self.lo : self.hi]
+            else:
+                out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
+            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group)  # noqa: E731
         entry = fingerprints.record(
             op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
             extra="sum",
