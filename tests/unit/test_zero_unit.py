@@ -131,3 +131,20 @@ def test_strategy_zero_needs_the_optimizer():
     rt = rw.init(strategy="zero2")
     with pytest.raises(rw.ConfigError, match="needs the optimizer too"):
         rt.prepare(_net())
+
+
+def test_memory_formula_and_advice_name_the_stage_that_fits():
+    from rankwise.parallel.memory_plan import advice, bytes_per_rank
+
+    p = 10**9
+    assert bytes_per_rank(p, 4, "ddp") == 16 * p  # fp32 AdamW, replicated
+    assert bytes_per_rank(p, 4, "zero1") == 8 * p + 2 * p
+    assert bytes_per_rank(p, 4, "zero2") == 4 * p + 3 * p
+    assert bytes_per_rank(p, 4, "zero3") == 4 * p
+    model = nn.Linear(1000, 1000)  # 1.001M parameters: 16.0 MB replicated with AdamW
+    opt = torch.optim.AdamW(model.parameters())
+    assert advice(model, 4, 20 * 2**20, opt) is None
+    text = advice(model, 4, 8 * 2**20, opt)  # zero1 needs 11.5 MB, zero2 7.0 MB
+    assert "strategy='zero2'" in text and "1.0M parameters" in text, text
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: 8 MB replicated
+    assert advice(model, 4, 9 * 2**20, sgd) is None

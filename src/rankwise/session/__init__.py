@@ -28,7 +28,7 @@ from ..data import Loader
 from ..errors import ConfigError
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrap
-from .sharded import ZERO_STAGES, prepare_sharded
+from .sharded import ZERO_STAGES, prepare_sharded, warn_if_too_big
 from .strategy import STRATEGIES, Plan, check_same, plan
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ def prepare(
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
+    warn_if_too_big(rt, model, optimizer)
     if rt.strategy in ZERO_STAGES:
         wrapped, optimizer = prepare_sharded(rt, model, optimizer)
     else:

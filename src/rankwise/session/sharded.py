@@ -65,3 +65,15 @@ def prepare_sharded(
         model, _factory(optimizer, rt.strategy), stage=ZERO_STAGES[rt.strategy]
     )
     return engine, engine.optimizer
+
+
+def warn_if_too_big(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Log (rank 0) which ZeRO stage would fit a model whose state does not fit as planned."""
+    from ..log import get_logger
+    from ..parallel.memory_plan import advice, capacity_bytes
+
+    current = rt.strategy if rt.strategy in ZERO_STAGES else "ddp"
+    capacity = capacity_bytes(rt.device, rt.env.local_world_size)
+    message = advice(model, rt.world_size, capacity, optimizer, current)
+    if message is not None and rt.rank == 0:
+        get_logger().warning(message)
