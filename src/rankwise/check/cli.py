@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..cli_args import Parser
 from ..errors import ConfigError
 from .report import exit_code, to_json, to_text
 from .rules import RULES
@@ -65,6 +66,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rankwise.check PATH ...``."""
-    p = argparse.ArgumentParser(prog="rankwise check", description=DESCRIPTION)
+    p = Parser(prog="rankwise check", description=DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))
