@@ -174,3 +174,58 @@ def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
         found = {polarity(b.value, script, depth - 1) for b in script.bindings.get(dotted(e), [])}
         return found.pop() if len(found) == 1 else 0
     return 0
+
+
+GLOBAL_RANK_ENV = frozenset({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
+LOCAL_RANK_ENV = frozenset({"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"})
+
+
+def _env_kind(key: ast.AST) -> str | None:
+    if isinstance(key, ast.Constant):
+        if key.value in GLOBAL_RANK_ENV:
+            return "global"
+        if key.value in LOCAL_RANK_ENV:
+            return "local"
+    return None
+
+
+def rank_kind(e: ast.AST, script: Script | None = None, depth: int = 2) -> str | None:
+    """``"global"`` (RANK, ``dist.get_rank()``), ``"local"`` (LOCAL_RANK, ``args.local_rank``)
+    or None (not a rank, or a rank of unknown kind such as an ``mp.spawn`` index).
+
+    Variables are judged by what they were assigned (``rank = int(os.environ["RANK"])``);
+    only ``*local_rank*`` is judged by its name, because its meaning is the same everywhere.
+    """
+    if isinstance(e, ast.Call):
+        name = last_name(e.func)
+        if name in ("int", "str") and e.args:
+            return rank_kind(e.args[0], script, depth)
+        if name in ("get", "getenv") and e.args:
+            return _env_kind(e.args[0])
+        return {"get_rank": "global", "get_global_rank": "global", "get_local_rank": "local"}.get(
+            name or ""
+        )
+    if isinstance(e, ast.Subscript):
+        return _env_kind(e.slice)
+    name = last_name(e)
+    if name is None:
+        return None
+    tokens = set(name.lower().split("_"))
+    if {"local", "rank"} <= tokens:
+        return "local"
+    bound = script.bindings.get(dotted(e) or "", []) if script is not None and depth else []
+    kinds = {rank_kind(b.value, script, depth - 1) for b in bound}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def kinds_in(e: ast.AST, script: Script, depth: int = 1) -> set[str]:
+    """The kinds of every rank ``e`` reads, through the variables it names (``master``)."""
+    out: set[str] = set()
+    for n in ast.walk(e):
+        k = rank_kind(n, script)
+        if k is not None:
+            out.add(k)
+        elif depth and isinstance(n, ast.Name | ast.Attribute) and dotted(n):
+            for b in script.bindings.get(dotted(n) or "", []):
+                out |= kinds_in(b.value, script, depth - 1)
+    return out

@@ -10,7 +10,7 @@ from ..context import Ctx
 from ..findings import Hit, Severity, rule
 from ..guards import mentions_rank
 from ..script import Script
-from .common import is_distributed_script
+from .common import is_ddp, is_distributed_script
 
 LOG_METHODS = frozenset(
     {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
@@ -165,6 +165,8 @@ def save_without_rank_guard(s: Script) -> Iterator[Hit]:
 
 
 def _collective(s: Script, c: ast.Call) -> str | None:
+    if is_ddp(s, c.func):  # the constructor broadcasts rank 0's parameters to every rank
+        return "DistributedDataParallel"
     r = s.resolve(c.func)
     if not (r and r[1]):
         return None
