@@ -10,9 +10,11 @@ many million parameters, AdamW, fp32). In each rank, one strategy after another,
 - **state MB**: what the rank holds after a step, counted from the tensors: parameters
   resident between steps, gradients, optimizer state (AdamW's two moments);
 - **peak MB**: the rank's resident-set high-water mark over the timed steps, above what the
-  process held before the model was built (CPU: ``VmHWM`` reset with ``/proc/self/clear_refs``;
-  CUDA: ``max_memory_allocated``). It includes activations and communication buffers;
-- **step ms**: median wall time of forward, backward, ``step`` and ``zero_grad``.
+  process held before the model was built (``VmHWM`` reset with ``/proc/self/clear_refs``;
+  allocations over 1 MiB served by mmap, so freed memory leaves the count at once). It
+  includes activations and communication buffers. CPU (Gloo) only;
+- **step ms**: median wall time of forward, backward, ``step`` and ``zero_grad`` (``--repeats``
+  runs every strategy that many times, interleaved; the median of the repeats' medians).
 
 Prints one JSON object and writes ``benchmarks/results/zero.json`` (or ``--out``).
 """
@@ -20,6 +22,7 @@ Prints one JSON object and writes ``benchmarks/results/zero.json`` (or ``--out``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -141,12 +144,29 @@ def _one(name: str, million: float, steps: int) -> dict:
     return {"step_ms": round(statistics.median(times), 1), "peak_mb": round(peak_mb, 1), **state}
 
 
-def _group(million: float, steps: int, names: list[str]) -> dict:
+def _exact_rss() -> None:
+    """Serve every allocation over 1 MiB with mmap, so freed tensors leave the resident set at
+    once. Left to itself glibc raises that threshold as large blocks are freed, then keeps
+    them in its heap: stage 3's freed parameters would still count (same for every row)."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _group(million: float, steps: int, names: list[str], repeats: int) -> dict:
     torch.set_num_threads(1)
+    _exact_rss()
     params = sum(p.numel() for p in _model(million).parameters())
     out: dict = {"params_m": round(params / 1e6, 2), "world": dist.get_world_size()}
-    for name in names:
-        out[name] = _one(name, million, steps)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(repeats):  # interleaved, the order reversed every other repeat
+        for name in names if r % 2 == 0 else names[::-1]:
+            runs[name].append(_one(name, million, steps))
+    for name, rows in runs.items():
+        out[name] = {**rows[0], "peak_mb": max(row["peak_mb"] for row in rows)}
+        out[name]["step_ms"] = round(statistics.median(row["step_ms"] for row in rows), 1)
     return out
 
 
@@ -177,6 +197,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, action="append", help="world size (repeatable)")
     ap.add_argument("--params", type=float, action="append", help="million parameters, per --world")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats per strategy")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
     args = ap.parse_args()
@@ -184,7 +205,8 @@ def main() -> None:
     names = [s for s in args.strategies.split(",") if s]
     results = []
     for world, million in zip(worlds, sizes, strict=True):
-        per_rank = run_distributed(_group, world, args=(million, args.steps, names), timeout=3000)
+        per_rank = run_distributed(_group, world, args=(million, args.steps, names, args.repeats),
+                                   timeout=3000)
         results.append(_merge(per_rank))
         print(_table(results[-1:]), flush=True)
     doc = {"benchmark": "zero", "load_note": "2 shared CPU cores, taken under load",
