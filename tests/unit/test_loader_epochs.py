@@ -157,3 +157,29 @@ def test_asking_again_for_the_finished_epoch_warns_and_gives_an_empty_pass():
         warnings.simplefilter("error")
         resumed.set_epoch(5)  # the next epoch: no warning, a full pass
         assert len(list(resumed)) == len(resumed)
+
+
+def _resumed_after(epoch: int) -> rw.Loader:
+    first = Pair(0).ours
+    first.set_epoch(epoch)
+    list(first)
+    resumed = Pair(0).ours
+    resumed.load_state_dict(first.state_dict())
+    return resumed
+
+
+def test_a_peek_then_the_finished_epoch_on_the_sampler_still_warns():
+    resumed = _resumed_after(2)
+    oracle = Pair(0)
+    oracle.set_epoch(3)
+    assert next(iter(resumed)).tolist() == oracle.peek()[1]  # a peek reads the next epoch
+    resumed.sampler.set_epoch(2)  # the ddp tutorial's way, asking for the finished epoch
+    with pytest.warns(UserWarning, match=r"set_epoch\(2\).*finished.*loop at 3"):
+        assert list(resumed) == []
+
+
+def test_adding_one_to_the_returned_epoch_warns_that_an_epoch_is_skipped():
+    resumed = _resumed_after(2)
+    with pytest.warns(UserWarning, match=r"set_epoch\(4\).*epoch 3 is never trained.*loop at 3"):
+        resumed.set_epoch(4)
+    assert len(list(resumed)) == len(resumed)

@@ -17,7 +17,6 @@ split the data when several processes run.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
-from . import _coords
+from . import _coords, _resume
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
 
@@ -122,7 +121,7 @@ class Loader:
         self.epoch = 0
         """The epoch of the pass under way, or of the next pass."""
         self.finished_epoch: int | None = None
-        """Set by ``load_state_dict`` when the saved run had finished that epoch (else None)."""
+        """After ``load_state_dict``: the epoch the saved run had finished (until ``set_epoch``)."""
         self._explicit = False  # set_epoch/load_state_dict called since the last pass began
         self._completed = False  # the last pass ran to its end
         self._live = 0  # id of the pass under way (0: none); a peek's iterator may linger
@@ -165,20 +164,13 @@ class Loader:
             if hasattr(part, "set_epoch"):
                 part.set_epoch(epoch)
         self._explicit, self._completed = True, False
-        if self.finished_epoch is not None and epoch == self.finished_epoch:
-            self._exhaust(epoch)
+        if self.finished_epoch is not None:
+            if _resume.check_first_epoch(epoch, self.finished_epoch):
+                self._exhaust(epoch)
+            self.finished_epoch = None
 
     def _exhaust(self, epoch: int) -> None:
-        """The resumed run asks again for the epoch its checkpoint had finished: nothing left."""
-        warnings.warn(
-            f"loader.set_epoch({epoch}): the checkpoint this loader resumed from was saved "
-            f"after epoch {epoch} had finished, so this pass is empty. Fix: start the epoch "
-            f"loop at {epoch + 1}, the 'epoch' rw.load_checkpoint returns (or loader.epoch "
-            "right after loading).",
-            UserWarning,
-            stacklevel=3,
-        )
-        self.finished_epoch = None
+        """Nothing is left of ``epoch``: the resumed checkpoint had finished it."""
         if isinstance(self.sampler, DistributedSampler):
             state = self.sampler.state_dict()
             n = self.sampler.num_samples
@@ -196,7 +188,6 @@ class Loader:
         elif not self._explicit and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)  # the same epoch again, on purpose: no warning
         self._explicit = self._completed = False
-        self.finished_epoch = None
         restart = self.state_dict()
         self._passes += 1
         self._live = self._passes
@@ -228,6 +219,7 @@ class Loader:
                 self._consumed = consumed if epoch_len is None else min(consumed, epoch_len)
                 yield batch
             self._completed = self._live == pass_id
+            self.finished_epoch = None
         finally:
             if self._live == pass_id:
                 self._live = 0
@@ -235,7 +227,9 @@ class Loader:
                     self._restore(restart)  # left early: the next pass begins where this one did
 
     def _restore(self, state: dict[str, Any]) -> None:
+        finished = self.finished_epoch  # a peek right after resuming keeps the resume's facts
         self.load_state_dict(state)
+        self.finished_epoch = finished
         self._explicit = False  # as if never iterated: a later sampler.set_epoch still counts
         if hasattr(self.sampler, "_epoch_set"):
             self.sampler._epoch_set = False
@@ -249,6 +243,8 @@ class Loader:
         if (self._completed and not self._explicit) or (self._live and self._pass_done()):
             return self._next_epoch_state()
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self._skip_batches}
+        if self.finished_epoch is not None:
+            state["finished_epoch"] = self.finished_epoch
         if self._live:
             state["batches"] = self._batches
         if hasattr(self.sampler, "state_dict"):
