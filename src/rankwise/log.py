@@ -20,11 +20,38 @@ def _coords() -> tuple[int, int]:
     return e.rank, e.world_size
 
 
+open_bars: set[Any] = set()
+"""Progress bars drawn in place on a terminal (``rw.progress``), which a print must not cut."""
+
+
+def write(*args: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = True) -> None:
+    """``print``, through the open progress bar (``tqdm.write``): the text lands above the bar."""
+    file = sys.stdout if file is None else file
+    if open_bars:
+        from tqdm.auto import tqdm
+
+        tqdm.write(sep.join(str(a) for a in args), file=file, end=end)
+        if flush:
+            file.flush()
+    else:
+        print(*args, sep=sep, end=end, file=file, flush=flush)
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on global rank 0 only (flushed, so it is not lost when a run is killed)."""
     if _coords()[0] == 0:
         kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
+        write(*args, **kwargs)  # through an open progress bar, never into it
+
+
+class _ThroughBar(logging.StreamHandler):
+    """A console handler whose lines go above an open progress bar instead of into it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
 
 
 class _RankFilter(logging.Filter):
@@ -59,9 +86,11 @@ def get_logger(
     for h in list(logger.handlers):
         if getattr(h, "_rankwise", False):
             logger.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ThroughBar(sys.stderr)
     handler._rankwise = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("[rank %(rank)d/%(world_size)d] %(message)s"))
+    # Under `rankwise run` every line already starts with the launcher's `[rank0]: `.
+    prefix = "" if envmod.launcher_prefixes_output() else "[rank %(rank)d/%(world_size)d] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     handler.addFilter(_RankFilter(rank, world, all_ranks))
     logger.addHandler(handler)
     if log_dir is not None:

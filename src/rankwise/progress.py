@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import comm
+from .log import open_bars
 
 T = TypeVar("T")
 
@@ -28,17 +29,47 @@ def _batch_len(batch: Any) -> int:
     return 0
 
 
+class _LineFile:
+    """A bar's output as whole lines: each refresh one line, none repeated, no carriage return.
+
+    A launcher (``rankwise run``, torchrun) reads worker output line by line and prefixes each
+    line with the rank: a bar redrawn in place with ``\\r`` becomes broken and blank lines there.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.last = stream, ""
+        self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks if it can
+
+    def write(self, text: str) -> int:
+        for piece in text.replace("\r", "\n").split("\n"):
+            piece = piece.rstrip()
+            if piece and piece != self.last:
+                self.last = piece
+                self.stream.write(piece + "\n")
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
 class _Counted:
     """Yields from ``iterable`` and updates a tqdm bar with global samples/s."""
 
-    def __init__(self, iterable: Iterable[T], bar: Any, replicas: int) -> None:
+    def __init__(self, iterable: Iterable[T], bar: Any, replicas: int, lines: bool) -> None:
         self.iterable, self.bar, self.replicas = iterable, bar, replicas
+        self.lines = lines  # the bar writes whole lines (_LineFile), not in place
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[T]:
         start, samples = time.perf_counter(), 0
+        if not self.lines:
+            open_bars.add(self.bar)
         try:
             for batch in self.iterable:
                 yield batch
@@ -49,6 +80,10 @@ class _Counted:
                 )
                 self.bar.update(1)
         finally:
+            open_bars.discard(self.bar)
+            bar = self.bar
+            if self.lines and bar.last_print_t < bar.start_t + bar.delay:
+                bar.refresh()  # a pass shorter than the delay still gets its one line
             self.bar.close()
 
 
@@ -72,8 +107,13 @@ def progress(
 
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
-    if not sys.stderr.isatty():
-        # Under a launcher each refresh becomes a log line: a few a second is plenty.
+    if not sys.stderr.isatty() and "file" not in tqdm_kwargs:
+        # Under a launcher each refresh becomes a log line: one every few seconds, the first
+        # after a second (a short pass gets one line, its last). On stdout, in order with
+        # the script's prints (a launcher reads stdout and stderr separately).
+        tqdm_kwargs["file"] = _LineFile(sys.stdout)
+        tqdm_kwargs.setdefault("delay", 1.0)
         tqdm_kwargs.setdefault("mininterval", 2.0)
     bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, **tqdm_kwargs)
-    return _Counted(iterable, bar, comm.world_size() if replicas is None else replicas)
+    replicas = comm.world_size() if replicas is None else replicas
+    return _Counted(iterable, bar, replicas, isinstance(tqdm_kwargs.get("file"), _LineFile))
