@@ -81,9 +81,10 @@ class _Counted:
                 self.bar.update(1)
         finally:
             open_bars.discard(self.bar)
-            bar = self.bar
-            if self.lines and bar.last_print_t < bar.start_t + bar.delay:
-                bar.refresh()  # a pass shorter than the delay still gets its one line
+            if self.lines:  # one final line, with the final count: not a second one at close
+                if self.bar.last_print_n != self.bar.n:
+                    self.bar.refresh()
+                self.bar.leave = False
             self.bar.close()
 
 
