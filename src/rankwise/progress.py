@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import comm
-from .log import open_bars
+from .log import finish_bar, make_bar, open_bars
 
 T = TypeVar("T")
 
@@ -27,33 +27,6 @@ def _batch_len(batch: Any) -> int:
             if n:
                 return n
     return 0
-
-
-class _LineFile:
-    """A bar's output as whole lines: each refresh one line, none repeated, no carriage return.
-
-    A launcher (``rankwise run``, torchrun) reads worker output line by line and prefixes each
-    line with the rank: a bar redrawn in place with ``\\r`` becomes broken and blank lines there.
-    """
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.last = stream, ""
-        self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks if it can
-
-    def write(self, text: str) -> int:
-        for piece in text.replace("\r", "\n").split("\n"):
-            piece = piece.rstrip()
-            if piece and piece != self.last:
-                self.last = piece
-                self.stream.write(piece + "\n")
-                self.stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return False
 
 
 class _Counted:
@@ -81,11 +54,7 @@ class _Counted:
                 self.bar.update(1)
         finally:
             open_bars.discard(self.bar)
-            if self.lines:  # one final line, with the final count: not a second one at close
-                if self.bar.last_print_n != self.bar.n:
-                    self.bar.refresh()
-                self.bar.leave = False
-            self.bar.close()
+            finish_bar(self.bar, self.lines)
 
 
 def progress(
@@ -104,17 +73,8 @@ def progress(
     """
     if comm.rank() != 0:
         return iterable
-    from tqdm.auto import tqdm
-
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
-    if not sys.stderr.isatty() and "file" not in tqdm_kwargs:
-        # Under a launcher each refresh becomes a log line: one every few seconds, the first
-        # after a second (a short pass gets one line, its last). On stdout, in order with
-        # the script's prints (a launcher reads stdout and stderr separately).
-        tqdm_kwargs["file"] = _LineFile(sys.stdout)
-        tqdm_kwargs.setdefault("delay", 1.0)
-        tqdm_kwargs.setdefault("mininterval", 2.0)
-    bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, **tqdm_kwargs)
+    bar, lines = make_bar(total, desc, "batch", sys.stdout, tqdm_kwargs)
     replicas = comm.world_size() if replicas is None else replicas
-    return _Counted(iterable, bar, replicas, isinstance(tqdm_kwargs.get("file"), _LineFile))
+    return _Counted(iterable, bar, replicas, lines)

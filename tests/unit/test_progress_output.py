@@ -66,3 +66,17 @@ def test_logger_leaves_its_prefix_to_the_launcher(monkeypatch, capsys):
     rw.get_logger("rankwise.test_prefix").info("twice")
     assert capsys.readouterr().err == "[rank 0/1] twice\n"
     logging.getLogger("rankwise.test_prefix").handlers.clear()
+
+
+def test_task_bar_reports_units_of_work_as_lines_on_stderr(capsys):
+    from rankwise.log import task_bar
+
+    bar = task_bar(3, "rankwise bench", unit="run")
+    for name in ("single", "ddp", "dp"):
+        bar.update(f"timing {name}")
+    bar.close()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) == 1  # a quick job: one line, the final one
+    assert lines[0].startswith("rankwise bench: 100%") and "3/3" in lines[0]
+    assert "timing dp" in lines[0]
