@@ -181,7 +181,7 @@ class Loader:
     def _begin_pass(self) -> tuple[int, dict[str, Any] | None]:
         """Decide the pass's epoch; return its id and the state to go back to if it is left."""
         sampler_set = getattr(self.sampler, "_epoch_set", False)  # sampler.set_epoch() called
-        if sampler_set and not self._explicit:
+        if sampler_set and (not self._explicit or self.sampler.epoch != self.epoch):
             self.set_epoch(self.sampler.epoch)
         elif self._completed and not self._explicit:
             self.set_epoch(self.epoch + 1)
