@@ -22,7 +22,8 @@ from . import env as envmod
 from . import netif
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, RuntimeStateError
-from .precision import Precision, parse as parse_precision
+from .precision import Precision
+from .precision import parse as parse_precision
 from .training import LoopState, TrainingLoop
 
 DEFAULT_TIMEOUT_S = 300.0

@@ -44,7 +44,7 @@ def test_unknown_precision_is_refused_with_the_choices():
 def test_a_second_init_cannot_change_the_precision():
     rw.init(precision="bf16-mixed")
     assert rw.init().precision == "bf16-mixed"
-    with pytest.raises(rw.RuntimeStateError, match="precision='bf16-mixed'.*precision='32'"):
+    with pytest.raises(rw.RuntimeStateError, match=r"precision='bf16-mixed'.*precision='32'"):
         rw.init(precision="32")
 
 
@@ -145,7 +145,7 @@ def test_accumulate_syncs_every_steps_and_on_the_last_batch_of_the_epoch():
     rt = rw.init()
     net = _net()
     x, y = _xy(40)
-    model, opt, loader = rt.prepare(
+    model, _, loader = rt.prepare(
         net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(TensorDataset(x, y), batch_size=4)
     )
     for _epoch in range(2):  # the short last group of epoch 0 must not leak into epoch 1
@@ -158,9 +158,8 @@ def test_accumulate_syncs_every_steps_and_on_the_last_batch_of_the_epoch():
             (0, False),
             (1, True),
         ]
-    with pytest.raises(rw.ConfigError, match=r"steps=0"):
-        with rt.accumulate(model, steps=0):
-            pass
+    with pytest.raises(rw.ConfigError, match=r"steps=0"), rt.accumulate(model, steps=0):
+        pass
 
 
 def test_scheduler_is_returned_and_saved_with_the_scaler(tmp_path):
@@ -248,7 +247,7 @@ def test_fp16_mixed_with_scaler_on_cuda():
 @pytest.mark.gpu
 @needs_cuda
 def test_bf16_mixed_on_cuda_matches_torch_autocast():
-    x, y = (t.cuda() for t in _xy())
+    x = _xy()[0].cuda()
     ref = _net().cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want = ref(x).float()

@@ -151,11 +151,11 @@ def spawn_ranks(
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
     extra = {"OMP_NUM_THREADS": "1", **(env or {})}
+    common = (backend, store.port, timeout or 1800.0, results)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, args, r, world_size, backend, store.port, timeout or 1800.0, results)
-            + (stack_files[r], extra, init, stream),
+            args=(fn, args, r, world_size, *common, stack_files[r], extra, init, stream),
             name=f"rank{r}",
             daemon=True,
         )
