@@ -192,6 +192,13 @@ class ScaledOptimizer(torch.optim.Optimizer):
         self.scaled_backward = False
         self._unscaled = False
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for what this class lacks (e.g. the hook registries Optimizer's methods use):
+        # hooks registered here land on the wrapped optimizer, whose step the scaler calls.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
