@@ -14,7 +14,8 @@ optimizer step, zero_grad) of three arms, repeats interleaved (rotating which go
 - ``hand_torch``: the same hand-written loop on torch's DDP (the recipe of torch's AMP docs).
 
 Prints one JSON object (and writes it to ``--out``): median ms per step and the median over
-repeats of the paired ratios. On CPUs without native bf16 matmuls, bf16-mixed may be slower
+repeats of the paired ratios, and ``forward_overhead``: the µs our hooks add to one forward of
+a tiny model (what the layer costs per step, free of the machine's noise). On CPUs without native bf16 matmuls, bf16-mixed may be slower
 than fp32: the ratio to compare with the target is ours / hand-written at the same precision.
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -123,13 +125,47 @@ def _compare(name: str, precision: str, batch: int, steps: int, repeats: int) ->
     }
 
 
+def _forward_overhead(calls: int = 2000, repeats: int = 7) -> dict:
+    """µs per forward of a tiny model: our autocast hooks vs ``with torch.autocast`` by hand.
+
+    The step-time ratios above carry the machine's noise (a few %); this isolates what the
+    precision layer adds per step (hooks, the fp32 cast of the output) on a model so small
+    that the layer is all there is to time.
+    """
+    rt = rw.get_runtime()
+    mine = dataclasses.replace(rt, strategy="single", precision="bf16-mixed", loop=LoopState())
+    torch.manual_seed(0)
+    ours, hand = session.prepare(mine, nn.Linear(8, 8)), nn.Linear(8, 8).to(rt.device)
+    x = torch.randn(2, 8, device=rt.device)
+
+    def by_hand() -> None:
+        with torch.autocast(rt.device.type, dtype=torch.bfloat16):
+            out = hand(x)
+        out.float()
+
+    arms = {"ours": lambda: ours(x), "hand": by_hand}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(repeats):
+        for name in sorted(arms, reverse=r % 2 == 1):
+            start = time.perf_counter()
+            for _ in range(calls):
+                arms[name]()
+            times[name].append((time.perf_counter() - start) * 1e6 / calls)
+    med = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    return {"us_per_forward": med, "added_us": round(med["ours"] - med["hand"], 2)}
+
+
 def _run(names: list[str], batch: int, steps: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     precisions = ["32", "bf16-mixed"]
     if rw.get_runtime().device.type == "cuda":
         precisions.append("fp16-mixed")
     return {
-        name: {p: _compare(name, p, batch, steps, repeats) for p in precisions} for name in names
+        "models": {
+            name: {p: _compare(name, p, batch, steps, repeats) for p in precisions}
+            for name in names
+        },
+        "forward_overhead": _forward_overhead(),
     }
 
 
@@ -159,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps_per_repeat": args.steps,
         "repeats": args.repeats,
         "torch": torch.__version__,
-        "models": res,
+        **res,
     }
     text = json.dumps(result, indent=2)
     print(text)
