@@ -265,3 +265,18 @@ def test_rank_zero_first_and_log_reduced_on_rank_zero(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in lines] == [(5, 3.0), (6, 0.5)]  # one writer
     assert lines[0]["correct"] == 30.0
+
+
+# -- rw.launch with an importable function (fresh interpreters) ------------------------------
+
+
+def _launched(scale: int):
+    rt = rw.init()
+    print(f"ready {rt.rank}")
+    return rt.rank * scale, rt.world_size, rt.strategy
+
+
+def test_launch_runs_an_importable_function_in_fresh_processes(capsys):
+    assert rw.launch(_launched, nprocs=2, args=(3,), timeout=120) == [(0, 2, "ddp"), (3, 2, "ddp")]
+    out = capsys.readouterr().out.splitlines()
+    assert "[rank 0] ready 0" in out and "[rank 1] ready 1" in out
