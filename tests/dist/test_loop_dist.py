@@ -162,30 +162,42 @@ def _pipe_net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
 
 
-def _clipped_pipeline(steps: int, max_norm: float):
+def _clipped_pipeline(steps: int, max_norm: float, layout: str):
     rt = rw.get_runtime()
-    stage = rw.DistributedPipeline(_pipe_net(), chunks=2)
+    if layout == "stages":  # one pipeline of two stages
+        stage, mine = rw.DistributedPipeline(_pipe_net(), chunks=2), slice(None)
+    else:  # two one-stage pipelines, replicas of each other: the norm must not count both
+        group = dist.new_group([0, 1])
+        stage = rw.DistributedPipeline(_pipe_net(), ranks=[rt.rank], data_parallel_group=group)
+        mine = slice(rt.rank * BATCH, (rt.rank + 1) * BATCH)
     opt = torch.optim.SGD(stage.parameters(), lr=0.5)
     norms = []
     for x, y in _batches(steps):
-        stage.train_step(x, y[:, None].float().repeat(1, 2), F.mse_loss)
+        stage.train_step(x[mine], y[mine, None].float().repeat(1, 2), F.mse_loss)
         norms.append(rt.clip_grad_norm_(stage, max_norm).item())
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in stage.state_dict().items()}, norms
 
 
-def test_clipped_two_stage_pipeline_equals_clipped_unsplit_model():
-    ranks = run_distributed(_clipped_pipeline, 2, args=(6, 0.2), timeout=120)
+def _both_layouts(steps: int, max_norm: float):
+    return [_clipped_pipeline(steps, max_norm, layout) for layout in ("stages", "replicas")]
+
+
+def test_clipped_pipelines_equal_clipped_unsplit_model():
+    ranks = run_distributed(_both_layouts, 2, args=(6, 0.2), timeout=120)
 
     def mse(out, y):
         return F.mse_loss(out, y[:, None].float().repeat(1, 2))
 
     want, want_norms = _clipped_oracle(6, 0.2, _pipe_net(), mse)
-    assert ranks[0][1] == ranks[1][1]
-    assert max(abs(a - b) for a, b in zip(ranks[0][1], want_norms, strict=True)) < 1e-5
-    for part, _ in ranks:
-        assert part and _max_diff(part, {k: want[k] for k in part}) <= 1e-6
+    assert min(want_norms) > 0.2  # the clip was active at every step
+    for layout in range(2):  # a 2-stage pipeline; 2 replicas of a 1-stage pipeline
+        (part0, norms0), (part1, norms1) = ranks[0][layout], ranks[1][layout]
+        assert norms0 == norms1
+        assert max(abs(a - b) for a, b in zip(norms0, want_norms, strict=True)) < 1e-5
+        for part in (part0, part1):
+            assert part and _max_diff(part, {k: want[k] for k in part}) <= 1e-6
 
 
 # -- accumulation: one all-reduce per group, the same result as one big batch ---------------
