@@ -235,9 +235,9 @@ def test_data_parallel_two_replicas_on_one_gpu_equals_two_cpu_replicas():
     """[0, 0]: two threads on one GPU share the master's tensors, like ['cpu', 'cpu']."""
     cpu = _dp_train(["cpu", "cpu"], torch.device("cpu"))
     gpu = _dp_train([0, 0], torch.device("cuda", 0))
-    assert _max_diff(gpu, cpu) <= 1e-5
+    assert _max_diff(gpu, cpu) <= 1e-4  # GPU vs CPU kernels: rounding differs, nothing else
     balanced = _dp_train([0, 0], torch.device("cuda", 0), loss_fn=nn.MSELoss())
-    assert _max_diff(balanced, cpu) <= 1e-5
+    assert _max_diff(balanced, cpu) <= 1e-4
 
 
 def test_data_parallel_on_gpu_0_equals_torch_data_parallel():
@@ -245,7 +245,7 @@ def test_data_parallel_on_gpu_0_equals_torch_data_parallel():
     theirs = _dp_train([0], torch.device("cuda", 0), wrap=torch.nn.DataParallel)
     assert _max_diff(ours, theirs) <= 1e-6
     cpu = _dp_train(["cpu"], torch.device("cpu"))
-    assert _max_diff(ours, cpu) <= 1e-5
+    assert _max_diff(ours, cpu) <= 1e-4
 
 
 def test_data_parallel_with_outputs_gathered_on_the_cpu():
