@@ -148,3 +148,15 @@ def test_memory_formula_and_advice_name_the_stage_that_fits():
     assert "strategy='zero2'" in text and "1.0M parameters" in text, text
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: 8 MB replicated
     assert advice(model, 4, 9 * 2**20, sgd) is None
+
+
+def test_rt_clip_grad_norm_uses_the_engines_global_norm():
+    rt = rw.init(strategy="zero2")
+    plain = _net()
+    net = _net()
+    model, _opt = rt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(4, 5)
+    plain(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    torch.testing.assert_close(rt.clip_grad_norm_(model, 0.1), want)
