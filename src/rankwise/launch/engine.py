@@ -112,6 +112,8 @@ def launch(opts: LaunchOptions) -> None:
         # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
         diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
         envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
+        # The agent runs in this process and starts the workers: they die with it (bootstrap).
+        envmod.set_for_workers("RANKWISE_LAUNCHER_PID", str(os.getpid()))
         try:
             elastic_launch(config, cmd)(*args)
         except ChildFailedError as exc:
