@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,7 +57,44 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
         launcher.kill()
         for p in pids:
             if p.exists() and p.read_text():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(p.read_text()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+
+
+FLAKY = textwrap.dedent("""
+    # Rank 1 fails on the first attempts (argv[1] of them), then everyone succeeds.
+    import os, sys
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if os.environ["RANK"] == "1" and attempt < int(sys.argv[1]):
+        raise ValueError(f"flaky on attempt {attempt}")
+""")
+
+
+def _run_flaky(tmp_path: Path, failing_attempts: int, max_restarts: int):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2",
+           "--max-restarts", str(max_restarts), "flaky.py", str(failing_attempts)]  # fmt: skip
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_each_failure_and_restart_is_reported_and_recovery_summarised(tmp_path):
+    result = _run_flaky(tmp_path, failing_attempts=2, max_restarts=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    for attempt in (0, 1):
+        assert (
+            f"rankwise run: rank 1 failed: exit code 1 (ValueError: flaky on attempt {attempt}) "
+            f"(attempt {attempt + 1} of 4)"
+        ) in err, err
+    assert "rankwise run: restarting all workers (restart 1 of 3)" in err
+    assert "rankwise run: restarting all workers (restart 2 of 3)" in err
+    assert "restart 3 of 3" not in err
+    assert "rankwise run: the job recovered after 2 restart(s) (of --max-restarts=3)" in err
+
+
+def test_running_out_of_restarts_says_so(tmp_path):
+    result = _run_flaky(tmp_path, failing_attempts=5, max_restarts=1)
+    assert result.returncode == 1
+    assert "(attempt 2 of 2)" in result.stderr
+    assert "no restart left (all 1 used): the job fails" in result.stderr
+    assert "recovered" not in result.stderr

@@ -22,6 +22,7 @@ from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
 from .report import JobFailed, from_elastic, read_diagnoses
+from .restarts import RestartLog, reporting_restarts
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
@@ -114,8 +115,12 @@ def launch(opts: LaunchOptions) -> None:
         envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
         # The agent runs in this process and starts the workers: they die with it (bootstrap).
         envmod.set_for_workers("RANKWISE_LAUNCHER_PID", str(os.getpid()))
+        restarts = RestartLog(opts.max_restarts)
         try:
-            elastic_launch(config, cmd)(*args)
+            with reporting_restarts(restarts):
+                elastic_launch(config, cmd)(*args)
+            if restarts.summary():
+                restarts.emit(restarts.summary())
         except ChildFailedError as exc:
             failures = from_elastic(exc.failures)
             raise JobFailed(
