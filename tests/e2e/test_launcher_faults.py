@@ -98,3 +98,31 @@ def test_running_out_of_restarts_says_so(tmp_path):
     assert "(attempt 2 of 2)" in result.stderr
     assert "no restart left (all 1 used): the job fails" in result.stderr
     assert "recovered" not in result.stderr
+
+
+HANGING = textwrap.dedent("""
+    # Rank 1 sleeps before the second all-reduce; rank 0 waits in it.
+    import time, torch, rankwise as rw
+    rt = rw.init(timeout=15)
+    rw.all_reduce_sum(torch.ones(3))
+    if rt.rank == 1:
+        time.sleep(120)
+    rw.all_reduce_sum(torch.ones(3))
+""")
+
+
+def test_a_hang_is_reported_early_and_blamed_on_the_missing_rank(tmp_path):
+    (tmp_path / "hang.py").write_text(HANGING)
+    env = {**os.environ, "RANKWISE_STALL_REPORT_S": "3"}
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "hang.py"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    err = result.stderr
+    assert result.returncode == 1, err
+    stall = err.index("[rank 0] stall: rank(s) 1 have not reached all_reduce #2")
+    assert stall < err.index("Timed out waiting"), "the stall report came after the timeout"
+    assert "rank 1 has not reached #2: it finished all_reduce #1" in err
+    assert "running user code at hang.py:7" in err[stall:]
+    summary = err[err.index("rankwise run:") :]
+    assert summary.startswith("rankwise run: rank(s) 1 never reached the collective that rank(s) 0")
+    assert summary.count("Rank(s) 1 never reached #2.") == 1, summary
+    assert "Fix: look at where rank(s) 1 were" in summary

@@ -9,6 +9,7 @@ the bootstrap that records a failing rank's traceback, and errors that say what 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
-from .report import JobFailed, from_elastic, read_diagnoses
+from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
 from .restarts import RestartLog, reporting_restarts
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
@@ -122,17 +123,40 @@ def launch(opts: LaunchOptions) -> None:
             if restarts.summary():
                 restarts.emit(restarts.summary())
         except ChildFailedError as exc:
-            failures = from_elastic(exc.failures)
+            failures = [
+                _with_stderr(f, config.logs_specs.root_log_dir) for f in from_elastic(exc.failures)
+            ]
             raise JobFailed(
                 failures,
                 world_size=opts.world_size,
                 node_rank=opts.node_rank,
                 diagnoses=read_diagnoses(diag),
+                culprits=read_culprits(diag),
             ) from None
         except SignalException as exc:
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
             raise _rendezvous_error(opts, rdzv, exc) from exc
+
+
+def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
+    """Attach the last stderr lines of a worker killed by a signal (a native abort, such as
+    gloo's, prints its reason there and leaves no traceback)."""
+    if f.exitcode >= 0 or f.traceback:
+        return f
+    logs = sorted(
+        Path(log_dir).glob(f"**/attempt_*/{f.local_rank}/stderr.log"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not logs:
+        return f
+    try:
+        with open(logs[-1], "rb") as fp:
+            fp.seek(max(0, fp.seek(0, os.SEEK_END) - 4096))
+            tail = fp.read().decode("utf-8", "replace")
+    except OSError:
+        return f
+    return dataclasses.replace(f, stderr_tail=tail)
 
 
 def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> DistributedError:

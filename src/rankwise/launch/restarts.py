@@ -9,16 +9,20 @@ on it: the agent's behaviour is unchanged.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .report import RankFailure, from_elastic
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
 
 def _why(f: RankFailure) -> str:
-    tail = [line.strip() for line in f.traceback.splitlines() if line.strip()]
-    return f"{f.cause} ({tail[-1]})" if tail else f.cause
+    """'exit code 1 (ValueError: ...)': the cause and the exception line of the traceback."""
+    found = [s for s in (ln.strip() for ln in f.traceback.splitlines()) if _EXCEPTION_LINE.match(s)]
+    return f"{f.cause} ({found[-1][:300]})" if found else f.cause
 
 
 @dataclass
@@ -34,6 +38,8 @@ class RestartLog:
     _pending: bool = False
 
     def failed(self, failures: list[RankFailure], remaining: int) -> None:
+        if not self.max_restarts:
+            return  # no restart to announce: the failure summary says it all
         attempt = self.max_restarts - remaining + 1
         for f in failures:
             text = f"rank {f.rank} failed: {_why(f)}"
