@@ -234,8 +234,14 @@ def init(
     env: DistEnv | None = None,
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
+    debug: bool = False,
 ) -> Runtime:
     """Join the distributed job described by the environment, or run as a single process.
+
+    ``debug=True`` makes torch check every collective of the process group (ours and the
+    user's own ``torch.distributed`` calls) across ranks before it runs, so a mismatch fails
+    at once naming both ops (``TORCH_DISTRIBUTED_DEBUG=DETAIL``; slower, docs/diagnose.md).
+    It must be given to the call that creates the process group.
 
     Idempotent: a second call returns the same runtime. Works unlaunched (``python train.py``)
     as world size 1, where no process group is created and every collective is a no-op.
@@ -272,6 +278,9 @@ def init(
         return _current
     chosen = choose_backend(dev, backend)
     _pick_gloo_interface(env, chosen)
+    if debug:  # read when the group is created; the env var reaches the ranks' own children
+        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     # torch's env:// reads RANK/MASTER_* itself: give it the values we were given or detected.
     if explicit_env or env.source in ("slurm", "mpi"):
         envmod.export_for_torch(env)

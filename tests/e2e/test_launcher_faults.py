@@ -126,3 +126,20 @@ def test_a_hang_is_reported_early_and_blamed_on_the_missing_rank(tmp_path):
     assert summary.startswith("rankwise run: rank(s) 1 never reached the collective that rank(s) 0")
     assert summary.count("Rank(s) 1 never reached #2.") == 1, summary
     assert "Fix: look at where rank(s) 1 were" in summary
+
+
+RAW_MISMATCH = textwrap.dedent("""
+    import torch, torch.distributed as dist, rankwise as rw
+    rt = rw.init(timeout=60)
+    x = torch.ones(4)
+    dist.all_reduce(x) if rt.rank == 0 else dist.broadcast(x, src=0)
+""")
+
+
+def test_run_debug_turns_on_torch_collective_checks(tmp_path):
+    (tmp_path / "raw.py").write_text(RAW_MISMATCH)
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "--debug", "raw.py"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Detected mismatch between collectives on ranks" in result.stderr
+    assert "Op type: ALLREDUCEvs BROADCAST" in result.stderr

@@ -58,6 +58,8 @@ def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     # torchrun's rule: several workers on one machine each get one OpenMP thread unless told.
     if opts.nproc_per_node > 1:
         envmod.set_default("OMP_NUM_THREADS", "1")
+    if opts.debug:  # torch checks op, shapes and dtypes of every collective (docs/diagnose.md)
+        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
     # interface that reaches the master so workers on other hosts can connect back.
     host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
