@@ -164,6 +164,14 @@ def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
 def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> DistributedError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = f"{rdzv.backend} rendezvous at {rdzv.endpoint}"
+    if "EADDRINUSE" in first or "address already in use" in first.lower():
+        port = rdzv.endpoint.rsplit(":", 1)[-1]
+        return DistributedError(
+            f"port {port} is already in use on this machine, so node {opts.node_rank} cannot "
+            f"host the {where} ({type(exc).__name__}: {first})",
+            fix="pass another --master-port (another job, or a previous run still exiting, "
+            "holds this one), or leave --master-port out on one node so a free port is picked.",
+        )
     if rdzv.backend == "static" and opts.node_rank != 0:
         fix = (
             f"start node 0 first and check that {rdzv.endpoint} (--master-addr/--master-port) "
