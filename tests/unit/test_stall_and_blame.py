@@ -82,3 +82,21 @@ def test_stall_report_delay_from_the_environment(raw, value):
 def test_bad_stall_report_delay_is_refused(raw):
     with pytest.raises(EnvError, match=f"RANKWISE_STALL_REPORT_S='{raw}'"):
         envmod.stall_report_s({"RANKWISE_STALL_REPORT_S": raw})
+
+
+def test_a_port_in_use_is_named_with_the_fix_not_the_timeout():
+    from torch.distributed import DistNetworkError
+
+    from rankwise.launch.engine import _rendezvous_error
+    from rankwise.launch.options import LaunchOptions, Rendezvous
+
+    opts = LaunchOptions(script="train.py", nproc_per_node=2, master_port=29500)
+    rdzv = Rendezvous(backend="static", endpoint="127.0.0.1:29500", run_id="x")
+    exc = DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 29500, "
+        "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    text = str(_rendezvous_error(opts, rdzv, exc))
+    assert text.startswith("port 29500 is already in use on this machine"), text
+    assert "pass another --master-port" in text and "leave --master-port out" in text
+    assert "rdzv-timeout" not in text
