@@ -307,6 +307,10 @@ def init(
     return _current
 
 
+_destroyed = {"groups": 0}
+"""Process groups this process created and destroyed (each rank counts the same)."""
+
+
 def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     """How ``init_process_group`` finds its peers: torch's ``env://``, with one exception.
 
@@ -319,7 +323,9 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     store = dist.TCPStore(
         env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
     )
-    return {"store": dist.PrefixStore(f"/rankwise/attempt_{env.restart_count}", store)}
+    # ... and so does a group this process destroyed (rw.shutdown(), then rw.init() again).
+    prefix = f"/rankwise/attempt_{env.restart_count}/init_{_destroyed['groups']}"
+    return {"store": dist.PrefixStore(prefix, store)}
 
 
 def _with_plan(rt: Runtime, plan: Any) -> Runtime:
@@ -352,4 +358,5 @@ def shutdown() -> None:
 
         fingerprints.reset()  # its watchdog talks to the store the group is about to drop
         dist.destroy_process_group()
+        _destroyed["groups"] += 1  # a later init must not read this group's keys
     _current = None

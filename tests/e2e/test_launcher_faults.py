@@ -143,3 +143,27 @@ def test_run_debug_turns_on_torch_collective_checks(tmp_path):
     assert result.returncode == 1
     assert "Detected mismatch between collectives on ranks" in result.stderr
     assert "Op type: ALLREDUCEvs BROADCAST" in result.stderr
+
+
+REINIT = textwrap.dedent("""
+    import torch, rankwise as rw
+    rw.init(timeout=20)
+    rw.all_reduce_sum(torch.ones(1))
+    rw.shutdown()  # what init's own error recommends before init with other settings
+    rw.init(timeout=15)
+    print(f"after re-init: {rw.all_reduce_sum(torch.ones(1)).item():.0f}")
+""")
+
+
+def test_shutdown_then_init_works_under_the_launcher(tmp_path):
+    import socket
+
+    (tmp_path / "reinit.py").write_text(REINIT)
+    with socket.socket() as s:  # a fixed port: the static rendezvous, whose store outlives groups
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "--master-port",
+           port, "reinit.py"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[rank0]: after re-init: 2" in result.stdout and "[rank1]: after re-init: 2" in result.stdout
