@@ -13,8 +13,9 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
 - ``fuzzed_ps_frames``: random frames (random bytes, truncated, wrong kinds and ranks) reach a
   live parameter server from worker 1; the server must either serve a valid one or stop
   every worker, naming rank 1, within 5 s, and never die silently.
-- ``hang``: rank 1 sleeps before a collective; the stall report (``RANKWISE_STALL_REPORT_S``)
-  must come before the timeout, and the final summary must blame rank 1.
+- ``hang``: rank 1 sleeps before a collective; the stall report (``RANKWISE_STALL_REPORT_S``,
+  rankwise's default unless --stall-s) must come within a minute of the sleep, before the
+  timeout, and the final summary must blame rank 1. Its seconds count from the sleep.
 
 Prints one JSON row per fault: trials, runs that lost data or hung, and the worst and median
 seconds to stop (or to report, for the hang). --out also writes the JSON to a file.
@@ -72,8 +73,8 @@ SAVER = textwrap.dedent("""
 """)
 
 HANG = textwrap.dedent("""
-    import time, torch, rankwise as rw
-    rt = rw.init(timeout=30)
+    import sys, time, torch, rankwise as rw
+    rt = rw.init(timeout=float(sys.argv[1]))
     rw.all_reduce_sum(torch.ones(3))
     if rt.rank == 1:
         open("sleeping", "w").write(repr(time.time()))
@@ -176,11 +177,14 @@ def fuzzed_ps_frames(trials: int) -> list[dict]:
     return run_fuzz(trials)
 
 
-def hang(tmp: Path, stall_s: float) -> dict:
+def hang(tmp: Path, stall_s: float | None) -> dict:
+    from rankwise import env as envmod
+
     (tmp / "hang.py").write_text(HANG)
-    env = {**ENV, "RANKWISE_STALL_REPORT_S": str(stall_s)}
+    env = dict(ENV) if stall_s is None else {**ENV, "RANKWISE_STALL_REPORT_S": str(stall_s)}
+    timeout = 2 * (envmod.STALL_REPORT_S if stall_s is None else stall_s) + 10
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "hang.py"],
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "hang.py", str(timeout)],
         cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     reported, lines = None, []
@@ -212,7 +216,8 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3, help="trials per kill fault (default 3)")
     parser.add_argument("--saves", type=int, default=20, help="kills during saves (default 20)")
     parser.add_argument("--frames", type=int, default=1000, help="fuzzed frames (default 1000)")
-    parser.add_argument("--stall-s", type=float, default=10.0, help="RANKWISE_STALL_REPORT_S")
+    parser.add_argument("--stall-s", type=float, default=None,
+                        help="RANKWISE_STALL_REPORT_S for the hang (default: rankwise's, 50)")  # fmt: skip
     parser.add_argument("--only", nargs="*", default=None, help="run only these faults")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -230,7 +235,10 @@ def main() -> None:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": args.stall_s} if fault == "hang" else {}
+        from rankwise.env import STALL_REPORT_S
+
+        stall = STALL_REPORT_S if args.stall_s is None else args.stall_s
+        extra = {"stall_report_s": stall} if fault == "hang" else {}
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)

@@ -304,7 +304,7 @@ def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
     return e.get("RANKWISE_DIAG_DIR") or None
 
 
-STALL_REPORT_S = 60.0
+STALL_REPORT_S = 50.0
 """Default of ``RANKWISE_STALL_REPORT_S``."""
 
 

@@ -73,7 +73,7 @@ def test_sigabrt_is_not_blamed_on_memory_and_quotes_stderr():
     assert "op.preamble.length <= op.nbytes" in text and "memory" not in text
 
 
-@pytest.mark.parametrize(("raw", "value"), [("", 60.0), ("5", 5.0), ("0", 0.0), ("2.5", 2.5)])
+@pytest.mark.parametrize(("raw", "value"), [("", 50.0), ("5", 5.0), ("0", 0.0), ("2.5", 2.5)])
 def test_stall_report_delay_from_the_environment(raw, value):
     assert envmod.stall_report_s({"RANKWISE_STALL_REPORT_S": raw}) == value
 

@@ -3,9 +3,10 @@
 A rank that hangs before a collective (a sleep, a deadlock in a data loader, a rank-dependent
 branch) makes every other rank wait until the backend's timeout (300 s by default), and only
 then is anything said. The watchdog thread calls ``check`` at every heartbeat: once a
-collective has been pending for ``RANKWISE_STALL_REPORT_S`` seconds (60 by default; 0 turns the
-reports off), the lowest waiting rank prints one report naming the waiting ranks, the missing
-ones and where they are (their call site, or "running user code at file:line"). Nothing is
+collective has been pending for ``RANKWISE_STALL_REPORT_S`` seconds (50 by default, so that
+the report is out within a minute; 0 turns the reports off), the lowest waiting rank prints
+one report naming the waiting ranks, the missing ones and where they are (their call site,
+or "running user code at file:line"). Nothing is
 raised: the job goes on waiting, and still fails at the timeout if the stall does not end.
 Each collective is reported once.
 """
