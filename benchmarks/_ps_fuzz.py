@@ -3,7 +3,8 @@
 Worker 1's frames go through the real decoder (``WireChannel.decode``) into a real
 ``ParameterServer``; worker 0 trains in the server's process. After each fuzzed frame, worker 0
 steps once: the server must answer it within 5 s (it never dies silently), and when the frame
-broke the protocol the answer must be a STOP naming rank 1, sent to rank 1 as well.
+broke the protocol, rank 1 must be sent a STOP within 5 s (the seconds reported), and worker
+0's next step must be answered with a STOP naming rank 1.
 """
 
 from __future__ import annotations
@@ -70,27 +71,40 @@ def _trial(frame: torch.Tensor) -> dict:
         bad = True
     start = time.monotonic()
     wire.frames.put(frame)
-    time.sleep(0.002)  # let the receiver thread hand it over before worker 0 steps
-    server.inbox.put(Message(Kind.PUSH, 0, 0, 0, torch.zeros(NUMEL)))
-    try:
-        reply = server.local_replies.get(timeout=5)
-    except queue.Empty:
-        return {"lost": False, "hung": True, "seconds": None}
-    took = time.monotonic() - start
-    if bad:
-        deadline = time.monotonic() + 5  # the offender is told last
-        while not (told_1 := any(d == 1 and m.kind == Kind.STOP for d, m in list(wire.sent.queue))):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
+    if bad:  # the offender must be told, then worker 0 at its next step
+        told = _stop_sent_to_1(wire, deadline=start + 5)
         took = time.monotonic() - start
-        ok = reply.kind == Kind.STOP and "protocol error from rank 1" in reply.text and told_1
+        server.inbox.put(Message(Kind.PUSH, 0, 0, 0, torch.zeros(NUMEL)))
+        reply = _reply(server)
+        ok = told and reply is not None and reply.kind == Kind.STOP
+        ok = ok and "protocol error from rank 1" in reply.text
         server.inbox.put(Message(Kind.BYE, 0))
-    else:
-        ok = reply.kind in (Kind.PARAMS, Kind.STOP)
-        server.inbox.put(Message(Kind.DONE, 0) if reply.kind == Kind.PARAMS else Message(Kind.BYE, 0))
+    else:  # a valid frame: the server keeps serving worker 0
+        time.sleep(0.002)
+        server.inbox.put(Message(Kind.PUSH, 0, 0, 0, torch.zeros(NUMEL)))
+        reply = _reply(server)
+        took = time.monotonic() - start
+        ok = reply is not None and reply.kind in (Kind.PARAMS, Kind.STOP)
+        if reply is not None:
+            last = Message(Kind.DONE, 0) if reply.kind == Kind.PARAMS else Message(Kind.BYE, 0)
+            server.inbox.put(last)
         wire.frames.put(wire._frame(Message(Kind.DONE, 1)))
-    return {"lost": False, "hung": not ok, "seconds": took, "bad": bad}
+    return {"lost": False, "hung": not ok, "seconds": took if ok else None, "bad": bad}
+
+
+def _stop_sent_to_1(wire: MemoryWire, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if any(d == 1 and m.kind == Kind.STOP for d, m in list(wire.sent.queue)):
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def _reply(server: ParameterServer) -> Message | None:
+    try:
+        return server.local_replies.get(timeout=5)
+    except queue.Empty:
+        return None
 
 
 def run_fuzz(trials: int, seed: int = 0) -> list[dict]:
