@@ -22,6 +22,7 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
+from .output import console, tee_to_files, waiting_message
 from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
 from .restarts import RestartLog, reporting_restarts
 
@@ -73,7 +74,7 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    tee = Std.ALL if opts.prefix_output else Std.NONE
+    tee = Std.ALL if tee_to_files(opts) else Std.NONE
     return LaunchConfig(
         min_nodes=opts.min_nodes or opts.nnodes,
         max_nodes=opts.nnodes,
@@ -86,7 +87,7 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
         max_restarts=opts.max_restarts,
         monitor_interval=opts.monitor_interval,
         start_method="spawn",
-        log_line_prefix_template=RANK_PREFIX if opts.prefix_output else None,
+        log_line_prefix_template=RANK_PREFIX if tee_to_files(opts) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
     )
 
@@ -116,11 +117,16 @@ def launch(opts: LaunchOptions) -> None:
         # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
         diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
         envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
+        # The rank-aware logger leaves out its own prefix when the launcher adds one.
+        envmod.set_for_workers("RANKWISE_RANK_PREFIX", "1" if opts.prefix_output else "0")
         # The agent runs in this process and starts the workers: they die with it (bootstrap).
         envmod.set_for_workers("RANKWISE_LAUNCHER_PID", str(os.getpid()))
+        waiting = waiting_message(opts, rdzv)
+        if waiting:
+            print(waiting, file=sys.stderr, flush=True)
         restarts = RestartLog(opts.max_restarts)
         try:
-            with reporting_restarts(restarts):
+            with console(opts), reporting_restarts(restarts):
                 elastic_launch(config, cmd)(*args)
             if restarts.summary():
                 restarts.emit(restarts.summary())
