@@ -22,6 +22,9 @@ from . import env as envmod
 from . import netif
 from .env import DistEnv
 from .errors import ConfigError, DistributedError, RuntimeStateError
+from .precision import Precision
+from .precision import parse as parse_precision
+from .training import LoopState, TrainingLoop
 
 DEFAULT_TIMEOUT_S = 300.0
 """Finite default for every collective and the rendezvous: a hang becomes an error."""
@@ -30,7 +33,7 @@ _BACKENDS = ("gloo", "nccl", "mpi")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Runtime:
+class Runtime(TrainingLoop):
     """This process's place in the job and the resources it uses."""
 
     env: DistEnv
@@ -47,6 +50,14 @@ class Runtime:
     """How ``prepare`` parallelises: 'single', 'dp' (DataParallel) or 'ddp' ('auto' resolved)."""
     devices: tuple[torch.device, ...] = ()
     """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
+    precision: str = "32"
+    """'32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true': how ``prepare``'s model computes."""
+    loop: LoopState = field(default_factory=LoopState, repr=False, compare=False)
+    """The training-loop verbs' state (``rankwise.training``): scaler, prepared optimizers."""
+
+    @property
+    def precision_policy(self) -> Precision:
+        return parse_precision(self.precision)
 
     @property
     def rank(self) -> int:
@@ -78,6 +89,7 @@ class Runtime:
         loader: Any = None,
         *,
         global_batch_size: int | None = None,
+        scheduler: Any = None,
     ) -> Any:
         """Move, then wrap the model for ``strategy``; split the loader; see ``session.prepare``.
 
@@ -85,7 +97,9 @@ class Runtime:
         """
         from . import session
 
-        return session.prepare(self, model, optimizer, loader, global_batch_size=global_batch_size)
+        return session.prepare(
+            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
+        )
 
     def prepare_loader(
         self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
@@ -108,13 +122,15 @@ class Runtime:
         """``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks (call it on every rank)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(path, **kwargs)
+        return save_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=True))
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
         """``rw.load_checkpoint``, mapped to this process's device. No sync point."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(path, **kwargs)
+        result = load_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=False))
+        self._restore_scaler(result)
+        return result
 
 
 # The process group is process-global state in torch; this mirrors it, nothing more.
@@ -236,6 +252,7 @@ def init(
     env: DistEnv | None = None,
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
+    precision: str | None = None,
     debug: bool = False,
 ) -> Runtime:
     """Join the distributed job described by the environment, or run as a single process.
@@ -249,7 +266,8 @@ def init(
     as world size 1, where no process group is created and every collective is a no-op.
     ``strategy`` ('auto', 'single', 'dp', 'ddp') and ``devices`` (DataParallel's) decide what
     ``rt.prepare`` does; 'auto' (the default) is 'ddp' when launched, 'dp' over every GPU
-    when unlaunched with several, else 'single'.
+    when unlaunched with several, else 'single'. ``precision`` ('32', 'bf16-mixed',
+    'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
@@ -259,13 +277,15 @@ def init(
     if _current is not None:
         _check_same(_current, backend, device, timeout)
         session.check_same(_current, strategy, devices)
+        _check_same_precision(_current, precision)
         return _current
+    policy = parse_precision(precision)  # a bad name fails every rank before the rendezvous
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         rt = _adopt_existing(env, device, timeout_td)
-        _current = _with_plan(rt, session.plan(strategy, devices, rt.env, device))
+        _current = _with_plan(rt, session.plan(strategy, devices, rt.env, device), policy)
         return _current
     # Settled before the rendezvous: a refused strategy fails every rank at once.
     the_plan = session.plan(strategy, devices, env, device)
@@ -276,7 +296,7 @@ def init(
         torch.cuda.set_device(dev)
     if env.world_size == 1:
         rt = Runtime(env=env, device=dev, backend=None, timeout=timeout_td)
-        _current = _with_plan(rt, the_plan)
+        _current = _with_plan(rt, the_plan, policy)
         return _current
     chosen = choose_backend(dev, backend)
     _pick_gloo_interface(env, chosen)
@@ -307,7 +327,7 @@ def init(
     global joined_a_group
     joined_a_group = True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
     rt = Runtime(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
-    _current = _with_plan(rt, the_plan)
+    _current = _with_plan(rt, the_plan, policy)
     return _current
 
 
@@ -332,8 +352,20 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(prefix, store)}
 
 
-def _with_plan(rt: Runtime, plan: Any) -> Runtime:
-    return dataclasses.replace(rt, strategy=plan.strategy, devices=plan.devices or (rt.device,))
+def _with_plan(rt: Runtime, plan: Any, policy: Precision) -> Runtime:
+    return dataclasses.replace(
+        rt, strategy=plan.strategy, devices=plan.devices or (rt.device,), precision=policy.name
+    )
+
+
+def _check_same_precision(current: Runtime, precision: str | None) -> None:
+    if precision is not None and parse_precision(precision).name != current.precision:
+        raise RuntimeStateError(
+            f"rw.init() was already called with precision={current.precision!r}; this call "
+            f"asks for precision={parse_precision(precision).name!r}",
+            fix="call rw.init() once at the start of the program, or rw.shutdown() first.",
+            rank=current.rank,
+        )
 
 
 def get_runtime() -> Runtime:

@@ -56,11 +56,15 @@ def prepare(
     loader: DataLoader | Loader | None = None,
     *,
     global_batch_size: int | None = None,
+    scheduler: Any = None,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
     Returns the model alone when only a model is given, ``(model, optimizer)`` without a
-    loader, else ``(model, optimizer, loader)``.
+    loader, else ``(model, optimizer, loader)``; a ``scheduler`` is appended unchanged (and
+    saved/restored by ``rt.save``/``rt.load``). ``rt.precision`` is applied here
+    (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
+    under 'fp16-mixed'.
 
     Sync point: all ranks under 'ddp' (the model's parameters are broadcast from rank 0).
     """
@@ -72,9 +76,26 @@ def prepare(
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
+    wrapped, optimizer = _with_precision(rt, model, optimizer)
+    if scheduler is not None:
+        rt.loop.schedulers.append(scheduler)
+    tail = () if scheduler is None else (scheduler,)
+    if loader is None:
+        return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
+    prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
+    rt.loop.loaders.append(prepared)
+    return (wrapped, optimizer, prepared, *tail)
+
+
+def _with_precision(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    from .. import precision
+
+    policy = rt.precision_policy
+    precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     wrapped = prepare_model(rt, model)
+    device_type = precision.model_device_type(model, rt.device)
+    precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:
         move_optimizer_state(optimizer)  # the model has moved: its state follows
-    if loader is None:
-        return wrapped if optimizer is None else (wrapped, optimizer)
-    return wrapped, optimizer, prepare_loader(rt, loader, global_batch_size=global_batch_size)
+        optimizer = rt._prepare_optimizer(optimizer, device_type)
+    return wrapped, optimizer
