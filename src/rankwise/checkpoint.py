@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,18 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpoint_files as files
 from . import comm, rng
+from .checkpoint_files import LATEST, list_checkpoints
 from .errors import ConfigError, DistributedError
 from .state import model_state, strip_prefixes, unwrap_model
 
 FORMAT = "rankwise-checkpoint"
 VERSION = 1
-LATEST = "latest"
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
-
-
-def _is_dir_target(path: Path) -> bool:
-    return path.is_dir() or str(path).endswith(os.sep) or path.suffix == ""
+__all__ = ["LATEST", "list_checkpoints", "load_checkpoint", "resolve", "save_checkpoint"]
 
 
 def _stateful(obj: Any) -> Any:
@@ -74,60 +70,6 @@ def _resume_epoch(saved: Any, loader: Any) -> Any:
     if isinstance(saved, int) and finished is not None and saved == finished:
         return saved + 1
     return saved
-
-
-def _write_atomic(payload: dict[str, Any], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must reach the disk
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _write_text_atomic(text: str, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Checkpoints in a directory written by ``save_checkpoint``, oldest first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def _target(path: Path, step: int | None) -> Path:
-    if not _is_dir_target(path):
-        return path
-    if step is None:
-        existing = list_checkpoints(path)
-        step = int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 0
-    return path / f"ckpt-{step:08d}.pt"
-
-
-def _prune(directory: Path, keep_last: int) -> None:
-    for old in list_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
-    # Leftovers of saves killed mid-write (only rank 0 writes, and it is here, so none is live).
-    for stale in directory.glob(".ckpt-*.tmp"):
-        stale.unlink(missing_ok=True)
 
 
 def _collective_states(model: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -191,6 +133,7 @@ def save_checkpoint(
 
     Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
     """
+    files.check_step(step)
     if keep_last < 1:
         raise ConfigError(
             f"keep_last={keep_last} must be at least 1",
@@ -219,32 +162,27 @@ def save_checkpoint(
 
 def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None):
     try:
-        target = _target(path, step)
-        _write_atomic(payload, target)
-        if _is_dir_target(path):
-            _write_text_atomic(target.name + "\n", target.parent / LATEST)
-            _prune(target.parent, keep_last)
+        is_dir = files.is_dir_target(path)
+        target = files.dir_target(path, step) if is_dir else path
+        files.write_atomic(lambda f: torch.save(payload, f), target)
+        if is_dir:
+            # latest first: a crash between the two leaves extra files, never a wrong pointer
+            files.write_text_atomic(target.name + "\n", target.parent / LATEST)
+            files.prune(target.parent, keep_last, target)
         return ("ok", str(target))
     except Exception as exc:  # reported to every rank by the caller
         return ("error", f"{type(exc).__name__}: {exc}")
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """The file a path refers to: itself, or for a directory the one ``latest`` points at."""
+    """The file a path refers to: itself, or for a directory the one ``latest`` names.
+
+    A ``latest`` that names a missing file, or one outside its folder, is an error naming it:
+    loading never falls back silently to another checkpoint (docs/checkpoints.md).
+    """
     p = Path(path)
     if p.is_dir():
-        pointer = p / LATEST
-        if pointer.is_file():
-            candidate = p / pointer.read_text().strip()
-            if candidate.is_file():
-                return candidate
-        found = list_checkpoints(p)
-        if not found:
-            raise ConfigError(
-                f"no checkpoint in directory {os.fspath(path)!r}",
-                fix="pass a directory written by rw.save_checkpoint, or a checkpoint file.",
-            )
-        return found[-1]
+        return files.read_latest(p)
     if not p.is_file():
         raise ConfigError(
             f"checkpoint {os.fspath(path)!r} does not exist",
@@ -260,14 +198,47 @@ def _read(file: Path, map_location: Any, trusted: bool) -> Any:
     try:
         return torch.load(file, map_location=map_location, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        what = found.group(1) if found else "an object"
+        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y" by version
+        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", str(exc))
+        if found is None:
+            raise _unreadable(file, exc, "torch's weights_only loader cannot read it") from exc
+        what = found.group(1)
         raise ConfigError(
             f"checkpoint {os.fspath(file)!r} contains a pickled {what}, outside torch's "
             "weights_only allow-list; loading an untrusted pickle can run arbitrary code",
             fix="if you trust this file, pass trusted=True; or allow just that type with "
             f"torch.serialization.add_safe_globals([{what.rsplit('.', 1)[-1]}]).",
         ) from exc
+    except (EOFError, OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise _unreadable(file, exc, "it is truncated, corrupt or not a torch.save file") from exc
+
+
+def _unreadable(file: Path, exc: BaseException, why: str) -> ConfigError:
+    size = file.stat().st_size if file.exists() else 0
+    cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else '(no message)'}"
+    return ConfigError(
+        f"cannot load checkpoint {os.fspath(file)!r} ({size} bytes): {why} ({cause})",
+        fix="load an earlier checkpoint (rw.list_checkpoints(folder) lists them) or copy the "
+        "file again; a file cut short by a killed copy or a full disk cannot be repaired. "
+        "If it is a plain pickle you trust, pass trusted=True.",
+    )
+
+
+def _check_shapes(target: nn.Module, clean: Mapping[str, Any]) -> None:
+    own = target.state_dict()
+    wrong = [
+        (k, tuple(v.shape), tuple(own[k].shape))
+        for k, v in clean.items()
+        if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape
+    ]
+    if wrong:
+        listed = ", ".join(f"{k}: checkpoint {a}, model {b}" for k, a, b in wrong[:8])
+        raise ConfigError(
+            f"checkpoint does not fit {type(target).__name__}: shapes differ for {listed}"
+            f"{' ...' if len(wrong) > 8 else ''}",
+            fix="build the model with the sizes it was saved with; strict=False skips missing "
+            "or unexpected keys, not tensors of another shape.",
+        )
 
 
 def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -288,6 +259,7 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool
             fix="load into the same architecture that was saved, or pass strict=False to load "
             "the keys that match.",
         )
+    _check_shapes(target, clean)
     target.load_state_dict(clean, strict=strict)
 
 

@@ -304,6 +304,29 @@ def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
     return e.get("RANKWISE_DIAG_DIR") or None
 
 
+STALL_REPORT_S = 50.0
+"""Default of ``RANKWISE_STALL_REPORT_S``."""
+
+
+def stall_report_s(environ: Mapping[str, str] | None = None) -> float:
+    """``RANKWISE_STALL_REPORT_S``: seconds a collective may wait before a stall report (0: off)."""
+    e = os.environ if environ is None else environ
+    raw = e.get("RANKWISE_STALL_REPORT_S", "").strip()
+    if not raw:
+        return STALL_REPORT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise EnvError(
+            f"RANKWISE_STALL_REPORT_S={raw!r} is not a number of seconds >= 0",
+            fix="set it to e.g. 60 (report a collective waiting for a minute), or 0 to turn "
+            "stall reports off.",
+        )
+    return value
+
+
 def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     """``RANKWISE_RANK_PREFIX=1``: the launcher prefixes every output line with the rank."""
     e = os.environ if environ is None else environ

@@ -253,8 +253,14 @@ def init(
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
     precision: str | None = None,
+    debug: bool = False,
 ) -> Runtime:
     """Join the distributed job described by the environment, or run as a single process.
+
+    ``debug=True`` makes torch check every collective of the process group (ours and the
+    user's own ``torch.distributed`` calls) across ranks before it runs, so a mismatch fails
+    at once naming both ops (``TORCH_DISTRIBUTED_DEBUG=DETAIL``; slower, docs/diagnose.md).
+    It must be given to the call that creates the process group.
 
     Idempotent: a second call returns the same runtime. Works unlaunched (``python train.py``)
     as world size 1, where no process group is created and every collective is a no-op.
@@ -294,6 +300,9 @@ def init(
         return _current
     chosen = choose_backend(dev, backend)
     _pick_gloo_interface(env, chosen)
+    if debug:  # read when the group is created; the env var reaches the ranks' own children
+        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     # torch's env:// reads RANK/MASTER_* itself: give it the values we were given or detected.
     if explicit_env or env.source in ("slurm", "mpi"):
         envmod.export_for_torch(env)
@@ -322,6 +331,10 @@ def init(
     return _current
 
 
+_destroyed = {"groups": 0}
+"""Process groups this process created and destroyed (each rank counts the same)."""
+
+
 def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     """How ``init_process_group`` finds its peers: torch's ``env://``, with one exception.
 
@@ -334,7 +347,9 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     store = dist.TCPStore(
         env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
     )
-    return {"store": dist.PrefixStore(f"/rankwise/attempt_{env.restart_count}", store)}
+    # ... and so does a group this process destroyed (rw.shutdown(), then rw.init() again).
+    prefix = f"/rankwise/attempt_{env.restart_count}/init_{_destroyed['groups']}"
+    return {"store": dist.PrefixStore(prefix, store)}
 
 
 def _with_plan(rt: Runtime, plan: Any, policy: Precision) -> Runtime:
@@ -379,4 +394,5 @@ def shutdown() -> None:
 
         fingerprints.reset()  # its watchdog talks to the store the group is about to drop
         dist.destroy_process_group()
+        _destroyed["groups"] += 1  # a later init must not read this group's keys
     _current = None

@@ -30,7 +30,7 @@ from torch.distributed import distributed_c10d as c10d
 from .. import env as envmod
 from .. import runtime
 from ..errors import ConfigError, DistributedError
-from . import gather, sidechannel
+from . import gather, sidechannel, stall
 from .report import Record
 
 _SKIP = (
@@ -383,6 +383,7 @@ def _snapshot() -> dict[str, Any] | None:
 def _overdue() -> None:
     """Report collectives pending for all but two heartbeats of the timeout (backends that
     never raise, such as NCCL, which aborts the process at the timeout)."""
+    stall.check(list(_groups.values()), _world["watchdog"], _interval(), _timeout_s())
     limit = _timeout_s() - 2 * _interval()
     now = time.time()
     for g in list(_groups.values()):

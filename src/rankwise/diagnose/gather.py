@@ -133,7 +133,7 @@ def failure_error(
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
     if mark:
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
-    write_diag_file(g.global_rank, msg, fix)
+    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq))
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -172,8 +172,9 @@ last: dict[str, str | None] = {"report": None}
 """The latest diagnosis made on this rank (by a failure or by the watchdog)."""
 
 
-def write_diag_file(rank: int, message: str, fix: str) -> None:
-    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``)."""
+def write_diag_file(rank: int, message: str, fix: str, culprits: list[int] | None = None) -> None:
+    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``):
+    ``rank<r>.txt``, and ``rank<r>.json`` naming the ranks to blame (the launcher's headline)."""
     last["report"] = f"[rank {rank}] {message}\nFix: {fix}"
     folder = envmod.diag_dir()
     if not folder:
@@ -182,6 +183,8 @@ def write_diag_file(rank: int, message: str, fix: str) -> None:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
+        with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump({"culprits": culprits or []}, f)
     except OSError:
         pass
 

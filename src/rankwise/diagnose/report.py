@@ -189,6 +189,31 @@ def failure_report(
     )
 
 
+def culprits(views: list[RankView], want: int) -> list[int]:
+    """The ranks to blame for collective ``want`` not completing: those that stopped
+    responding, else those alive that never reached it (the waiting ranks are their victims)."""
+    dead = [v.rank for v in views if v.alive is False]
+    if dead:
+        return sorted(dead)
+    return sorted(v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want))
+
+
+def stall_report(me: int, pending: Record, views: list[RankView], waited: float, timeout: float):
+    """Message and fix for a collective still waiting after ``waited`` s (the job goes on)."""
+    missing = culprits(views, pending.seq)
+    waiting = [v.rank for v in views if v.rank not in missing]
+    msg, fix = failure_report(
+        me, pending, views, f"the timeout is {timeout:.0f}s", waited, "is still pending"
+    )
+    if missing:
+        head = (
+            f"stall: rank(s) {_ranks(missing)} have not reached {pending.op} #{pending.seq}, "
+            f"which rank(s) {_ranks(waiting)} have been waiting in for {waited:.0f}s. "
+        )
+        msg = head + msg
+    return msg, fix
+
+
 def mismatch_report(me: int, seq: int, records: dict[int, Record | None]) -> tuple[str, str]:
     """Message and fix when the fingerprints of collective ``seq`` differ between ranks."""
     parts = []

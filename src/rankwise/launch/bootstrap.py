@@ -7,9 +7,15 @@ torch's elastic agent gave this worker (``TORCHELASTIC_ERROR_FILE``, the format 
 ``torch.distributed.elastic.multiprocessing.errors.record``), which is how the launcher's
 failure summary can show the last lines of a failing rank's traceback.
 
+Workers die with their launcher: on Linux each one asks the kernel for SIGKILL when its parent
+(the launcher, whose elastic agent started it) dies, so a SIGKILLed ``rankwise run`` leaves no
+orphan training unsupervised. SIGKILL, not SIGTERM: a user's SIGTERM handler (a checkpoint on
+preemption) would enter collectives with peers that are dying too, and hang with no one left
+to stop it.
+
 This file is executed by path and imports only the standard library: it must not pay for
 importing torch (or rankwise) before the user's script does. For the same reason it reads the
-one variable it needs from ``os.environ`` itself instead of through ``rankwise.env``.
+variables it needs from ``os.environ`` itself instead of through ``rankwise.env``.
 """
 
 from __future__ import annotations
@@ -17,10 +23,35 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
 import traceback
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LAUNCHER_PID = "RANKWISE_LAUNCHER_PID"
+
+
+def die_with_parent(expected_parent: int | None) -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where that is unavailable.
+
+    ``expected_parent`` closes the race where the parent died before the request was made
+    (this process was then already re-parented, and no signal will ever come).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def _where(filename: str) -> str:
@@ -98,6 +129,8 @@ def _warn_if_alone(watch: _GroupWatch) -> None:
 
 
 def main(argv: list[str]) -> None:
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    die_with_parent(int(launcher) if launcher.isdigit() else None)
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]

@@ -59,6 +59,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _flag(parser, "log-dir", default=None, help="keep each worker's stdout/stderr files here")
     _flag(parser, "no-prefix", action="store_true", help="do not prefix output lines with [rankN]:")
+    _flag(
+        parser,
+        "debug",
+        action="store_true",
+        help="check every torch.distributed collective across ranks before it runs "
+        "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slower, see docs/diagnose.md)",
+    )
     _flag(parser, "monitor-interval", type=float, default=0.1, help=argparse.SUPPRESS)
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the target as a module, like python -m"
@@ -92,6 +99,7 @@ def options_from_args(args: argparse.Namespace, *, pass_local_rank: bool = False
         prefix_output=not args.no_prefix,
         pass_local_rank=pass_local_rank,
         monitor_interval=args.monitor_interval,
+        debug=args.debug,
     )
 
 

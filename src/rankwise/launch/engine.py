@@ -9,6 +9,7 @@ the bootstrap that records a failing rank's traceback, and errors that say what 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,7 +23,8 @@ from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
 from .output import console, tee_to_files, waiting_message
-from .report import JobFailed, from_elastic, read_diagnoses
+from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
+from .restarts import RestartLog, reporting_restarts
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
@@ -57,6 +59,8 @@ def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     # torchrun's rule: several workers on one machine each get one OpenMP thread unless told.
     if opts.nproc_per_node > 1:
         envmod.set_default("OMP_NUM_THREADS", "1")
+    if opts.debug:  # torch checks op, shapes and dtypes of every collective (docs/diagnose.md)
+        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
     # interface that reaches the master so workers on other hosts can connect back.
     host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
@@ -115,19 +119,27 @@ def launch(opts: LaunchOptions) -> None:
         envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
         # The rank-aware logger leaves out its own prefix when the launcher adds one.
         envmod.set_for_workers("RANKWISE_RANK_PREFIX", "1" if opts.prefix_output else "0")
+        # The agent runs in this process and starts the workers: they die with it (bootstrap).
+        envmod.set_for_workers("RANKWISE_LAUNCHER_PID", str(os.getpid()))
         waiting = waiting_message(opts, rdzv)
         if waiting:
             print(waiting, file=sys.stderr, flush=True)
+        restarts = RestartLog(opts.max_restarts)
         try:
-            with console(opts):
+            with console(opts), reporting_restarts(restarts):
                 elastic_launch(config, cmd)(*args)
+            if restarts.summary():
+                restarts.emit(restarts.summary())
         except ChildFailedError as exc:
-            failures = from_elastic(exc.failures)
+            failures = [
+                _with_stderr(f, config.logs_specs.root_log_dir) for f in from_elastic(exc.failures)
+            ]
             raise JobFailed(
                 failures,
                 world_size=opts.world_size,
                 node_rank=opts.node_rank,
                 diagnoses=read_diagnoses(diag),
+                culprits=read_culprits(diag),
             ) from None
         except SignalException as exc:
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
@@ -135,9 +147,37 @@ def launch(opts: LaunchOptions) -> None:
             raise _rendezvous_error(opts, rdzv, exc) from exc
 
 
+def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
+    """Attach the last stderr lines of a worker killed by a signal (a native abort, such as
+    gloo's, prints its reason there and leaves no traceback)."""
+    if f.exitcode >= 0 or f.traceback:
+        return f
+    logs = sorted(
+        Path(log_dir).glob(f"**/attempt_*/{f.local_rank}/stderr.log"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not logs:
+        return f
+    try:
+        with open(logs[-1], "rb") as fp:
+            fp.seek(max(0, fp.seek(0, os.SEEK_END) - 4096))
+            tail = fp.read().decode("utf-8", "replace")
+    except OSError:
+        return f
+    return dataclasses.replace(f, stderr_tail=tail)
+
+
 def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> DistributedError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = f"{rdzv.backend} rendezvous at {rdzv.endpoint}"
+    if "EADDRINUSE" in first or "address already in use" in first.lower():
+        port = rdzv.endpoint.rsplit(":", 1)[-1]
+        return DistributedError(
+            f"port {port} is already in use on this machine, so node {opts.node_rank} cannot "
+            f"host the {where} ({type(exc).__name__}: {first})",
+            fix="pass another --master-port (another job, or a previous run still exiting, "
+            "holds this one), or leave --master-port out on one node so a free port is picked.",
+        )
     if rdzv.backend == "static" and opts.node_rank != 0:
         fix = (
             f"start node 0 first and check that {rdzv.endpoint} (--master-addr/--master-port) "

@@ -60,6 +60,8 @@ class LaunchOptions:
     """Prefix each output line with ``[rankN]:``."""
     pass_local_rank: bool = False
     """Pass ``--local_rank=K`` to the script (torch.distributed.launch compatibility)."""
+    debug: bool = False
+    """Workers check every torch.distributed collective across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers (how fast a failure is seen)."""
 

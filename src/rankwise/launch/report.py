@@ -30,6 +30,8 @@ class RankFailure:
     """Its exit code; negative -N when signal N killed it (Python's convention)."""
     traceback: str = ""
     """The traceback it recorded (empty when it was killed or exited without an exception)."""
+    stderr_tail: str = ""
+    """The last lines it wrote to stderr (quoted for a native abort, which leaves no traceback)."""
 
     @property
     def cause(self) -> str:
@@ -53,15 +55,29 @@ class JobFailed(DistributedError):
         world_size: int,
         node_rank: int,
         diagnoses: dict[int, str] | None = None,
+        culprits: dict[int, list[int]] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
         self.root = split_stopped(failures)[0][0]
-        super().__init__(
-            summarize(failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses),
-            fix=f"see rank {self.root.rank}'s output above (its lines start with "
-            f"[rank{self.root.rank}]:); the other ranks were stopped because of it.",
-        )
+        self.blamed = blame(failures, diagnoses or {}, culprits or {})
+        text = summarize(
+            failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
+            blamed=self.blamed,
+        )  # fmt: skip
+        if self.blamed:
+            who = ", ".join(str(r) for r in self.blamed)
+            fix = (
+                f"look at where rank(s) {who} were (the diagnosis names the file and line; "
+                f"their output lines start with [rank{self.blamed[0]}]:): the other ranks "
+                "waited for them until the timeout."
+            )
+        else:
+            fix = (
+                f"see rank {self.root.rank}'s output above (its lines start with "
+                f"[rank{self.root.rank}]:); the other ranks were stopped because of it."
+            )
+        super().__init__(text, fix=fix)
 
     @property
     def exit_code(self) -> int:
@@ -81,6 +97,40 @@ def split_stopped(failures: list[RankFailure]) -> tuple[list[RankFailure], list[
     return (failed, stopped) if failed else (stopped, [])
 
 
+def _quoted(failed: list[RankFailure], diagnoses: dict[int, str]) -> int | None:
+    """The rank whose diagnosis the summary quotes: the first failing one that has one."""
+    order = [f.rank for f in failed if f.rank in diagnoses] + sorted(diagnoses)
+    return order[0] if order else None
+
+
+def blame(
+    failures: list[RankFailure], diagnoses: dict[int, str], culprits: dict[int, list[int]]
+) -> list[int]:
+    """Ranks the quoted diagnosis blames (a hung or dead rank), when they are not the ones
+    that failed: the ranks that timed out were its victims. Empty otherwise."""
+    failed, _ = split_stopped(failures)
+    quoted = _quoted(failed, diagnoses)
+    named = culprits.get(quoted, []) if quoted is not None else []
+    failed_ranks = {f.rank for f in failed}
+    return [r for r in named if r not in failed_ranks]
+
+
+def read_culprits(folder: str | os.PathLike) -> dict[int, list[int]]:
+    """The ``rank<r>.json`` blame records that ranks wrote beside their diagnoses, by rank."""
+    import json
+
+    found: dict[int, list[int]] = {}
+    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
+        digits = path.stem[len("rank") :]
+        try:
+            ranks = json.loads(path.read_text(encoding="utf-8")).get("culprits", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        if digits.isdigit() and all(isinstance(r, int) for r in ranks):
+            found[int(digits)] = ranks
+    return found
+
+
 def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
     """The ``rank<r>.txt`` diagnoses that ranks wrote (``rankwise.diagnose``), by rank."""
     found: dict[int, str] = {}
@@ -91,40 +141,71 @@ def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
     return found
 
 
+_SIGNAL_NOTES = {
+    signal.SIGKILL: "killed by SIGKILL, so no traceback: the kernel's out-of-memory killer is "
+    "a common cause (`dmesg` shows it), or someone killed it",
+    signal.SIGABRT: "aborted (SIGABRT) by a failed check in native code (gloo, NCCL or a C++ "
+    "extension), so no Python traceback; its own message is the last lines it printed",
+    signal.SIGSEGV: "crashed in native code (SIGSEGV), so no Python traceback",
+}
+
+
+def _no_traceback(f: RankFailure) -> list[str]:
+    try:
+        note = _SIGNAL_NOTES.get(signal.Signals(-f.exitcode), "killed by a signal, so no traceback")
+    except ValueError:
+        note = "killed by a signal, so no traceback"
+    lines = [f"    ({note})"]
+    tail = [line for line in f.stderr_tail.rstrip().splitlines() if line.strip()]
+    if tail:
+        lines.append("    its last lines on stderr:")
+        lines.extend(f"      {line}" for line in tail[-TRACEBACK_LINES:])
+    return lines
+
+
 def summarize(
     failures: list[RankFailure],
     *,
     world_size: int,
     node_rank: int,
     diagnoses: dict[int, str] | None = None,
+    blamed: list[int] | None = None,
 ) -> str:
     """A few lines per failed rank, the first failure (usually the root cause) first.
 
     When a rank diagnosed a failed collective, the first diagnosis (by the failing ranks'
-    order, then by rank) is quoted: it says which rank waited where, and why.
+    order, then by rank) is quoted once, instead of that rank's traceback tail (which ends with
+    the same text). When it blames ranks that did not fail themselves (they hung, the others
+    timed out waiting), the headline names those ranks.
     """
     failed, stopped = split_stopped(failures)
+    diagnoses = diagnoses or {}
+    quoted = _quoted(failed, diagnoses)
     ranks = ", ".join(str(f.rank) for f in failed)
-    lines = [
-        f"rank(s) {ranks} failed (world size {world_size}, node {node_rank}); "
-        "every other worker of this node was stopped"
-    ]
+    where = f"(world size {world_size}, node {node_rank}); every other worker of this node was stopped"
+    if blamed:
+        lines = [
+            f"rank(s) {', '.join(str(r) for r in blamed)} never reached the collective that "
+            f"rank(s) {ranks} waited in until they failed {where}"
+        ]
+    else:
+        lines = [f"rank(s) {ranks} failed {where}"]
     for f in failed:
         lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
         tail = [line for line in f.traceback.rstrip().splitlines() if line.strip()]
-        lines.extend(f"    {line}" for line in tail[-TRACEBACK_LINES:])
+        if f.rank == quoted:
+            lines.append("    (its diagnosis is below)")
+        else:
+            lines.extend(f"    {line}" for line in tail[-TRACEBACK_LINES:])
         if not tail and f.exitcode < 0:
-            lines.append(
-                "    (killed by a signal, so no traceback; running out of memory is a common cause)"
-            )
+            lines.extend(_no_traceback(f))
     if stopped:
         lines.append(
             f"  stopped by the launcher: rank(s) {', '.join(str(f.rank) for f in stopped)}"
         )
-    if diagnoses:
-        order = [f.rank for f in failed if f.rank in diagnoses] + sorted(diagnoses)
+    if quoted is not None:
         lines.append("  diagnosis:")
-        lines.extend(f"    {line}" for line in diagnoses[order[0]].splitlines())
+        lines.extend(f"    {line}" for line in diagnoses[quoted].splitlines())
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError, RuntimeStateError
+from ..parallel.state import verify_same_model
 from .base import UpdateStrategy
 from .gate import StalenessGate
 from .protocol import Kind, LocalChannel, Message, WireChannel, text_message
@@ -65,6 +66,9 @@ class AsyncUpdates(UpdateStrategy):
         self._local: LocalChannel | None = None
         self._server: ParameterServer | None = None
         if world > 1:  # Sync point: all ranks (new_group is collective)
+            # Frames are sized by this rank's model: a rank with another model would make Gloo
+            # abort the server (a longer frame) or train on garbage (same size, other shapes).
+            verify_same_model(model, None, self.rank)
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
             self._wire = WireChannel(group, self.flat.numel, self.flat.dtype)
         if self.rank == server_rank:

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..errors import DistributedError
+
 TEXT_BYTES = 512
 """Size of the error-text payload of ABORT and STOP (UTF-8, truncated)."""
 
@@ -47,6 +49,7 @@ class Kind(IntEnum):
     ABORT = 4
     BYE = 5
     LOST = 6  # never on the wire: a receiver thread's note that a worker vanished
+    BAD = 7  # never on the wire: a receiver thread's note that a worker broke the protocol
     PARAMS = 10
     STOP = 11
     WAIT = 12
@@ -54,6 +57,24 @@ class Kind(IntEnum):
 
 _FLAT_PAYLOAD = (Kind.PUSH, Kind.PARAMS)
 _TEXT_PAYLOAD = (Kind.ABORT, Kind.STOP)
+TO_SERVER = frozenset({Kind.PULL, Kind.PUSH, Kind.DONE, Kind.ABORT, Kind.BYE})
+"""Kinds a worker may send (LOST is never on the wire)."""
+TO_WORKER = frozenset({Kind.PARAMS, Kind.STOP, Kind.WAIT})
+"""Kinds the server may send."""
+
+
+class ProtocolError(DistributedError):
+    """A frame that breaks the wire format: the peer, the field and its value are named."""
+
+    def __init__(self, peer: int, field: str, value: object, expected: str) -> None:
+        self.peer = peer
+        self.field = field
+        super().__init__(
+            f"protocol error from rank {peer}: field {field!r} is {value!r}, expected {expected}",
+            fix=f"every rank must run the same rankwise version and the same script; rank {peer} "
+            "sent a frame that is not a rankwise parameter-server message (a different version, "
+            "or a process that is not ours, is talking to this job).",
+        )
 
 
 class Message(NamedTuple):
@@ -115,18 +136,39 @@ class WireChannel:
         work = dist.isend(self._frame(msg), dst=dst, group=self.group)
         work.wait(timedelta(seconds=timeout))
 
-    def recv(self, src: int) -> Message:
-        """Blocking receive of one message from ``src``; raises on timeout or a lost peer."""
+    def recv(self, src: int, allowed: frozenset[Kind] = TO_WORKER) -> Message:
+        """Blocking receive of one message from ``src``; raises on timeout or a lost peer,
+        and ``ProtocolError`` when the frame breaks the format (the peer's rank is ``src``,
+        whatever the header says: a rank is bound to its connection)."""
         frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
         dist.recv(frame, src=src, group=self.group)
+        return self.decode(frame, src, allowed)
+
+    def decode(self, frame: torch.Tensor, peer: int, allowed: frozenset[Kind]) -> Message:
+        """Validate every header field and parse one frame; allocates nothing frame-sized."""
+        if frame.dtype != torch.uint8 or frame.numel() != self.frame_bytes:
+            raise ProtocolError(peer, "frame length", frame.numel(), f"{self.frame_bytes} bytes")
         kind, rank, version, aux = frame[:_HEADER_BYTES].view(torch.int64).tolist()
+        if kind not in {int(k) for k in allowed}:
+            expected = "one of " + ", ".join(f"{k.name}={int(k)}" for k in sorted(allowed))
+            raise ProtocolError(peer, "kind", kind, expected)
         kind = Kind(kind)
+        if kind in TO_SERVER and rank != peer:
+            raise ProtocolError(peer, "rank", rank, f"{peer}, the sender's own rank")
+        if rank < 0:  # server to worker: the addressee, or for STOP the rank that failed
+            raise ProtocolError(peer, "rank", rank, "a rank of this job")
+        if version < 0:
+            raise ProtocolError(peer, "version", version, "a non-negative parameter version")
         body = frame[_HEADER_BYTES:]
+        if kind in _TEXT_PAYLOAD:
+            if not 0 <= aux <= TEXT_BYTES:
+                raise ProtocolError(peer, "text length", aux, f"0 to {TEXT_BYTES}")
+            return Message(kind, rank, version, aux, text=_decode_text(body, aux))
+        if aux < 0:
+            raise ProtocolError(peer, "aux", aux, "a non-negative step or staleness")
         if kind in _FLAT_PAYLOAD:
             payload = body[: self._flat_bytes].view(self.dtype)
             return Message(kind, rank, version, aux, payload)
-        if kind in _TEXT_PAYLOAD:
-            return Message(kind, rank, version, aux, text=_decode_text(body, aux))
         return Message(kind, rank, version, aux)
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ._flat import FlatParams
 from .gate import Applied, StalenessGate
-from .protocol import Kind, Message, WireChannel, text_message
+from .protocol import TO_SERVER, Kind, Message, ProtocolError, WireChannel, text_message
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,11 @@ class ParameterServer:
     def _receive(self, worker: int) -> None:
         try:
             while True:
-                msg = self._channel.recv(worker)
+                try:
+                    msg = self._channel.recv(worker, TO_SERVER)
+                except ProtocolError as exc:
+                    # The job ends; keep listening once more for the BYE that follows our STOP.
+                    msg = text_message(Kind.BAD, worker, exc.message)
                 self.inbox.put(msg)
                 if msg.kind in (Kind.DONE, Kind.ABORT, Kind.BYE) or not self._go[worker].get():
                     return
@@ -188,7 +192,21 @@ class ParameterServer:
     # ---- the protocol ------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
         w, kind = msg.rank, msg.kind
-        if kind == Kind.BYE:
+        if kind == Kind.PUSH and msg.version > self._gate.version:
+            bad = ProtocolError(w, "version", msg.version, f"at most {self._gate.version}")
+            msg, kind = text_message(Kind.BAD, w, bad.message), Kind.BAD
+        if kind == Kind.BAD and w in self._finished:
+            return  # already stopped: more garbage from it changes nothing
+        if kind == Kind.BAD:
+            # The offender waits for a reply to what it sent: it is stopped too (last, so
+            # that a peer that never receives cannot delay the others), and not waited for.
+            self._waiting[w] = Kind.PUSH
+            if self._failure is None:
+                self._fail(text_message(Kind.STOP, w, msg.text))
+            else:
+                self._stop(w)
+            self._finished.add(w)
+        elif kind == Kind.BYE:
             self._finished.add(w)
         elif kind in (Kind.ABORT, Kind.LOST):
             self._finished.add(w)
@@ -241,7 +259,7 @@ class ParameterServer:
 
     def _fail(self, stop: Message) -> None:
         self._failure = stop
-        for w in sorted(self._waiting):
+        for w in sorted(self._waiting, key=lambda r: (r == stop.rank, r)):
             self._stop(w)
 
     def _stop(self, w: int) -> None:

@@ -1,0 +1,260 @@
+"""Fault injection: kills, kills during saves, fuzzed parameter-server frames, a hang.
+
+Each fault is injected ``trials`` times into a small real job and the outcome is checked:
+
+- ``sigkill_rank``: a training job (2 ranks, our DDP, a checkpoint every 5 steps) has rank 1
+  SIGKILLed at a random step; the launcher must stop within 10 s, and the folder's ``latest``
+  checkpoint must load and be no older than the last save that returned.
+- ``sigkill_launcher``: the same job has its launcher SIGKILLed; every worker must be gone
+  within 10 s, and the checkpoint must load.
+- ``kill_during_save``: a process saving a ~17 MB model into a folder in a loop is SIGKILLed at
+  a random moment; ``load_checkpoint(folder)`` must give the last completed save (or a later
+  one), and the next save must leave no temporary file.
+- ``fuzzed_ps_frames``: random frames (random bytes, truncated, wrong kinds and ranks) reach a
+  live parameter server from worker 1; the server must either serve a valid one or stop
+  every worker, naming rank 1, within 5 s, and never die silently.
+- ``hang``: rank 1 sleeps before a collective; the stall report (``RANKWISE_STALL_REPORT_S``,
+  rankwise's default unless --stall-s) must come within a minute of the sleep, before the
+  timeout, and the final summary must blame rank 1. Its seconds count from the sleep.
+
+Prints one JSON row per fault: trials, runs that lost data or hung, and the worst and median
+seconds to stop (or to report, for the hang). --out also writes the JSON to a file.
+
+    flock /tmp/bench.lock python benchmarks/faults.py --out benchmarks/results/faults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+sys.path.insert(0, SRC)  # this checkout's rankwise, here and in the jobs (ENV)
+ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+TRAIN = textwrap.dedent("""
+    import os, sys, time, torch, rankwise as rw
+    from torch import nn
+    rt = rw.init(timeout=30)
+    torch.manual_seed(0)
+    model = rw.DistributedDataParallel(nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    open(f"pid{rt.rank}", "w").write(str(os.getpid()))
+    for step in range(1, 100000):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step(); opt.zero_grad()
+        if step % 5 == 0:
+            rw.save_checkpoint("ckpt", model=model, optimizer=opt, step=step)
+            if rt.rank == 0:
+                with open("saved", "a") as f:
+                    f.write(f"{step}\\n")
+        time.sleep(0.02)
+""")
+
+SAVER = textwrap.dedent("""
+    import sys, torch, rankwise as rw
+    from torch import nn
+    model = nn.Linear(1024, 4096)  # ~17 MB of float32
+    step = 0
+    while True:
+        step += 1
+        rw.save_checkpoint(sys.argv[1], model=model, step=step, keep_last=2)
+        print(step, flush=True)
+""")
+
+HANG = textwrap.dedent("""
+    import sys, time, torch, rankwise as rw
+    rt = rw.init(timeout=float(sys.argv[1]))
+    rw.all_reduce_sum(torch.ones(3))
+    if rt.rank == 1:
+        open("sleeping", "w").write(repr(time.time()))
+        time.sleep(300)
+    rw.all_reduce_sum(torch.ones(3))
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(cond, timeout: float, poll: float = 0.02) -> float | None:
+    """Seconds until ``cond()`` holds, or None after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if cond():
+            return time.monotonic() - start
+        time.sleep(poll)
+    return None
+
+
+def _checkpoint_ok(folder: Path) -> bool:
+    """The folder's latest checkpoint loads and is no older than the last save that returned."""
+    import rankwise as rw
+
+    saved = folder.parent / "saved"
+    last = int(saved.read_text().split()[-1]) if saved.exists() and saved.read_text() else None
+    try:
+        step = rw.load_checkpoint(folder, map_location="cpu", restore_rng=False)["step"]
+    except rw.ConfigError:
+        return last is None  # nothing was saved yet: nothing to lose
+    return last is None or step >= last
+
+
+def _start_training(tmp: Path) -> tuple[subprocess.Popen, list[int]]:
+    (tmp / "train.py").write_text(TRAIN)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "train.py"],
+        cwd=tmp, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    pids = [tmp / "pid0", tmp / "pid1"]
+    if _wait(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
+        launcher.kill()
+        raise RuntimeError("the training job never started")
+    _wait(lambda: (tmp / "saved").exists(), 60)
+    time.sleep(random.uniform(0.0, 1.5))  # a random step
+    return launcher, [int(p.read_text()) for p in pids]
+
+
+def sigkill_rank(tmp: Path) -> dict:
+    launcher, workers = _start_training(tmp)
+    os.kill(workers[1], signal.SIGKILL)
+    took = _wait(lambda: launcher.poll() is not None, 60)
+    if took is None:
+        launcher.kill()
+    return {"lost": not _checkpoint_ok(tmp / "ckpt"), "hung": took is None, "seconds": took}
+
+
+def sigkill_launcher(tmp: Path) -> dict:
+    launcher, workers = _start_training(tmp)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    took = _wait(lambda: not any(_alive(w) for w in workers), 60)
+    for w in workers:
+        if _alive(w):
+            os.kill(w, signal.SIGKILL)
+    return {"lost": not _checkpoint_ok(tmp / "ckpt"), "hung": took is None, "seconds": took}
+
+
+def kill_during_save(tmp: Path) -> dict:
+    (tmp / "saver.py").write_text(SAVER)
+    folder = tmp / "ckpt"
+    proc = subprocess.Popen([sys.executable, "saver.py", str(folder)], cwd=tmp, env=ENV,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.readline()  # one save completed
+    time.sleep(random.uniform(0.0, 1.0))  # usually mid-write: a save takes about as long
+    proc.kill()
+    completed = [int(x) for x in [1, *proc.stdout.read().split()]]
+    proc.wait()
+    (tmp / "saved").write_text(f"{completed[-1]}\n")
+    ok = _checkpoint_ok(folder)
+    import torch
+
+    import rankwise as rw
+
+    # The next save (any process) must clear what the killed one left.
+    rw.save_checkpoint(folder, model=torch.nn.Linear(2, 2), step=completed[-1] + 1)
+    leftovers = list(folder.glob(".*.tmp"))
+    return {"lost": not ok or bool(leftovers), "hung": False, "seconds": None}
+
+
+def fuzzed_ps_frames(trials: int) -> list[dict]:
+    from _ps_fuzz import run_fuzz  # beside this script
+
+    return run_fuzz(trials)
+
+
+def hang(tmp: Path, stall_s: float | None) -> dict:
+    from rankwise import env as envmod
+
+    (tmp / "hang.py").write_text(HANG)
+    env = dict(ENV) if stall_s is None else {**ENV, "RANKWISE_STALL_REPORT_S": str(stall_s)}
+    timeout = 2 * (envmod.STALL_REPORT_S if stall_s is None else stall_s) + 10
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "hang.py", str(timeout)],
+        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    reported, lines = None, []
+    for line in proc.stderr:
+        lines.append(line)
+        if reported is None and "stall: rank(s) 1 have not reached" in line:
+            reported = time.time() - float((tmp / "sleeping").read_text())
+    proc.wait(120)
+    text = "".join(lines)
+    blamed = "rankwise run: rank(s) 1 never reached" in text
+    return {"lost": False, "hung": reported is None or not blamed, "seconds": reported}
+
+
+def _row(fault: str, results: list[dict], **extra) -> dict:
+    secs = [r["seconds"] for r in results if r["seconds"] is not None]
+    return {
+        "fault": fault,
+        "trials": len(results),
+        "lost_data": sum(r["lost"] for r in results),
+        "hung": sum(r["hung"] for r in results),
+        "max_s": round(max(secs), 2) if secs else None,
+        "median_s": round(statistics.median(secs), 2) if secs else None,
+        **extra,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=3, help="trials per kill fault (default 3)")
+    parser.add_argument("--saves", type=int, default=20, help="kills during saves (default 20)")
+    parser.add_argument("--frames", type=int, default=1000, help="fuzzed frames (default 1000)")
+    parser.add_argument("--stall-s", type=float, default=None,
+                        help="RANKWISE_STALL_REPORT_S for the hang (default: rankwise's, 50)")  # fmt: skip
+    parser.add_argument("--only", nargs="*", default=None, help="run only these faults")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    random.seed(0)
+    plan = {
+        "sigkill_rank": lambda: [sigkill_rank(_tmp()) for _ in range(args.kills)],
+        "sigkill_launcher": lambda: [sigkill_launcher(_tmp()) for _ in range(args.kills)],
+        "kill_during_save": lambda: [kill_during_save(_tmp()) for _ in range(args.saves)],
+        "fuzzed_ps_frames": lambda: fuzzed_ps_frames(args.frames),
+        "hang": lambda: [hang(_tmp(), args.stall_s)],
+    }
+    rows = []
+    for fault, run in plan.items():
+        if args.only and fault not in args.only:
+            continue
+        began = time.monotonic()
+        results = run()
+        from rankwise.env import STALL_REPORT_S
+
+        stall = STALL_REPORT_S if args.stall_s is None else args.stall_s
+        extra = {"stall_report_s": stall} if fault == "hang" else {}
+        rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    text = json.dumps(rows, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+_TMP: list[tempfile.TemporaryDirectory] = []
+
+
+def _tmp() -> Path:
+    d = tempfile.TemporaryDirectory(prefix="rankwise-faults-")
+    _TMP.append(d)
+    return Path(d.name)
+
+
+if __name__ == "__main__":
+    main()

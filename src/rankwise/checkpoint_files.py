@@ -1,0 +1,185 @@
+"""The files of a checkpoint: atomic writes, leftover temporaries, rotation, the ``latest`` pointer.
+
+Rules that keep a checkpoint from ever being lost (docs/checkpoints.md):
+
+- a write goes to a temporary name in the same folder, is fsynced and renamed over its target;
+  every temporary name we create is ``.<target name>.<random>.tmp``, so the next save of the
+  same target (or any save into the same folder) can find and remove what a killed save left;
+- files get the mode ``torch.save`` would give them (0666 minus the umask), not mkstemp's 0600;
+- rotation keeps the most recently *written* checkpoints and never removes the file just
+  written or the one ``latest`` names, whatever their step numbers say;
+- ``latest`` names a file inside its folder, and loading a folder loads exactly that file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from .errors import ConfigError
+
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def is_dir_target(path: Path) -> bool:
+    return path.is_dir() or str(path).endswith(os.sep) or path.suffix == ""
+
+
+def step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc avoids the (thread-unsafe) set-and-restore.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself must reach the disk
+    finally:
+        os.close(dir_fd)
+
+
+def remove_leftovers(target: Path) -> None:
+    """Delete temporaries that killed writes of ``target`` left (only rank 0 writes: none is live)."""
+    for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def write_atomic(write: Callable[[IO[bytes]], None], target: Path) -> None:
+    """Write ``target`` through ``write(file)`` so that it is either the old or the new file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # the mode torch.save would give: shared folders work
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(text: str, target: Path) -> None:
+    write_atomic(lambda f: f.write(text.encode()), target)
+
+
+def _written_order(paths: list[Path]) -> list[Path]:
+    def key(p: Path) -> tuple[int, int]:
+        try:
+            return (p.stat().st_mtime_ns, step_of(p))
+        except FileNotFoundError:
+            return (-1, step_of(p))
+
+    return sorted(paths, key=key)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in a directory written by ``save_checkpoint``, least recently written first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return _written_order([p for p in d.iterdir() if _NAME.match(p.name)])
+
+
+def check_step(step: object) -> None:
+    if step is None:
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ConfigError(
+            f"step={step!r} ({type(step).__name__}) must be an int",
+            fix="pass the integer training step, e.g. step=int(step).",
+        )
+    if step < 0:
+        raise ConfigError(
+            f"step={step} must not be negative",
+            fix="pass the training step counted from 0 (a negative step names a file that "
+            "rotation and loading would never find).",
+        )
+
+
+def dir_target(directory: Path, step: int | None) -> Path:
+    """``ckpt-<step>.pt`` in ``directory``; warns when ``step`` is below the folder's highest."""
+    existing = [step_of(p) for p in list_checkpoints(directory)]
+    highest = max(existing, default=None)
+    if step is None:
+        step = 0 if highest is None else highest + 1
+    elif highest is not None and step < highest:
+        warnings.warn(
+            f"saving step {step} into {os.fspath(directory)!r}, which already holds step "
+            f"{highest}: 'latest' will name step {step}, and rotation keeps the most recently "
+            "written checkpoints (the older, higher steps go first). If this is a new run, "
+            "give it a new folder.",
+            stacklevel=4,
+        )
+    return directory / f"ckpt-{step:08d}.pt"
+
+
+def prune(directory: Path, keep_last: int, just_written: Path) -> None:
+    """Keep the ``keep_last`` most recently written checkpoints, always with ``just_written``."""
+    keep = {just_written.name}
+    for p in reversed(list_checkpoints(directory)):
+        if len(keep) >= keep_last:
+            break
+        keep.add(p.name)
+    for old in list_checkpoints(directory):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    # Leftovers of saves killed mid-write (only rank 0 writes, and it is here, so none is live).
+    for pattern in (".ckpt-*.tmp", f".{LATEST}.*.tmp"):
+        for stale in directory.glob(pattern):
+            stale.unlink(missing_ok=True)
+
+
+def read_latest(directory: Path) -> Path:
+    """The checkpoint ``latest`` names; an error naming the pointer if it is missing or escapes."""
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        found = list_checkpoints(directory)
+        if not found:
+            raise ConfigError(
+                f"no checkpoint in directory {os.fspath(directory)!r}",
+                fix="pass a directory written by rw.save_checkpoint, or a checkpoint file.",
+            )
+        return found[-1]  # no pointer (a folder copied by hand): the most recently written
+    name = pointer.read_text().strip()
+    if not name or os.path.isabs(name) or Path(name).name != name:
+        raise ConfigError(
+            f"{os.fspath(pointer)!r} names {name!r}, which is not a file inside "
+            f"{os.fspath(directory)!r}",
+            fix="write the bare file name of a checkpoint in that folder into 'latest' "
+            "(e.g. ckpt-00000700.pt), or load a checkpoint file directly.",
+        )
+    candidate = directory / name
+    if not candidate.is_file():
+        raise ConfigError(
+            f"{os.fspath(pointer)!r} names {name!r}, which does not exist",
+            fix=f"load one of the checkpoints that are there by file name "
+            f"({[p.name for p in list_checkpoints(directory)][-3:]}), or restore {name!r}.",
+        )
+    return candidate

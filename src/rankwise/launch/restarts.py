@@ -1,0 +1,93 @@
+"""Restarts are never silent: one line per failure and per restart, and a summary at the end.
+
+torch's elastic agent restarts the worker group by itself (``--max-restarts``) and says so only
+in its own INFO log, without the rank or the cause. It offers no hook for this, so the launcher
+runs a subclass of the agent that reports what ``_monitor_workers`` found before the agent acts
+on it: the agent's behaviour is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .report import RankFailure, from_elastic
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def _why(f: RankFailure) -> str:
+    """'exit code 1 (ValueError: ...)': the cause and the exception line of the traceback."""
+    found = [s for s in (ln.strip() for ln in f.traceback.splitlines()) if _EXCEPTION_LINE.match(s)]
+    return f"{f.cause} ({found[-1][:300]})" if found else f.cause
+
+
+@dataclass
+class RestartLog:
+    """What happened to the worker group; ``emit`` prints one line (stderr by default)."""
+
+    max_restarts: int
+    emit: Callable[[str], None] = field(
+        default=lambda line: print(f"rankwise run: {line}", file=sys.stderr, flush=True)
+    )
+    restarts: int = 0
+    failures: list[str] = field(default_factory=list)
+    _pending: bool = False
+
+    def failed(self, failures: list[RankFailure], remaining: int) -> None:
+        if not self.max_restarts:
+            return  # no restart to announce: the failure summary says it all
+        attempt = self.max_restarts - remaining + 1
+        for f in failures:
+            text = f"rank {f.rank} failed: {_why(f)}"
+            self.failures.append(text)
+            self.emit(f"{text} (attempt {attempt} of {self.max_restarts + 1})")
+        self._pending = remaining > 0
+        if not self._pending and self.max_restarts:
+            self.emit(f"no restart left (all {self.max_restarts} used): the job fails")
+
+    def restarting(self) -> None:
+        if not self._pending:
+            return  # a restart for a node joining is membership, not recovery
+        self._pending = False
+        self.restarts += 1
+        self.emit(f"restarting all workers (restart {self.restarts} of {self.max_restarts})")
+
+    def summary(self) -> str | None:
+        if not self.restarts:
+            return None
+        return (
+            f"the job recovered after {self.restarts} restart(s) "
+            f"(of --max-restarts={self.max_restarts}); failures: " + "; ".join(self.failures)
+        )
+
+
+def _agent_class(base: type, log: RestartLog) -> type:
+    class ReportingAgent(base):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                log.failed(from_elastic(result.failures), self._remaining_restarts)
+            return result
+
+        def _restart_workers(self, worker_group) -> None:
+            log.restarting()
+            super()._restart_workers(worker_group)
+
+    return ReportingAgent
+
+
+@contextlib.contextmanager
+def reporting_restarts(log: RestartLog) -> Iterator[RestartLog]:
+    """While inside, ``elastic_launch`` runs an agent that reports to ``log``."""
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = _agent_class(original, log)
+    try:
+        yield log
+    finally:
+        api.LocalElasticAgent = original

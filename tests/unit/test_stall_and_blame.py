@@ -1,0 +1,102 @@
+"""Who to blame for a hang, in the stall report and in the launcher's summary (pure)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from rankwise import env as envmod
+from rankwise.diagnose.report import RankView, Record, Site, culprits, stall_report
+from rankwise.errors import EnvError
+from rankwise.launch.report import JobFailed, RankFailure
+
+_AR = Record(
+    5, "all_reduce", "sum, float32[3]", None, Site("/x/train.py", 40, "main"), "entered", 1
+)
+_DONE4 = Record(
+    4, "all_reduce", "sum, float32[3]", None, Site("/x/train.py", 30, "main"), "done", 1
+)
+
+
+def _views(behind_alive=True):
+    return [
+        RankView(0, _AR, True),
+        RankView(1, _DONE4, behind_alive, 0.5, Site("/x/train.py", 33, "main")),
+        RankView(2, _AR, True),
+    ]
+
+
+def test_the_rank_that_never_arrived_is_blamed_not_the_waiting_ones():
+    assert culprits(_views(), 5) == [1]
+    assert culprits(_views(behind_alive=False), 5) == [1]  # dead
+    assert culprits([RankView(0, _AR, True), RankView(1, _AR, True)], 5) == []
+
+
+def test_stall_report_names_waiting_missing_and_where():
+    msg, fix = stall_report(0, _AR, _views(), 61.0, 300.0)
+    assert msg.startswith(
+        "stall: rank(s) 1 have not reached all_reduce #5, which rank(s) 0, 2 have been "
+        "waiting in for 61s."
+    ), msg
+    assert "running user code at train.py:33" in msg
+    assert "is still pending on rank 0 after 61.0s (the timeout is 300s)" in msg
+    assert "never reached #5" in msg and fix
+
+
+def test_summary_blames_the_hung_rank_and_quotes_the_diagnosis_once():
+    diag = "[rank 0] all_reduce #5 failed on rank 0 after 300.0s (timed out): ... never reached #5."
+    tb = "Traceback (most recent call last):\n  ...\nrankwise.errors.DistributedError: " + diag
+    failures = [
+        RankFailure(rank=0, local_rank=0, pid=10, exitcode=1, traceback=tb),
+        RankFailure(rank=1, local_rank=1, pid=11, exitcode=-signal.SIGTERM),
+    ]
+    err = JobFailed(failures, world_size=2, node_rank=0, diagnoses={0: diag}, culprits={0: [1]})
+    text = str(err)
+    assert text.startswith("rank(s) 1 never reached the collective that rank(s) 0 waited in")
+    assert text.count("never reached #5") == 1, text
+    assert "Fix: look at where rank(s) 1 were" in text
+    assert err.blamed == [1] and err.exit_code == 1
+
+
+def test_a_rank_that_failed_itself_is_not_overruled():
+    failures = [RankFailure(rank=1, local_rank=1, pid=11, exitcode=1, traceback="ValueError: x")]
+    err = JobFailed(failures, world_size=2, node_rank=0, diagnoses={1: "d"}, culprits={1: [1]})
+    assert err.blamed == [] and str(err).startswith("rank(s) 1 failed")
+
+
+def test_sigabrt_is_not_blamed_on_memory_and_quotes_stderr():
+    gloo = "terminate called...\n[enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes"
+    f = RankFailure(rank=0, local_rank=0, pid=1, exitcode=-signal.SIGABRT, stderr_tail=gloo)
+    text = str(JobFailed([f], world_size=2, node_rank=0))
+    assert "aborted (SIGABRT) by a failed check in native code" in text
+    assert "op.preamble.length <= op.nbytes" in text and "memory" not in text
+
+
+@pytest.mark.parametrize(("raw", "value"), [("", 50.0), ("5", 5.0), ("0", 0.0), ("2.5", 2.5)])
+def test_stall_report_delay_from_the_environment(raw, value):
+    assert envmod.stall_report_s({"RANKWISE_STALL_REPORT_S": raw}) == value
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan"])
+def test_bad_stall_report_delay_is_refused(raw):
+    with pytest.raises(EnvError, match=f"RANKWISE_STALL_REPORT_S='{raw}'"):
+        envmod.stall_report_s({"RANKWISE_STALL_REPORT_S": raw})
+
+
+def test_a_port_in_use_is_named_with_the_fix_not_the_timeout():
+    from torch.distributed import DistNetworkError
+
+    from rankwise.launch.engine import _rendezvous_error
+    from rankwise.launch.options import LaunchOptions, Rendezvous
+
+    opts = LaunchOptions(script="train.py", nproc_per_node=2, master_port=29500)
+    rdzv = Rendezvous(backend="static", endpoint="127.0.0.1:29500", run_id="x")
+    exc = DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 29500, "
+        "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    text = str(_rendezvous_error(opts, rdzv, exc))
+    assert text.startswith("port 29500 is already in use on this machine"), text
+    assert "pass another --master-port" in text and "leave --master-port out" in text
+    assert "rdzv-timeout" not in text
