@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import env as envmod
 from .. import runtime
-from torch.distributed.algorithms.join import Join, Joinable
-
 from ..errors import ConfigError, ModelError, RuntimeStateError
 from ..state import add_module_prefix, strip_module_prefix
 from . import compression as comp
