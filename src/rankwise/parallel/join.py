@@ -80,7 +80,7 @@ class DDPJoinHook(JoinHook):
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
         module = ddp.module
         state = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
-        broadcast_tensors(state, ddp.group, src=int(mine.item()))
+        broadcast_tensors(state, ddp.process_group, src=int(mine.item()))
 
 
 def join_context(ddp: DistributedDataParallel, **kwargs: Any) -> Join:

@@ -277,7 +277,7 @@ class Reducer:
         for b, entry in enumerate(self._works):
             if entry is None:
                 continue
-            if isinstance(entry, torch.futures.Future):  # a communication hook's result
+            if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
                 _take_hook_result(entry.wait(), self._flat[b], b)
                 continue
             entry.wait()  # a failure raises the diagnosis: every rank's last collective
