@@ -44,3 +44,8 @@ class RuntimeStateError(RankwiseError, RuntimeError):
 
 class DistributedError(RankwiseError, RuntimeError):
     """Something went wrong across processes: a rank failed, a collective timed out or disagreed."""
+
+
+class NoProcessGroupError(RuntimeStateError, ValueError):
+    """A launched process (WORLD_SIZE > 1) has no process group yet. Also a ``ValueError``:
+    what torch raises when the default process group is missing."""

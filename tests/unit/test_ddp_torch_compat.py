@@ -36,6 +36,13 @@ def test_errors_are_also_the_builtin_type_torch_raises():
     # Several device ids: ValueError as in torch.
     with pytest.raises(ValueError, match="names 2 devices"):
         rw.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1])
+    # Launched (WORLD_SIZE=2) without a process group: torch raises ValueError.
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+            mp.setenv(key, value)
+        with pytest.raises(ValueError, match="needs a process group") as caught:
+            rw.DistributedDataParallel(nn.Linear(2, 2))
+        assert isinstance(caught.value, rw.RuntimeStateError)
     # A communication hook that is not callable: TypeError as in torch.
     with pytest.raises(TypeError, match="is not callable"):
         rw.DistributedDataParallel(nn.Linear(2, 2)).register_comm_hook(None, 3)

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import env as envmod
 from .. import runtime
-from ..errors import ConfigError, ModelError, RuntimeStateError
+from ..errors import ConfigError, ModelError, NoProcessGroupError
 from ..state import add_module_prefix, strip_module_prefix
 from . import compression as comp
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
@@ -270,7 +270,7 @@ def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -
         return dist.get_world_size(), dist.get_rank()
     env = runtime.get_runtime().env if runtime.is_initialized() else envmod.detect()
     if env.world_size > 1 and strict:
-        raise RuntimeStateError(
+        raise NoProcessGroupError(
             f"DistributedDataParallel needs a process group: this process is rank {env.rank} "
             f"of WORLD_SIZE={env.world_size} (from {env.source}), but torch.distributed is "
             "not initialised",
