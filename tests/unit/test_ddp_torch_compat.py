@@ -31,7 +31,7 @@ def test_errors_are_also_the_builtin_type_torch_raises():
     assert isinstance(info.value, rw.ConfigError) and isinstance(info.value, ModelError)
     # A parameter without gradient (find_unused_parameters=False): RuntimeError as in torch.
     model = rw.DistributedDataParallel(nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)}))
-    with pytest.raises(RuntimeError, match="b.weight"):
+    with pytest.raises(RuntimeError, match=r"b\.weight"):
         model.module["a"](torch.randn(1, 2)).sum().backward()
     # Several device ids: ValueError as in torch.
     with pytest.raises(ValueError, match="names 2 devices"):
@@ -51,7 +51,7 @@ def test_errors_are_also_the_builtin_type_torch_raises():
 def test_torch_arguments_refused_name_the_alternative():
     with pytest.raises(ValueError, match="need to be set at the same time"):
         rw.DistributedDataParallel(nn.Linear(2, 2), delay_all_reduce_named_params=[])
-    with pytest.raises(rw.ConfigError, match="torch.autocast"):
+    with pytest.raises(rw.ConfigError, match=r"torch\.autocast"):
         rw.DistributedDataParallel(nn.Linear(2, 2), mixed_precision=object())
     with pytest.raises(rw.ConfigError, match="bucket_cap_mb_list"):
         rw.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=[1, 2])
