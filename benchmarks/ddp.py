@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -98,16 +99,33 @@ def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=
     machine load as the DDP configurations it is interleaved with.
     """
     dist.barrier()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if kind == "single":
         elapsed = _steps(model, opt, x, y, steps, order, to_none) if dist.get_rank() == 0 else 0.0
     else:
         elapsed = _steps(model, opt, x, y, steps, order, to_none)
-    t = torch.tensor([elapsed])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    # CPU time (all threads of the process, Gloo's included) and page faults per step: less
+    # sensitive than wall-clock time to other processes sharing the machine.
+    cpu = (time.process_time() - cpu0) * 1000 / steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / steps
+    t = torch.tensor([elapsed, cpu, faults])
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(t[1:], op=dist.ReduceOp.SUM)
+    LAST_CPU_FAULTS[:] = [t[1].item() / dist.get_world_size(), t[2].item() / dist.get_world_size()]
+    return t[0].item()
 
 
-def _compare(configs: dict[str, tuple[str, str, dict]], batch: int, steps: int, repeats: int):
+LAST_CPU_FAULTS: list[float] = [0.0, 0.0]
+"""Per-rank mean CPU ms and minor page faults per step of the last ``_time`` call."""
+
+
+def _compare(
+    configs: dict[str, tuple[str, str, dict]],
+    batch: int,
+    steps: int,
+    repeats: int,
+    with_cpu: bool = False,
+):
     """Interleave the configurations: every repeat runs each once, rotating the order."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -121,12 +139,23 @@ def _compare(configs: dict[str, tuple[str, str, dict]], batch: int, steps: int, 
         _time(kind, model, opt, x, y, 2, *loop_args)  # warm-up (and torch's bucket rebuild)
         built[label] = (kind, model, opt, x, y, steps, *loop_args)
     times: dict[str, list[float]] = {label: [] for label in configs}
+    extra: dict[str, list[list[float]]] = {label: [] for label in configs}
     labels = list(configs)
     for r in range(repeats):
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
             times[label].append(_time(*built[label]))
-    return {label: round(statistics.median(v), 3) for label, v in times.items()}
+            extra[label].append(list(LAST_CPU_FAULTS))
+    if not with_cpu:
+        return {label: round(statistics.median(v), 3) for label, v in times.items()}
+    return {
+        label: {
+            "wall_ms": round(statistics.median(times[label]), 3),
+            "cpu_ms": round(statistics.median(e[0] for e in extra[label]), 3),
+            "page_faults": round(statistics.median(e[1] for e in extra[label])),
+        }
+        for label in configs
+    }
 
 
 def _orders_part(batch: int, steps: int, repeats: int) -> dict:
@@ -143,16 +172,18 @@ def _orders_part(batch: int, steps: int, repeats: int) -> dict:
             for to_none in (True, False)
             for kind in ("rankwise", "torch")
         }
-        out[name] = _compare(configs, batch, steps, repeats)
+        out[name] = _compare(configs, batch, steps, repeats, with_cpu=True)
     return out
 
 
-def _orders_table(res: dict) -> dict:
-    """{model: {order/none|zero: rankwise/torch step-time ratio}}."""
+def _orders_table(res: dict, field: str = "wall_ms") -> dict:
+    """{model: {order/none|zero: rankwise/torch ratio of ``field``}}."""
     table = {}
     for name, times in res.items():
         keys = sorted({k.split("/", 1)[1] for k in times})
-        table[name] = {k: round(times[f"rankwise/{k}"] / times[f"torch/{k}"], 3) for k in keys}
+        table[name] = {
+            k: round(times[f"rankwise/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
+        }
     return table
 
 
@@ -209,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = run_distributed(_distributed_part, args.world_size, args=run, timeout=900)[0]
     orders = {
         "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
+        "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
         "loop_orders_ms": res["loop_orders"],
     }
     if args.part == "orders":
