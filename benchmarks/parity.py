@@ -114,8 +114,9 @@ def _child(only: str | None) -> dict:
             status = "skipped: " + result.skipped[0][1].splitlines()[0][:120]
         elif result.errors or result.failures:
             tb = (result.errors + result.failures)[0][1]
-            last = [ln for ln in tb.splitlines() if ln.strip()][-1]
-            status = "failed: " + last[:300]
+            lines = [ln.strip() for ln in tb.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+            status = "failed: " + (errors or lines)[-1][:300]
         else:
             status = "passed"
         outcome[name] = status

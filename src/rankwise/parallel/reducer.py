@@ -115,6 +115,7 @@ class Reducer:
         self._scale = 1.0 / world_size
         self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
         self._used = [False] * len(self.params)  # since the last synchronised pass
+        self._spare: list[torch.Tensor | None] = [None] * len(self.params)  # see _make_hook
         self.started = False  # a backward pass has run (static graph must be set before)
         self._reset()
         self._handles: list[Any] = []
@@ -158,6 +159,14 @@ class Reducer:
         scale = self._scale
         mul = torch.mul
         used = self._used
+        # CPU only: when .grad was None, autograd's fresh gradient is freed as soon as .grad
+        # points at the bucket, inside backward; glibc then hands large blocks back to the OS
+        # and the next step page-faults them in again (~3k faults, 12 MB per step on the
+        # reference MLP). Keeping each one until the next step's replaces it lets the
+        # allocator recycle warm memory, the same footprint as torch's DDP (its .grad beside
+        # its buckets). CUDA's caching allocator has no such cost, so nothing is kept there.
+        keep = view is not None and view.device.type == "cpu"
+        spare = self._spare
 
         def hook(p: torch.Tensor) -> None:
             if not self._active:
@@ -177,6 +186,8 @@ class Reducer:
                 else:  # copy and average in one pass, then let .grad alias the bucket
                     try:
                         mul(g, scale, out=view)
+                        if keep:
+                            spare[i] = g  # freed when the next step's gradient replaces it
                     except RuntimeError:
                         if not g.requires_grad:
                             raise
