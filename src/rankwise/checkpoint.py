@@ -64,6 +64,18 @@ def _load_stateful(obj: Any, state: Any) -> None:
         obj.sampler.load_state_dict(state["sampler"])
 
 
+def _resume_epoch(saved: Any, loader: Any) -> Any:
+    """The epoch to resume in: the saved one, or the next when the loader had finished it.
+
+    The usual loop saves ``epoch=epoch`` at the end of an epoch and resumes with
+    ``range(info["epoch"], n)``; the loader's state knows whether that epoch was finished.
+    """
+    finished = getattr(loader, "finished_epoch", None) if loader is not None else None
+    if isinstance(saved, int) and finished is not None and saved == finished:
+        return saved + 1
+    return saved
+
+
 def _write_atomic(payload: dict[str, Any], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -283,6 +295,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore what ``save_checkpoint`` saved; returns ``step``, ``epoch``, ``extra``, ``meta``.
 
+    ``epoch`` is the epoch to resume in: the saved ``epoch``, or the next one when the saved
+    ``loader`` had finished it (a checkpoint taken at the end of an epoch).
+
     Call it on every rank (each reads the file, mapped to its own device: a shared filesystem
     is assumed). A plain state dict (e.g. torch's ``torch.save(ddp.state_dict())`` with
     ``module.`` keys) loads too, into ``model`` only.
@@ -313,7 +328,7 @@ def load_checkpoint(
         rng.restore(saved_rng[comm.rank()])
     return {
         "step": ckpt["step"],
-        "epoch": ckpt["epoch"],
+        "epoch": _resume_epoch(ckpt["epoch"], loader),
         "extra": ckpt["extra"],
         "meta": ckpt["meta"],
         "path": file,

@@ -304,6 +304,12 @@ def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
     return e.get("RANKWISE_DIAG_DIR") or None
 
 
+def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
+    """``RANKWISE_RANK_PREFIX=1``: the launcher prefixes every output line with the rank."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_RANK_PREFIX") == "1"
+
+
 def snapshot() -> dict[str, str]:
     """A copy of the whole environment (for checks such as ``rankwise doctor`` that take a mapping)."""
     return dict(os.environ)

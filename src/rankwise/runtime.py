@@ -119,6 +119,8 @@ class Runtime:
 
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
+joined_a_group = False
+"""True once ``init`` joined a process group in this process (kept after ``shutdown``)."""
 
 
 def _as_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -293,6 +295,8 @@ def init(
             "from this machine (`rankwise doctor`), or raise the timeout.",
             rank=env.rank,
         ) from exc
+    global joined_a_group
+    joined_a_group = True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
     rt = Runtime(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
     _current = _with_plan(rt, the_plan)
     return _current
