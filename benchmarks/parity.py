@@ -11,7 +11,8 @@ by ``rankwise.DistributedDataParallel`` everywhere the tests can reach it. Tests
 torch's internals (the C++ reducer, DDP logging data) are listed in ``INTERNALS`` with the
 reason, and docs/ddp.md lists them too.
 
-On demand only (it spawns two processes per test, twice: several minutes); not part of the
+Needs `pip install expecttest` (the `parity` extra). On demand only (it spawns two processes
+per test, twice: several minutes); not part of the
 default pytest run. Prints JSON and writes ``--out``.
 """
 
