@@ -15,6 +15,12 @@ SGD step, zero_grad) of:
 - a bucket-size sweep (rankwise, MLP) and half-precision gradient compression (rankwise's
   ``compression='bf16'``/``'fp16'``; torch's ``fp16_compress_hook``, as its bf16 hook needs NCCL).
 
+- ``loop_orders``: the three common places of ``zero_grad`` in a step (``first``: before the
+  forward; ``after_forward``: the PyTorch tutorials' ``out = model(x); opt.zero_grad();
+  loss.backward()``; ``last``: after ``opt.step()``), each with ``set_to_none`` True and False,
+  on two MLP shapes (the reference MLP and a smaller, deeper-than-wide ``mlp_small``) and the
+  CNN, rankwise vs torch side by side (``--part orders`` runs only this).
+
 Prints one JSON object (and writes it to ``--out``). Times are medians over repeats, in ms.
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -37,10 +44,25 @@ import rankwise as rw
 from rankwise.bench import models
 from rankwise.testing import run_distributed
 
+ORDERS = ("first", "after_forward", "last")
+SMALL_MLP = {"in_features": 512, "hidden": 1024, "depth": 4}  # 3.7M parameters, 5 layers
+
+
+def _build(name: str) -> torch.nn.Module:
+    return models.mlp(**SMALL_MLP) if name == "mlp_small" else models.build(name)
+
+
+def _batch(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if name != "mlp_small":
+        return models.batch(name, size, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, SMALL_MLP["in_features"], generator=g)
+    return x, torch.randint(0, 10, (size,), generator=g)
+
 
 def _make(kind: str, name: str, **kw):
     torch.manual_seed(0)
-    net = models.build(name)
+    net = _build(name)
     if kind == "rankwise":
         return rw.DistributedDataParallel(net, **kw)
     if kind == "torch":
@@ -54,17 +76,22 @@ def _make(kind: str, name: str, **kw):
     return net
 
 
-def _steps(model, opt, x, y, steps: int) -> float:
+def _steps(model, opt, x, y, steps: int, order: str = "last", to_none: bool = True) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        if order == "first":
+            opt.zero_grad(set_to_none=to_none)
+        out = model(x)
+        if order == "after_forward":
+            opt.zero_grad(set_to_none=to_none)
+        F.cross_entropy(out, y).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if order == "last":
+            opt.zero_grad(set_to_none=to_none)
     return (time.perf_counter() - start) * 1000 / steps
 
 
-def _time(kind: str, model, opt, x, y, steps: int) -> float:
+def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=True) -> float:
     """Mean step time (ms) over ``steps`` steps; the slowest rank's for DDP.
 
     ``single`` runs on rank 0 only while the other ranks wait at a barrier (a blocking wait, not
@@ -72,37 +99,102 @@ def _time(kind: str, model, opt, x, y, steps: int) -> float:
     machine load as the DDP configurations it is interleaved with.
     """
     dist.barrier()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if kind == "single":
-        elapsed = _steps(model, opt, x, y, steps) if dist.get_rank() == 0 else 0.0
+        elapsed = _steps(model, opt, x, y, steps, order, to_none) if dist.get_rank() == 0 else 0.0
     else:
-        elapsed = _steps(model, opt, x, y, steps)
-    t = torch.tensor([elapsed])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+        elapsed = _steps(model, opt, x, y, steps, order, to_none)
+    # CPU time (all threads of the process, Gloo's included) and page faults per step: less
+    # sensitive than wall-clock time to other processes sharing the machine.
+    cpu = (time.process_time() - cpu0) * 1000 / steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / steps
+    t = torch.tensor([elapsed, cpu, faults])
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(t[1:], op=dist.ReduceOp.SUM)
+    LAST_CPU_FAULTS[:] = [t[1].item() / dist.get_world_size(), t[2].item() / dist.get_world_size()]
+    return t[0].item()
 
 
-def _compare(configs: dict[str, tuple[str, str, dict]], batch: int, steps: int, repeats: int):
+LAST_CPU_FAULTS: list[float] = [0.0, 0.0]
+"""Per-rank mean CPU ms and minor page faults per step of the last ``_time`` call."""
+
+
+def _compare(
+    configs: dict[str, tuple[str, str, dict]],
+    batch: int,
+    steps: int,
+    repeats: int,
+    with_cpu: bool = False,
+):
     """Interleave the configurations: every repeat runs each once, rotating the order."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     built = {}
     for label, (kind, name, kw) in configs.items():
+        loop = {k: kw.pop(k) for k in ("order", "to_none") if k in kw}
         model = _make(kind, name, **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = models.batch(name, batch, seed=rank)
-        _time(kind, model, opt, x, y, 2)  # warm-up (and torch's bucket rebuild)
-        built[label] = (kind, model, opt, x, y)
+        x, y = _batch(name, batch, seed=rank)
+        loop_args = (loop.get("order", "last"), loop.get("to_none", True))
+        _time(kind, model, opt, x, y, 2, *loop_args)  # warm-up (and torch's bucket rebuild)
+        built[label] = (kind, model, opt, x, y, steps, *loop_args)
     times: dict[str, list[float]] = {label: [] for label in configs}
+    extra: dict[str, list[list[float]]] = {label: [] for label in configs}
     labels = list(configs)
     for r in range(repeats):
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
-            times[label].append(_time(*built[label], steps))
-    return {label: round(statistics.median(v), 3) for label, v in times.items()}
+            times[label].append(_time(*built[label]))
+            extra[label].append(list(LAST_CPU_FAULTS))
+    if not with_cpu:
+        return {label: round(statistics.median(v), 3) for label, v in times.items()}
+    return {
+        label: {
+            "wall_ms": round(statistics.median(times[label]), 3),
+            "cpu_ms": round(statistics.median(e[0] for e in extra[label]), 3),
+            "page_faults": round(statistics.median(e[1] for e in extra[label])),
+        }
+        for label in configs
+    }
 
 
-def _distributed_part(batch: int, steps: int, repeats: int, sweep: list[float]) -> dict:
+def _orders_part(batch: int, steps: int, repeats: int) -> dict:
+    """rankwise vs torch for every loop order, per model; one interleaved comparison each."""
     out = {}
+    for name in ("mlp", "mlp_small", "cnn"):
+        configs = {
+            f"{kind}/{order}/{'none' if to_none else 'zero'}": (
+                kind,
+                name,
+                {"order": order, "to_none": to_none},
+            )
+            for order in ORDERS
+            for to_none in (True, False)
+            for kind in ("rankwise", "torch")
+        }
+        out[name] = _compare(configs, batch, steps, repeats, with_cpu=True)
+    return out
+
+
+def _orders_table(res: dict, field: str = "wall_ms") -> dict:
+    """{model: {order/none|zero: rankwise/torch ratio of ``field``}}."""
+    table = {}
+    for name, times in res.items():
+        keys = sorted({k.split("/", 1)[1] for k in times})
+        table[name] = {
+            k: round(times[f"rankwise/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
+        }
+    return table
+
+
+def _distributed_part(
+    batch: int, steps: int, repeats: int, sweep: list[float], part: str = "all"
+) -> dict:
+    out: dict = {}
+    if part in ("all", "orders"):
+        out["loop_orders"] = _orders_part(batch, steps, max(2, repeats // 2))
+    if part == "orders":
+        return out
     for name in models.MODELS:
         out[name] = _compare(
             {
@@ -141,10 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sweep", default="1,5,25,100", help="bucket_cap_mb values (MiB)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--part", choices=["all", "orders"], default="all")
     args = parser.parse_args(argv)
     sweep = [float(v) for v in args.sweep.split(",")]
-    run = (args.batch, args.steps, args.repeats)
-    res = run_distributed(_distributed_part, args.world_size, args=(*run, sweep), timeout=600)[0]
+    run = (args.batch, args.steps, args.repeats, sweep, args.part)
+    res = run_distributed(_distributed_part, args.world_size, args=run, timeout=900)[0]
+    orders = {
+        "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
+        "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
+        "loop_orders_ms": res["loop_orders"],
+    }
+    if args.part == "orders":
+        print(json.dumps(orders, indent=2))
+        return orders
     result: dict = {
         "benchmark": "ddp",
         "world_size": args.world_size,
@@ -168,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "bucket_sweep_mlp_ms": res["bucket_sweep_mlp"],
         "compression_mlp_ms": res["compression_mlp"],
+        **orders,
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -24,6 +24,16 @@ class ConfigError(RankwiseError, ValueError):
     """A value given by the user (argument, flag, environment variable) is invalid."""
 
 
+class ModelError(ConfigError, RuntimeError):
+    """The model cannot be trained as wrapped (no trainable parameter, a parameter without a
+    gradient, one whose gradient arrives twice). Also a ``RuntimeError``: what torch's
+    DistributedDataParallel raises in the same situations (docs/ddp.md lists the mapping)."""
+
+
+class HookError(ConfigError, TypeError):
+    """A hook given by the user has the wrong type (torch raises ``TypeError`` there)."""
+
+
 class EnvError(ConfigError):
     """The process environment (launcher, Slurm, MPI variables) is malformed or inconsistent."""
 
@@ -34,3 +44,8 @@ class RuntimeStateError(RankwiseError, RuntimeError):
 
 class DistributedError(RankwiseError, RuntimeError):
     """Something went wrong across processes: a rank failed, a collective timed out or disagreed."""
+
+
+class NoProcessGroupError(RuntimeStateError, ValueError):
+    """A launched process (WORLD_SIZE > 1) has no process group yet. Also a ``ValueError``:
+    what torch raises when the default process group is missing."""

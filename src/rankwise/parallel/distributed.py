@@ -23,13 +23,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import env as envmod
 from .. import runtime
-from ..errors import ConfigError, RuntimeStateError
+from ..errors import ConfigError, ModelError, NoProcessGroupError
 from ..state import add_module_prefix, strip_module_prefix
 from . import compression as comp
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from .comm_hooks import HookFn, check_hook
+from .ddp_options import buffer_sync, group_from_mesh, refuse_unsupported
+from .join import DDPJoinHook, sync_flag
 from .reducer import Reducer
 from .state import (
     broadcast_tensors,
@@ -39,10 +43,11 @@ from .state import (
 )
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes: wrap a model that is already on its device.
 
-    Arguments follow torch's ``DistributedDataParallel`` where torch has the same name.
+    Accepts every argument of torch 2.13's ``DistributedDataParallel`` with the same meaning
+    (docs/ddp.md lists the few that are accepted without effect or refused, and why).
     ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
     ``rankwise.parallel.compression``). At world size 1 (no process group, not launched) the
     wrapper communicates nothing and behaves like the bare module.
@@ -56,13 +61,36 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: list[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         compression: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        refuse_unsupported(
+            delay_all_reduce_named_params,
+            param_to_hook_all_reduce,
+            mixed_precision,
+            bucket_cap_mb_list,
+            check_reduction,
+        )
+        process_group = group_from_mesh(process_group, device_mesh)
         self.module = module
         self.process_group = process_group
         self.world_size, self.rank = _group_size_and_rank(process_group)
@@ -71,16 +99,23 @@ class DistributedDataParallel(nn.Module):
         )
         _check_no_sparse(module, self.rank)
         comp.wire_dtype(compression)  # validate before any collective
-        self.bucket_cap_mb = bucket_cap_mb
-        self.broadcast_buffers = broadcast_buffers
+        self.dim = dim
+        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        sync_in_forward, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.broadcast_buffers = sync_in_forward
         self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = True  # always: .grad is a view of its bucket
+        self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.compression = compression
         self.require_backward_grad_sync = True
         self._forward_sync = True
-        if self.world_size > 1:
+        if self.world_size > 1 and init_sync:
             verify_same_model(module, process_group, self.rank)
             state = [p.detach() for p in _unique(module.parameters())]
-            broadcast_tensors(state + [b.detach() for b in module.buffers()], process_group)
+            buffers = [b.detach() for b in module.buffers()] if sync_at_init else []
+            broadcast_tensors(state + buffers, process_group)
         self._build_reducer()
         self.register_state_dict_post_hook(strip_module_prefix)
         self.register_load_state_dict_pre_hook(add_module_prefix)
@@ -118,13 +153,12 @@ class DistributedDataParallel(nn.Module):
         grad_on = torch.is_grad_enabled()
         if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
             self._forward_sync = self.require_backward_grad_sync
-        if (
-            self.broadcast_buffers
-            and self.world_size > 1
-            and self._buffer_slots
-            and grad_on
-            and self.require_backward_grad_sync
-        ):
+        if self._join_config.enable:  # uneven inputs: tell the joined ranks what to shadow
+            Join.notify_join_context(self)
+            buffers = sync_flag(self, joined=False).item() > 0
+        else:
+            buffers = grad_on and self.require_backward_grad_sync
+        if buffers and self.broadcast_buffers and self.world_size > 1 and self._buffer_slots:
             self._sync_buffers()
         if self.device_ids:
             inputs, kwargs = move_to_device((inputs, kwargs), self.device_ids[0])
@@ -151,6 +185,61 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # -- torch's public methods beyond forward ------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: HookFn) -> None:
+        """Reduce each gradient bucket with ``hook(state, bucket) -> Future[Tensor]``.
+
+        torch's signature, so torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``)
+        run unchanged. Call once, before the first backward pass.
+        """
+        check_hook(hook, self.reducer._comm_hook is not None, self.compression)
+        self.reducer.set_comm_hook(state, hook)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs across ranks (torch's ``Join``); see parallel/join.py."""
+        if not divide_by_initial_world_size:
+            raise ConfigError(
+                "join(divide_by_initial_world_size=False) is not supported: gradients are "
+                "always divided by the full world size",
+                fix="use join() (the default, divide_by_initial_world_size=True).",
+                rank=self.rank,
+            )
+        if enable and self.reducer._comm_hook is not None:
+            raise ConfigError(
+                "join() with a communication hook is not supported (a joined rank could not "
+                "shadow the hook's collectives)",
+                fix="use compression='fp16'/'bf16' instead of a hook, or even out the inputs.",
+                rank=self.rank,
+            )
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        return DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _set_static_graph(self) -> None:
+        """torch's (private, but used) switch for ``static_graph=True``; before training only."""
+        if self.reducer.started:
+            raise ModelError(
+                "_set_static_graph() should be called before training loop starts",
+                fix="pass static_graph=True to DistributedDataParallel(...) instead.",
+                rank=self.rank,
+            )
+        self.static_graph = True
+
     # -- pickling / deepcopy: drop the process group and the hooks, rebuild them on load -------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -164,6 +253,7 @@ class DistributedDataParallel(nn.Module):
         # Like torch: a loaded or copied wrapper talks to the default group (if any).
         self.process_group = None
         self.world_size, self.rank = _group_size_and_rank(None, strict=False)
+        Joinable.__init__(self)
         self._build_reducer()
 
 
@@ -180,7 +270,7 @@ def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -
         return dist.get_world_size(), dist.get_rank()
     env = runtime.get_runtime().env if runtime.is_initialized() else envmod.detect()
     if env.world_size > 1 and strict:
-        raise RuntimeStateError(
+        raise NoProcessGroupError(
             f"DistributedDataParallel needs a process group: this process is rank {env.rank} "
             f"of WORLD_SIZE={env.world_size} (from {env.source}), but torch.distributed is "
             "not initialised",

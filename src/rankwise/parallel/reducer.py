@@ -15,13 +15,23 @@ How one synchronised backward pass goes:
    all-reduce and leaves averaged gradients in ``.grad``, so an unchanged ``optimizer.step()``
    works.
 
+"Used" accumulates over the ``no_sync()`` passes since the last synchronised one (torch's
+``local_used_map``): a parameter that got a gradient in any of them holds a local gradient that
+must be averaged, even if the final micro-batch did not touch it on any rank. Otherwise one
+replica would step with it and another without (docs/pitfalls.md: replicas that diverge).
+
+A communication hook (``register_comm_hook``, torch's signature) replaces the all-reduce of
+each bucket: the bucket then holds the plain local sum, as in torch, and the hook divides.
+
 At world size 1 nothing is copied or sent, but the bookkeeping still runs, so a parameter that
 never gets a gradient is reported on a laptop just as it would be on 64 GPUs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,9 +39,10 @@ from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..diagnose import fingerprints
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from . import compression as comp
 from .buckets import Bucket
+from .comm_hooks import GradBucket
 
 _MAX_NAMES = 10
 """How many parameter names an error lists before '... and N more'."""
@@ -101,14 +112,29 @@ class Reducer:
                 self._bucket_of[i] = b
         self._sizes = [len(b.indices) for b in self.buckets]
         self._allocate(comp.wire_dtype(compression))
+        self._scale = 1.0 / world_size
+        self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
+        self._used = [False] * len(self.params)  # since the last synchronised pass
+        self._spare: list[torch.Tensor | None] = [None] * len(self.params)  # see _make_hook
+        self.started = False  # a backward pass has run (static graph must be set before)
         self._reset()
-        self._handles = []
+        self._handles: list[Any] = []
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        self.remove_hooks()
         for i, p in enumerate(self.params):
             previous = _OWNER.get(p)
             if previous is not None:
                 previous.remove()
             _OWNER[p] = handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
             self._handles.append(handle)
+
+    def set_comm_hook(self, state: Any, hook: Callable[..., torch.futures.Future]) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket (gradients summed, not averaged)."""
+        self._comm_hook = (state, hook)
+        self._scale = 1.0
+        self._install_hooks()  # the hooks capture the scale
 
     def _allocate(self, wire: torch.dtype | None) -> None:
         """Flat buffers (and gradient views into them), only when there is someone to talk to."""
@@ -130,12 +156,22 @@ class Reducer:
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         b = self._bucket_of[i]
         view = self._views[i]
-        scale = 1.0 / self.world_size
+        scale = self._scale
         mul = torch.mul
+        used = self._used
+        # CPU only: when .grad was None, autograd's fresh gradient is freed as soon as .grad
+        # points at the bucket, inside backward; glibc then hands large blocks back to the OS
+        # and the next step page-faults them in again (~3k faults, 12 MB per step on the
+        # reference MLP). Keeping each one until the next step's replaces it lets the
+        # allocator recycle warm memory, the same footprint as torch's DDP (its .grad beside
+        # its buckets). CUDA's caching allocator has no such cost, so nothing is kept there.
+        keep = view is not None and view.device.type == "cpu"
+        spare = self._spare
 
         def hook(p: torch.Tensor) -> None:
             if not self._active:
                 self._begin()
+            used[i] = True
             if not self._syncing:
                 return
             seen = self._seen
@@ -145,9 +181,17 @@ class Reducer:
             if view is not None:
                 g = p.grad
                 if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
-                    view.mul_(scale)
+                    if scale != 1.0:
+                        view.mul_(scale)
                 else:  # copy and average in one pass, then let .grad alias the bucket
-                    mul(g, scale, out=view)
+                    try:
+                        mul(g, scale, out=view)
+                        if keep:
+                            spare[i] = g  # freed when the next step's gradient replaces it
+                    except RuntimeError:
+                        if not g.requires_grad:
+                            raise
+                        _copy_higher_order(g, scale, view)
                     p.grad = view
             pending = self._pending
             pending[b] -= 1
@@ -158,6 +202,7 @@ class Reducer:
 
     def _begin(self) -> None:
         self._active = True
+        self.started = True
         self._syncing = bool(self.should_sync())
         Variable._execution_engine.queue_callback(self._finalize)
 
@@ -167,7 +212,10 @@ class Reducer:
         while self._next < n and pending[self._next] == 0:
             b = self._next
             self._next += 1
-            if self.communicates:
+            if self.communicates and self._comm_hook is not None:
+                state, comm_hook = self._comm_hook
+                self._works[b] = comm_hook(state, GradBucket(self, b))
+            elif self.communicates:
                 wire = self._wire[b]
                 tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
                 # Fingerprinted: a rank that diverges or stops is explained, not just timed out.
@@ -195,6 +243,8 @@ class Reducer:
                 if not self.find_unused_parameters:
                     raise self._unused_error(missing)
                 self._fill_unused(missing)
+            # Used anywhere since the last sync, on any rank: a gradient from a no_sync()
+            # micro-batch counts too, or that replica alone would step with it.
             used = self._global_use() if self.find_unused_parameters else None
             self._wait_all()
             for i in missing:
@@ -202,11 +252,12 @@ class Reducer:
                 if used is not None and used[i] > 0:
                     self.params[i].grad = self._views[i]
         finally:
+            self._used[:] = [False] * len(self._used)
             self._reset()
 
     def _fill_unused(self, missing: list[int]) -> None:
         """Put what each locally unused parameter has (its .grad or zeros) into its slot."""
-        scale = 1.0 / self.world_size
+        scale = self._scale
         for i in missing:
             view, g = self._views[i], self.params[i].grad
             if view is None:
@@ -216,7 +267,7 @@ class Reducer:
             elif g is view:
                 view.mul_(scale)
             else:
-                torch.mul(g, scale, out=view)
+                _copy_higher_order(g, scale, view)
         for b in {self._bucket_of[i] for i in missing}:
             self._pending[b] = 0
         self._launch_ready()
@@ -226,7 +277,7 @@ class Reducer:
         if not self.communicates:
             return None
         device = self.buckets[0].device
-        used = torch.tensor(self._seen, dtype=torch.int32, device=device)
+        used = torch.tensor(self._used, dtype=torch.int32, device=device)
         with fingerprints.collective(
             "all_reduce", used, label="used-parameter map", group=self.group, extra="sum"
         ):
@@ -236,6 +287,9 @@ class Reducer:
     def _wait_all(self) -> None:
         for b, entry in enumerate(self._works):
             if entry is None:
+                continue
+            if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
+                _take_hook_result(entry.wait(), self._flat[b], b)
                 continue
             entry.wait()  # a failure raises the diagnosis: every rank's last collective
             wire = self._wire[b]
@@ -248,7 +302,7 @@ class Reducer:
         self._seen = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._next = 0
-        self._works: list[fingerprints.Entry | None] = [None] * len(self.buckets)
+        self._works: list[Any] = [None] * len(self.buckets)
 
     def prepare_for_forward(self) -> None:
         """Forget a backward pass that died half-way (an exception inside autograd)."""
@@ -268,8 +322,8 @@ class Reducer:
         extra = len(indices) - _MAX_NAMES
         return shown + (f" ... and {extra} more" if extra > 0 else "")
 
-    def _unused_error(self, missing: list[int]) -> ConfigError:
-        return ConfigError(
+    def _unused_error(self, missing: list[int]) -> ModelError:
+        return ModelError(
             f"{len(missing)} of {len(self.params)} parameters got no gradient in this backward "
             f"pass: {self._names_of(missing)}. DistributedDataParallel cannot average a gradient "
             "that was never computed, and with find_unused_parameters=False it does not look "
@@ -282,10 +336,47 @@ class Reducer:
 
     def _fired_twice(self, i: int) -> None:
         self._reset()
-        raise ConfigError(
+        raise ModelError(
             f"parameter {self.names[i]} received its gradient twice in one backward pass "
             "(reentrant activation checkpointing, or a nested backward through the model)",
             fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or run the "
             "inner backward outside DistributedDataParallel.",
             rank=self.rank,
         )
+
+
+_warned_create_graph = False
+
+
+def _copy_higher_order(g: torch.Tensor, scale: float, view: torch.Tensor) -> None:
+    """``view = g * scale`` for a gradient that requires grad (``backward(create_graph=True)``).
+
+    The averaged gradient is a plain tensor, as in torch's DDP: the higher-order graph of a
+    gradient does not survive the all-reduce, which is why torch warns, and so do we.
+    """
+    global _warned_create_graph
+    if g.requires_grad and not _warned_create_graph:
+        _warned_create_graph = True
+        warnings.warn(
+            "Using DistributedDataParallel with create_graph=True is not recommended: the "
+            "averaged gradients carry no autograd graph (as in torch's DistributedDataParallel)",
+            stacklevel=3,
+        )
+    with torch.no_grad():
+        torch.mul(g.detach(), scale, out=view)
+
+
+def _take_hook_result(result: Any, flat: torch.Tensor, b: int) -> None:
+    """Copy what a communication hook's future returned into bucket ``b``'s flat buffer."""
+    if isinstance(result, (list, tuple)) and len(result) == 1:
+        result = result[0]
+    if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+        got = type(result).__name__ if not isinstance(result, torch.Tensor) else result.shape
+        raise ConfigError(
+            f"the communication hook's future for bucket {b} returned {got}, expected a tensor "
+            f"of {flat.numel()} elements (the bucket's buffer)",
+            fix="return a torch.futures.Future whose value is the reduced bucket.buffer().",
+        )
+    if result.data_ptr() != flat.data_ptr():
+        with torch.no_grad():
+            flat.copy_(result.view(-1))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .scatter_gather import non_blocking
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -42,7 +43,7 @@ def copy_coalesced(tensors: Sequence[torch.Tensor], device: torch.device) -> lis
         groups.setdefault((t.device, t.dtype), []).append(i)
     for indices in groups.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        moved = flat.to(device, non_blocking=device.type != "cpu")
+        moved = flat.to(device, non_blocking=non_blocking(device))
         sizes = [tensors[i].numel() for i in indices]
         for i, part in zip(indices, moved.split(sizes), strict=True):
             out[i] = part.view(tensors[i].shape)
@@ -84,7 +85,7 @@ def _broadcast_buffers(
             elif device == buf.device:
                 result[j].append(buf.detach().clone())  # another thread would race on the original
             else:
-                result[j].append(buf.detach().to(device, non_blocking=device.type != "cpu"))
+                result[j].append(buf.detach().to(device, non_blocking=non_blocking(device)))
     return result
 
 

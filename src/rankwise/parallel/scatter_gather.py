@@ -72,6 +72,23 @@ def tree_map(fn: Callable[[str, torch.Tensor], Any], obj: Any, path: str = "inpu
     return _rebuild(obj, [tree_map(fn, child, p) for p, child in children])
 
 
+def non_blocking(device: torch.device) -> bool:
+    """The one rule for ``non_blocking`` copies: only towards an accelerator.
+
+    Copies to an accelerator are stream-ordered, so they may be asynchronous (from pinned host
+    memory they overlap compute; from pageable memory they are synchronous anyway). A copy to
+    the CPU must be synchronous, or the host could read the tensor before it has arrived.
+    """
+    return device.type != "cpu"
+
+
+def to_device(obj: Any, device: Device) -> Any:
+    """``obj`` with every tensor inside it moved to ``device``; nesting and types kept."""
+    dev = torch.device(device)
+    asynchronous = non_blocking(dev)
+    return tree_map(lambda _p, t: t.to(dev, non_blocking=asynchronous), obj)
+
+
 def tensors(obj: Any, path: str = "input") -> list[tuple[str, torch.Tensor]]:
     """Every tensor in ``obj`` with its path (e.g. ``args[0]['mask']``), in traversal order."""
     found: list[tuple[str, torch.Tensor]] = []
@@ -159,9 +176,7 @@ def scatter_with_sizes(
 
 
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # Copies to an accelerator are stream-ordered, so they may be asynchronous; a copy to the
-    # CPU must be synchronous or the host could read the chunk before it has arrived.
-    return t.to(device, non_blocking=device.type != "cpu")
+    return t.to(device, non_blocking=non_blocking(device))
 
 
 def gather(outputs: Sequence[Any], output_device: Device, dim: int = 0) -> Any:

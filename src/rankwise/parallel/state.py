@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..diagnose import fingerprints
-from ..errors import ConfigError, DistributedError
+from ..errors import DistributedError, ModelError
+from .scatter_gather import to_device
 
 _BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
 """Largest single broadcast at construction: bounds the temporary copy of the model."""
@@ -27,7 +28,7 @@ def trainable_parameters(module: nn.Module, rank: int) -> tuple[list[str], list[
     """(names, parameters) that get averaged: requires_grad, shared ones once, in module order."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
-        raise ConfigError(
+        raise ModelError(
             f"the module ({type(module).__name__}) has no parameter with requires_grad=True, so "
             "DistributedDataParallel has nothing to average",
             fix="wrap the model you train; for evaluation only, use the bare module.",
@@ -111,23 +112,29 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with rank 0's values: one byte message per device (and 256 MB).
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, src: int = 0
+) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values: one byte message per device (256 MB).
 
     Mixed dtypes (BatchNorm's float statistics and int64 counters) share one message, so a
     forward pays for one broadcast, not one per dtype. Sync point: all ranks.
     """
     if not tensors:
         return
-    root = dist.get_rank(group) == 0
+    root = dist.get_rank(group) == src
     pending = []
     with torch.no_grad():
         for run in _chunks(tensors):
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in run])
             entry = fingerprints.record(
-                "broadcast", flat, label="rank 0's parameters/buffers", group=group, extra="src=0"
+                "broadcast",
+                flat,
+                label=f"rank {src}'s parameters/buffers",
+                group=group,
+                extra=f"src={src}",
             )
-            entry.watch(dist.broadcast(flat, group=group, group_src=0, async_op=True))
+            entry.watch(dist.broadcast(flat, group=group, group_src=src, async_op=True))
             pending.append((entry, flat, run))
         for entry, flat, run in pending:
             entry.wait()  # a failure raises the diagnosis naming every rank's last collective
@@ -140,18 +147,9 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside tuples, lists and dicts moved to ``device``.
+    """``obj`` with every tensor inside it on ``device``, containers' types kept.
 
-    A copy to an accelerator is ordered on its current stream, so it may be asynchronous (from
-    pinned memory it overlaps the host); a copy to the CPU must not be, or the host could read
-    the tensor before the data has arrived.
+    The one walker (``scatter_gather.tree_map``): tuples, lists, dicts, namedtuples and
+    dataclasses keep their type, as in torch's DistributedDataParallel.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=device.type != "cpu")
-    if isinstance(obj, tuple):
-        return tuple(move_to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [move_to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: move_to_device(v, device) for k, v in obj.items()}
-    return obj
+    return to_device(obj, device)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
+from ..parallel.scatter_gather import to_device
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -189,9 +190,6 @@ class DeviceLoader:
     def __init__(self, loader: Loader, device: torch.device) -> None:
         self.loader = loader
         self.device = device
-        # Copies from pinned host memory can overlap compute; from pageable memory they are
-        # synchronous anyway, so non_blocking is only asked for where it helps.
-        self._non_blocking = device.type != "cpu" and bool(loader.dataloader.pin_memory)
         self.at_last_batch = False
         """True while the epoch's last batch is out (``rt.accumulate`` synchronises on it)."""
 
@@ -202,7 +200,7 @@ class DeviceLoader:
             total = -1
         for i, batch in enumerate(self.loader):
             self.at_last_batch = i + 1 == total
-            yield _to(batch, self.device, self._non_blocking)
+            yield to_device(batch, self.device)
         self.at_last_batch = False
 
     def __len__(self) -> int:
@@ -221,17 +219,3 @@ class DeviceLoader:
         if name == "loader":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
-
-
-def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
-    """``obj`` with every tensor in tuples, namedtuples, lists and dicts on ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, tuple):
-        moved = [_to(o, device, non_blocking) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [_to(o, device, non_blocking) for o in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, _to(v, device, non_blocking)) for k, v in obj.items())
-    return obj

@@ -1,0 +1,187 @@
+"""torch's own DistributedDataParallel tests, run against torch's DDP and against rankwise's.
+
+    flock /tmp/bench.lock python benchmarks/parity.py --out benchmarks/results/parity.json
+    python benchmarks/parity.py --only 'no_sync|create_graph' --impl rankwise   # a subset
+
+The tests are torch's (``torch/testing/_internal/distributed/distributed_test.py``, installed
+with torch), selected as every test whose body constructs a ``DistributedDataParallel``. They
+run exactly as torch's CI runs them (``test_distributed_spawn.py``: one spawned process per
+rank, Gloo, world size 2), once as they are and once with ``DistributedDataParallel`` replaced
+by ``rankwise.DistributedDataParallel`` everywhere the tests can reach it. Tests that read
+torch's internals (the C++ reducer, DDP logging data) are listed in ``INTERNALS`` with the
+reason, and docs/ddp.md lists them too.
+
+Needs `pip install expecttest` (the `parity` extra). On demand only (it spawns two processes
+per test, twice: several minutes); not part of the
+default pytest run. Prints JSON and writes ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPL = os.environ.get("RANKWISE_PARITY_IMPL", "")
+
+INTERNALS = {
+    "test_ddp_logging_data_cpu": "reads torch's C++ logger (model._get_ddp_logging_data(): "
+    "bucket sizes, comm-hook name, unused-parameter counts recorded by the C++ reducer)",
+    "test_static_graph_api_cpu": "after the expected RuntimeError (which ours raises, same "
+    "message) it checks the error was recorded in torch's C++ DDP logger "
+    "(verify_ddp_error_logged reads model._get_ddp_logging_data())",
+}
+
+if IMPL:  # set in this process and, through the environment, in the ranks it spawns
+    os.environ.setdefault("BACKEND", "gloo")
+    os.environ.setdefault("WORLD_SIZE", "2")
+    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="rankwise-parity-"))
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    if IMPL == "rankwise":
+        import rankwise
+
+        torch.nn.parallel.DistributedDataParallel = rankwise.DistributedDataParallel
+    from torch.testing._internal.distributed import distributed_test as dt
+
+    if IMPL == "rankwise":
+        dt.DistributedDataParallel = rankwise.DistributedDataParallel
+
+    class TestDistBackendWithSpawn(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
+        """torch's test_distributed_spawn.py, verbatim in spirit: one process per rank."""
+
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_processes()
+
+
+def _source(name: str) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(getattr(dt.DistributedTest._DistTestBase, name)))
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+def ddp_tests() -> list[str]:
+    """torch's tests that construct a DistributedDataParallel, directly or in a helper."""
+    base = dt.DistributedTest._DistTestBase
+    builds: dict[str, bool] = {}
+
+    def reaches(name: str, seen: frozenset = frozenset()) -> bool:
+        if name not in builds:
+            src = _source(name)
+            helpers = set(re.findall(r"self\.(_\w+)\(", src)) - seen
+            builds[name] = "DistributedDataParallel(" in src or any(
+                reaches(h, seen | {name}) for h in helpers if hasattr(base, h)
+            )
+        return builds[name]
+
+    return [n for n in sorted(dir(base)) if n.startswith("test_") and reaches(n)]
+
+
+GPU_ONLY = re.compile(r"@(skip_if_lt_x_gpu|skip_if_no_gpu|require_n_gpus_for_nccl_backend)\b")
+
+
+def _needs_gpu(name: str) -> bool:
+    """Decorated to skip without GPUs: recorded as skipped without spawning two ranks."""
+    import torch
+
+    head = _source(name).split("def ", 1)[0]
+    return torch.cuda.device_count() == 0 and bool(GPU_ONLY.search(head))
+
+
+def _child(only: str | None) -> dict:
+    """Run the selected tests in this process (which spawns the ranks); outcome per test."""
+    names = [n for n in ddp_tests() if only is None or re.search(only, n)]
+    outcome: dict[str, str] = {}
+    for name in names:
+        if _needs_gpu(name):
+            outcome[name] = "skipped: needs GPUs (decorator; not spawned)"
+            continue
+        result = unittest.TestResult()
+        start = time.perf_counter()
+        TestDistBackendWithSpawn(name).run(result)
+        if result.skipped:
+            status = "skipped: " + result.skipped[0][1].splitlines()[0][:120]
+        elif result.errors or result.failures:
+            tb = (result.errors + result.failures)[0][1]
+            lines = [ln.strip() for ln in tb.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+            status = "failed: " + (errors or lines)[-1][:300]
+        else:
+            status = "passed"
+        outcome[name] = status
+        print(f"{IMPL:8s} {name}: {status} ({time.perf_counter() - start:.1f}s)", flush=True)
+    return outcome
+
+
+def _run(impl: str, only: str | None) -> dict:
+    env = {**os.environ, "RANKWISE_PARITY_IMPL": impl, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--child"] + (["--only", only] if only else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise SystemExit(f"{impl} run produced no result (exit {proc.returncode})")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="regular expression selecting test names")
+    parser.add_argument("--impl", choices=["torch", "rankwise", "both"], default="both")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.only)))
+        return {}
+    impls = ["torch", "rankwise"] if args.impl == "both" else [args.impl]
+    runs = {impl: _run(impl, args.only) for impl in impls}
+    names = sorted(next(iter(runs.values())))
+    counts = {
+        impl: {
+            "passed": sum(s == "passed" for s in res.values()),
+            "skipped": sum(s.startswith("skipped") for s in res.values()),
+            "failed": sum(s.startswith("failed") for s in res.values()),
+        }
+        for impl, res in runs.items()
+    }
+    result = {
+        "benchmark": "ddp_parity",
+        "suite": "torch/testing/_internal/distributed/distributed_test.py",
+        "backend": "gloo",
+        "world_size": 2,
+        "tests_building_ddp": len(names),
+        "counts": counts,
+        "internals_read": INTERNALS,
+        "tests": {n: {impl: runs[impl][n] for impl in impls} for n in names},
+    }
+    if "torch" in runs and "rankwise" in runs:
+        torch_pass = [n for n in names if runs["torch"][n] == "passed"]
+        result["pass_with_torch"] = len(torch_pass)
+        result["of_those_pass_with_rankwise"] = sum(
+            runs["rankwise"][n] == "passed" for n in torch_pass
+        )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv and not IMPL:
+        raise SystemExit("--child is internal: run without it")
+    main()
