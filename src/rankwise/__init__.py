@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "gather_object": ".comm",
     "get_logger": ".log",
     "get_runtime": ".runtime",
-    "init": ".runtime",
+    "init": ".session",
     "is_initialized": ".runtime",
     "join": ".data",
     "list_checkpoints": ".checkpoint",
@@ -46,15 +46,17 @@ _LAZY: dict[str, str] = {
     "Runtime": ".runtime",
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
+    "Session": ".session",
     "ShardedIterable": ".data",
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
     "Topology": ".topology",
-    "unwrap_model": ".state",
+    "unwrap_model": ".state_dict",
     "updates": ".updates",
 }
-"""Public name -> the module that defines it (``updates`` is a module itself)."""
+"""Public name -> the module that defines it (``updates`` is a module itself). The one list of
+public names: ``__all__`` is derived from it."""
 
 
 def __getattr__(name: str) -> Any:
@@ -90,50 +92,11 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .parallel import DataParallel, DistributedDataParallel
     from .pipeline import DistributedPipeline, Pipe, split
     from .progress import progress
-    from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
-    from .state import unwrap_model
+    from .runtime import Runtime, get_runtime, is_initialized, shutdown
+    from .session import Session, init
+    from .state_dict import unwrap_model
     from .topology import Slot, Topology
 
-__all__ = [
-    "ConfigError",
-    "DataParallel",
-    "DistEnv",
-    "DistributedDataParallel",
-    "DistributedError",
-    "DistributedPipeline",
-    "DistributedSampler",
-    "EnvError",
-    "Loader",
-    "Pipe",
-    "RankwiseError",
-    "Runtime",
-    "RuntimeStateError",
-    "ShardedIterable",
-    "Slot",
-    "Topology",
-    "__version__",
-    "all_gather_object",
-    "all_reduce",
-    "all_reduce_max",
-    "all_reduce_mean",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "gather_for_metrics",
-    "gather_object",
-    "get_logger",
-    "get_runtime",
-    "init",
-    "is_initialized",
-    "join",
-    "list_checkpoints",
-    "load_checkpoint",
-    "loader",
-    "print0",
-    "progress",
-    "save_checkpoint",
-    "shutdown",
-    "split",
-    "unwrap_model",
-    "updates",
-]
+__all__ = ["__version__", *sorted(_LAZY)]
+"""Derived from ``_LAZY``; ``tests/unit/test_public_api.py`` checks that the ``TYPE_CHECKING``
+imports above name the same modules."""

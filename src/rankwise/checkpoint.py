@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import comm, rng
+from . import comm, rng, runtime
 from .errors import ConfigError, DistributedError
-from .state import model_state, strip_prefixes, unwrap_model
+from .state_dict import model_state, strip_prefixes, unwrap_model
 
 FORMAT = "rankwise-checkpoint"
 VERSION = 1
@@ -264,8 +264,6 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool
 
 
 def _default_map_location() -> torch.device:
-    from . import runtime
-
     return runtime.get_runtime().device if runtime.is_initialized() else torch.device("cpu")
 
 

@@ -16,7 +16,6 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from . import env as envmod
 from . import runtime
 from .diagnose import fingerprints
 from .errors import DistributedError, RuntimeStateError
@@ -41,16 +40,15 @@ def world_size() -> int:
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    if not runtime.is_initialized():
-        launched = envmod.detect()
-        if launched.world_size > 1:
-            raise RuntimeStateError(
-                f"this process was launched as rank {launched.rank} of {launched.world_size} "
-                f"({launched.source}) but rankwise is not initialised, so it cannot "
-                "communicate",
-                fix="call `rt = rw.init()` at the start of the program, on every rank.",
-                rank=launched.rank,
-            )
+    launched = runtime.coords()
+    if launched.world_size > 1:
+        raise RuntimeStateError(
+            f"this process was launched as rank {launched.rank} of {launched.world_size} "
+            f"({launched.source}) but rankwise is not initialised, so it cannot "
+            "communicate",
+            fix="call `rt = rw.init()` at the start of the program, on every rank.",
+            rank=launched.rank,
+        )
     return 1
 
 
@@ -58,7 +56,7 @@ def rank() -> int:
     """This process's global rank (0 when not distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return runtime.get_runtime().rank if runtime.is_initialized() else 0
+    return runtime.coords().rank
 
 
 def _comm_device() -> torch.device:
@@ -157,7 +155,11 @@ def barrier(timeout: float | timedelta | None = None) -> None:
     if world_size() == 1:
         return
     if timeout is None:
-        td = runtime.get_runtime().timeout if runtime.is_initialized() else timedelta(minutes=5)
+        td = (
+            runtime.get_runtime().timeout
+            if runtime.is_initialized()
+            else timedelta(seconds=runtime.DEFAULT_TIMEOUT_S)
+        )
     else:
         td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     entry = fingerprints.record("barrier", check=True)

@@ -168,13 +168,8 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
-last: dict[str, str | None] = {"report": None}
-"""The latest diagnosis made on this rank (by a failure or by the watchdog)."""
-
-
 def write_diag_file(rank: int, message: str, fix: str) -> None:
-    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``)."""
-    last["report"] = f"[rank {rank}] {message}\nFix: {fix}"
+    """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``)."""
     folder = envmod.diag_dir()
     if not folder:
         return

@@ -55,14 +55,9 @@ def worker_command(opts: LaunchOptions) -> tuple[str, list[str]]:
 def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     # torchrun's rule: several workers on one machine each get one OpenMP thread unless told.
     if opts.nproc_per_node > 1:
-        envmod.set_default("OMP_NUM_THREADS", "1")
-    # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
-    # interface that reaches the master so workers on other hosts can connect back.
-    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
-    if not netif.is_loopback(host) and not envmod.get("GLOO_SOCKET_IFNAME"):
-        name = netif.interface_towards(host)
-        if name is not None:
-            envmod.set_default("GLOO_SOCKET_IFNAME", name)
+        envmod.default_omp_threads(1)
+    # Workers on other hosts must be able to connect back to the master.
+    netif.point_gloo_at(rdzv.endpoint.rsplit(":", 1)[0].strip("[]"))
 
 
 def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
@@ -111,7 +106,7 @@ def launch(opts: LaunchOptions) -> None:
         config = _config(opts, rdzv, opts.log_dir or tmp)
         # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
         diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
-        envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
+        envmod.set_diag_dir_for_workers(diag)
         try:
             elastic_launch(config, cmd)(*args)
         except ChildFailedError as exc:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..devices import DeviceLike, accelerator, resolve_device
 from ..errors import ConfigError
-from ..state import add_module_prefix, strip_module_prefix
+from ..state_dict import add_module_prefix, strip_module_prefix
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes

@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import env as envmod
 from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
-from ..state import add_module_prefix, strip_module_prefix
+from ..state_dict import add_module_prefix, strip_module_prefix
 from . import compression as comp
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from .reducer import Reducer
-from .state import (
+from .agreement import (
     broadcast_tensors,
     move_to_device,
     trainable_parameters,
@@ -178,7 +177,7 @@ def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -
         return dist.get_world_size(group), dist.get_rank(group)
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
-    env = runtime.get_runtime().env if runtime.is_initialized() else envmod.detect()
+    env = runtime.coords()
     if env.world_size > 1 and strict:
         raise RuntimeStateError(
             f"DistributedDataParallel needs a process group: this process is rank {env.rank} "

@@ -18,39 +18,101 @@ rank-aware (pitfalls 5 and 6).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import runtime
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Loader
+from ..env import DistEnv
 from ..errors import ConfigError
+from ..log import print0
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrap
-from .strategy import STRATEGIES, Plan, check_same, plan
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
+from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
 
 __all__ = [
-    "STRATEGIES",
     "DeviceLoader",
-    "Plan",
+    "Session",
     "check_optimizer",
-    "check_same",
     "describe_batch",
+    "init",
     "move_optimizer_state",
-    "plan",
     "prepare",
     "prepare_loader",
     "prepare_model",
-    "wrap",
+    "refuse_wrapped",
 ]
 
 
+class Session(runtime.Runtime):
+    """What ``rw.init()`` returns: the ``Runtime`` (data: env, device, backend, strategy) plus
+    the one-call API. ``prepare``/``prepare_loader`` are this package's functions with the
+    runtime filled in; ``print``/``save``/``load`` are aliases of ``rw.print0``,
+    ``rw.save_checkpoint`` and ``rw.load_checkpoint`` (one implementation, two spellings).
+    """
+
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loader: Any = None,
+        *,
+        global_batch_size: int | None = None,
+    ) -> Any:
+        """``prepare(rt, ...)``: move, then wrap the model; split the loader.
+
+        Sync point: all ranks under 'ddp'.
+        """
+        return prepare(self, model, optimizer, loader, global_batch_size=global_batch_size)
+
+    def prepare_loader(
+        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
+    ) -> Any:
+        """``prepare_loader(rt, ...)``: a loader split over the replicas, batches on the
+        device; ``evaluation``: each sample once. No sync point."""
+        return prepare_loader(
+            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
+        )
+
+    print = staticmethod(print0)
+    """Alias of ``rw.print0``: ``print`` on rank 0 only."""
+    save = staticmethod(save_checkpoint)
+    """Alias of ``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks."""
+    load = staticmethod(load_checkpoint)
+    """Alias of ``rw.load_checkpoint``, mapped to this process's device. No sync point."""
+
+
+def init(
+    backend: str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    timeout: float | timedelta | None = None,
+    env: DistEnv | None = None,
+    strategy: str | None = None,
+    devices: Sequence[Any] | None = None,
+) -> Session:
+    """``rw.init``: ``rankwise.runtime.init`` returning a ``Session`` (the one-call API).
+
+    Sync point: all ranks (the rendezvous), when world size > 1.
+    """
+    return runtime.init(
+        backend,
+        device=device,
+        timeout=timeout,
+        env=env,
+        strategy=strategy,
+        devices=devices,
+        kind=Session,
+    )
+
+
 def prepare(
-    rt: Runtime,
+    rt: runtime.Runtime,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     loader: DataLoader | Loader | None = None,

@@ -1,4 +1,8 @@
-"""Which strategy this process runs: 'auto' resolved, refused combinations named with the fix."""
+"""Which strategy this process runs: 'auto' resolved, refused combinations named with the fix.
+
+Part of the ground floor: ``rw.init`` settles the plan before it joins the job, so a refused
+strategy fails every rank at once, before the rendezvous. Imports nothing above ``runtime``.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..env import DistEnv
-from ..errors import ConfigError, RuntimeStateError
+from .devices import resolve_device
+from .env import DistEnv
+from .errors import ConfigError, RuntimeStateError
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime
+    from .runtime import Runtime
 
 STRATEGIES = ("auto", "single", "dp", "ddp")
 _LAUNCHER_FIX = (
@@ -75,8 +80,6 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
 
 
 def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:
-    from ..devices import resolve_device
-
     if devices is None:
         count = _accelerator_count()
         if count == 0:
