@@ -55,8 +55,7 @@ _LAZY: dict[str, str] = {
     "unwrap_model": ".state_dict",
     "updates": ".updates",
 }
-"""Public name -> the module that defines it (``updates`` is a module itself). The one list of
-public names: ``__all__`` is derived from it."""
+"""Public name -> the module that defines it (``updates`` is a module itself)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -97,6 +96,49 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .state_dict import unwrap_model
     from .topology import Slot, Topology
 
-__all__ = ["__version__", *sorted(_LAZY)]
-"""Derived from ``_LAZY``; ``tests/unit/test_public_api.py`` checks that the ``TYPE_CHECKING``
-imports above name the same modules."""
+__all__ = [
+    "ConfigError",
+    "DataParallel",
+    "DistEnv",
+    "DistributedDataParallel",
+    "DistributedError",
+    "DistributedPipeline",
+    "DistributedSampler",
+    "EnvError",
+    "Loader",
+    "Pipe",
+    "RankwiseError",
+    "Runtime",
+    "RuntimeStateError",
+    "Session",
+    "ShardedIterable",
+    "Slot",
+    "Topology",
+    "__version__",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "gather_for_metrics",
+    "gather_object",
+    "get_logger",
+    "get_runtime",
+    "init",
+    "is_initialized",
+    "join",
+    "list_checkpoints",
+    "load_checkpoint",
+    "loader",
+    "print0",
+    "progress",
+    "save_checkpoint",
+    "shutdown",
+    "split",
+    "unwrap_model",
+    "updates",
+]
+"""The same names as ``_LAZY`` and the ``TYPE_CHECKING`` imports (a literal, for static
+analysers); ``tests/unit/test_public_api.py`` checks that the three lists agree."""

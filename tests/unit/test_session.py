@@ -14,7 +14,7 @@ from torch.utils.data import (
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import rankwise as rw
-from rankwise import plan, session
+from rankwise import plan
 from rankwise.env import DistEnv
 
 CUDA = torch.cuda.is_available()

@@ -28,14 +28,14 @@ from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
 from ..state_dict import add_module_prefix, strip_module_prefix
 from . import compression as comp
-from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from .reducer import Reducer
 from .agreement import (
     broadcast_tensors,
     move_to_device,
     trainable_parameters,
     verify_same_model,
 )
+from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from .reducer import Reducer
 
 
 class DistributedDataParallel(nn.Module):
