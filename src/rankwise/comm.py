@@ -181,3 +181,51 @@ def barrier(timeout: float | timedelta | None = None) -> None:
             "synchronises, such as save_checkpoint) inside `if rank == 0:` or a rank that died.",
             rank=rank(),
         ) from exc
+
+
+# ---- collectives on tensors rankwise owns (flat gradients, parameters, gathered outputs) ----
+# Not for user code: they skip the copies the helpers above make, and take a group. They go
+# through the same fingerprints, so a rank that issues something else is diagnosed, not hung.
+
+
+def all_reduce_(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    *,
+    group: Any = None,
+    label: str | None = None,
+    timeout: float | timedelta | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` ('mean': the sum divided by its size).
+
+    Sync point: the ranks of ``group``.
+    """
+    entry = fingerprints.record("all_reduce", tensor, label=label, group=group, extra=op)
+    entry.watch(dist.all_reduce(tensor, op=_TORCH_OPS[op], group=group, async_op=True))
+    entry.wait(timeout)
+    if op == "mean":
+        tensor /= dist.get_world_size(group)
+    return tensor
+
+
+def broadcast_(
+    tensor: torch.Tensor, src: int = 0, *, group: Any = None, label: str | None = None
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with rank ``src``'s, in place. Sync point: the ranks of ``group``."""
+    entry = fingerprints.record("broadcast", tensor, label=label, group=group, extra=f"src={src}")
+    entry.watch(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    entry.wait()
+    return tensor
+
+
+def all_gather_tensors(
+    tensor: torch.Tensor, *, group: Any = None, label: str | None = None
+) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order.
+
+    Sync point: the ranks of ``group``.
+    """
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    with fingerprints.collective("all_gather", tensor, label=label, group=group):
+        dist.all_gather(slots, tensor, group=group)
+    return slots

@@ -17,7 +17,7 @@ import torch
 
 from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
-from ._flat import FlatParams
+from ..flat import FlatParams
 
 
 class UpdateStrategy:
