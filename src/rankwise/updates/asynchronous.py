@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError, RuntimeStateError
-from .base import UpdateStrategy
+from .base import UpdateRule
 from .gate import StalenessGate
 from .protocol import Kind, LocalChannel, Message, WireChannel, text_message
 from .server import ParameterServer, ServerStats
 
 
-class AsyncUpdates(UpdateStrategy):
+class AsyncUpdates(UpdateRule):
     """``step()`` = push this rank's gradient to the parameter server, load what it sends back.
 
     Sync points: all ranks at construction (a process group for the server's traffic is made)

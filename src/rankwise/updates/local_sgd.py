@@ -11,11 +11,11 @@ import torch
 
 from .. import comm
 from ..errors import ConfigError
-from .base import UpdateStrategy
+from .base import UpdateRule
 from .sync import broadcast_parameters
 
 
-class LocalSGD(UpdateStrategy):
+class LocalSGD(UpdateRule):
     """``step()`` = the user's optimizer step on local gradients; every ``every`` steps, average.
 
     Sync point: all ranks, at construction, at every ``every``-th ``step()`` and at ``close()``

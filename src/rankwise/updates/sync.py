@@ -2,7 +2,7 @@
 
 The baseline the others are measured against: a step costs the slowest worker's time plus one
 all-reduce. (rankwise.DistributedDataParallel does the same averaging overlapped with backward;
-this strategy is the plain per-step version, with no hooks on the model.)
+this update rule is the plain per-step version, with no hooks on the model.)
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .base import UpdateStrategy
+from .base import UpdateRule
 
 
-class SyncUpdates(UpdateStrategy):
+class SyncUpdates(UpdateRule):
     """``step()`` = all-reduce the mean gradient (one flat buffer), then the user's optimizer step.
 
     Construction broadcasts rank 0's parameters so that every replica starts equal.
@@ -45,9 +45,9 @@ def synchronous(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Syn
     return SyncUpdates(model, optimizer)
 
 
-def broadcast_parameters(strategy: UpdateStrategy) -> None:
+def broadcast_parameters(rule: UpdateRule) -> None:
     """Rank 0's parameter values on every rank. Sync point: all ranks."""
-    if strategy.runtime.distributed:
-        flat = strategy.flat.values()
-        comm.broadcast_(flat, src=0, label=f"{strategy.name}: rank 0's parameters")
-        strategy.flat.load_values(flat)
+    if rule.runtime.distributed:
+        flat = rule.flat.values()
+        comm.broadcast_(flat, src=0, label=f"{rule.name}: rank 0's parameters")
+        rule.flat.load_values(flat)
