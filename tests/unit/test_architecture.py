@@ -87,3 +87,26 @@ def test_no_function_over_50_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path}:{node.lineno} {node.name}"] = lines
     assert long == {}
+
+
+def _project_text():
+    for folder in ("src", "tests", "docs", "examples", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".md") and "results" not in path.parts:
+                yield path, path.read_text(encoding="utf-8")
+    yield ROOT / "README.md", (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_pitfalls_are_cited_by_anchors_that_exist():
+    """Code, tests and docs cite the anchors of docs/pitfalls.md, never a source document."""
+    import re
+
+    anchors = set(re.findall(r'<a id="([\w-]+)"></a>', (ROOT / "docs/pitfalls.md").read_text()))
+    assert {f"pitfall-{n}" for n in range(1, 7)} <= anchors
+    source_words = re.compile("the " + "seed|seed's|seed " + "pitfall", re.IGNORECASE)
+    cited, stray = set(), []
+    for path, text in _project_text():
+        cited |= set(re.findall(r"pitfalls\.md#([\w-]+)", text))
+        stray += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in source_words.finditer(text)]
+    assert cited and cited <= anchors, cited - anchors
+    assert stray == []

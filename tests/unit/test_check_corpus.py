@@ -42,22 +42,22 @@ def test_every_rule_has_a_bad_script() -> None:
     assert covered == {r.id for r in RULES}
 
 
-# The seed's own snippets (000_e39e69c82df9c18e.txt), pinned by file, rule and line.
-SEED = {
-    "seed_ddp_local_rank.py": ("RW010", 14),  # section 2's DDP example: --local_rank only
-    "seed_cpu_model_wrap.py": ("RW001", 14),  # pitfall 1: DDP on a CPU model
-    "seed_init_twice.py": ("RW002", 12),  # pitfall 2: init_process_group twice
-    "seed_sampler_shuffle.py": ("RW003", 14),  # pitfall 3: DistributedSampler + shuffle
-    "seed_dp_batch_divided.py": ("RW012", 13),  # pitfall 4: DP batch size
-    "seed_wrapped_state_dict.py": ("RW006", 15),  # pitfall 5: net.state_dict() of a DDP net
-    "seed_print_all_ranks.py": ("RW007", 8),  # pitfall 6: print on every rank
+# The classic snippets of docs/pitfalls.md, one per pitfall, pinned by file, rule and line.
+PITFALLS = {
+    "pitfall_ddp_local_rank.py": ("RW010", 14),  # docs/pitfalls.md#pitfall-local-rank: --local_rank only
+    "pitfall_cpu_model_wrap.py": ("RW001", 14),  # pitfall 1: DDP on a CPU model
+    "pitfall_init_twice.py": ("RW002", 12),  # pitfall 2: init_process_group twice
+    "pitfall_sampler_shuffle.py": ("RW003", 14),  # pitfall 3: DistributedSampler + shuffle
+    "pitfall_dp_batch_divided.py": ("RW012", 13),  # pitfall 4: DP batch size
+    "pitfall_wrapped_state_dict.py": ("RW006", 15),  # pitfall 5: net.state_dict() of a DDP net
+    "pitfall_print_all_ranks.py": ("RW007", 8),  # pitfall 6: print on every rank
 }
 
 
-@pytest.mark.parametrize("name", SEED)
+@pytest.mark.parametrize("name", PITFALLS)
 def test_seed_snippets(name: str) -> None:
     findings = check_file(CORPUS / "bad" / name).findings
-    assert [(f.rule, f.line) for f in findings] == [SEED[name]]
+    assert [(f.rule, f.line) for f in findings] == [PITFALLS[name]]
 
 
 def test_messages_repeat_the_scripts_own_names_and_lines() -> None:

@@ -1,4 +1,4 @@
-"""The rank table for 1x1, 1x4, 3x4 (the seed's example) and 2x8, from Python and the CLI."""
+"""The rank table for 1x1, 1x4, 3x4 (the docs' example) and 2x8, from Python and the CLI."""
 
 from __future__ import annotations
 

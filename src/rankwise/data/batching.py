@@ -1,6 +1,6 @@
 """``rw.loader``: a DataLoader whose batch size says what it means.
 
-The seed's pitfall 4: ``batch_size=30`` is 30 in total with DataParallel (15 per device on two
+Pitfall 4 (docs/pitfalls.md#pitfall-4): ``batch_size=30`` is 30 in total with DataParallel (15 per device on two
 devices) but 30 *per process* with DDP (60 in total). ``rw.loader`` takes exactly one of
 ``batch_size`` (always per device) or ``global_batch_size`` (always per optimizer step over the
 whole job) and derives the rest, for both modes:
@@ -10,7 +10,7 @@ whole job) and derives the rest, for both modes:
     loader batch          = per_device_batch_size x replicas_in_process   (what one process gets)
     global_batch_size     = per_device_batch_size x replicas
 
-The seed's pitfall 3: the loader builds the ``DistributedSampler`` itself and puts ``shuffle``
+Pitfall 3 (docs/pitfalls.md#pitfall-3): the loader builds the ``DistributedSampler`` itself and puts ``shuffle``
 in it; ``shuffle=True`` together with a ``sampler`` is refused, and so is a sampler that does not
 split the data when several processes run.
 """

@@ -2,7 +2,7 @@
 
 Construction checks, then agrees, then listens:
 
-1. **Check** the module is where it will compute (the seed's pitfall 1 becomes a message that
+1. **Check** the module is where it will compute (docs/pitfalls.md#pitfall-1 becomes a message that
    says what to move where) and that there is a process group when the job has several ranks.
 2. **Agree**: compare parameter names, shapes and dtypes across ranks (a mismatch names the
    first differing parameter and both ranks), then broadcast rank 0's parameters and buffers,

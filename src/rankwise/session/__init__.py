@@ -8,7 +8,7 @@ The same training loop runs on one device, with DataParallel or with DDP by chan
         loss = F.cross_entropy(model(x), y)
         loss.backward(); opt.step(); opt.zero_grad()
 
-``prepare`` does, in the order the seed's pitfalls require: refuse a model that is already
+``prepare`` does, in the order the pitfalls require (docs/pitfalls.md): refuse a model that is already
 wrapped; move the model to its device, then wrap it (pitfall 1); move optimizer state that was
 created elsewhere; rebuild a plain ``DataLoader`` as ``rw.loader`` with our distributed sampler
 (pitfall 3), keeping its batch size with the meaning torch gives it under that strategy, said

@@ -1,5 +1,5 @@
 """The loader: a plain DataLoader rebuilt as ``rw.loader`` with an explicit batch meaning, and
-batches moved to the device (the seed's pitfalls 3 and 4)."""
+batches moved to the device (docs/pitfalls.md#pitfall-3 and #pitfall-4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model and its optimizer: refuse wrappers, move first, then wrap (the seed's pitfall 1)."""
+"""The model and its optimizer: refuse wrappers, move first, then wrap (docs/pitfalls.md#pitfall-1)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
             "top of a split model, or strategy='single'.",
         )
     if not spans:
-        model.to(rt.device)  # pitfall 1: move first, then wrap
+        model.to(rt.device)  # move first, then wrap: docs/pitfalls.md#pitfall-1
     return _wrap(rt, model, spans)
 
 
