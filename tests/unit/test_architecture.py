@@ -103,7 +103,8 @@ def test_pitfalls_are_cited_by_anchors_that_exist():
 
     anchors = set(re.findall(r'<a id="([\w-]+)"></a>', (ROOT / "docs/pitfalls.md").read_text()))
     assert {f"pitfall-{n}" for n in range(1, 7)} <= anchors
-    source_words = re.compile("the " + "seed|seed's|seed " + "pitfall", re.IGNORECASE)
+    seed = "se" + "ed"  # spelled apart, so this test does not find itself
+    source_words = re.compile(f"the {seed}|{seed}'s|{seed} pitfall", re.IGNORECASE)
     cited, stray = set(), []
     for path, text in _project_text():
         cited |= set(re.findall(r"pitfalls\.md#([\w-]+)", text))
