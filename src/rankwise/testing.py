@@ -106,27 +106,8 @@ def run_distributed(
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-test-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
     extra = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(
-                fn,
-                args,
-                r,
-                world_size,
-                backend,
-                store.port,
-                timeout,
-                results,
-                stack_files[r],
-                extra,
-                init,
-            ),
-            name=f"rank{r}",
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
+    child_args = (fn, args, world_size, backend, store.port, timeout, results, extra, init)
+    procs = [_process(ctx, r, child_args, stack_files[r]) for r in range(world_size)]
     try:
         for p in procs:
             p.start()
@@ -140,6 +121,17 @@ def run_distributed(
             p.join(5)
         del store
         tmp.cleanup()
+
+
+def _process(ctx: Any, rank: int, child_args: tuple, stack_file: str) -> Any:
+    """Rank ``rank``'s process (not started): ``_child``'s arguments in its order."""
+    fn, args, world_size, backend, port, timeout, results, extra, init = child_args
+    return ctx.Process(
+        target=_child,
+        args=(fn, args, rank, world_size, backend, port, timeout, results, stack_file, extra, init),
+        name=f"rank{rank}",
+        daemon=True,
+    )
 
 
 def _collect(procs, results, stack_files, timeout: float) -> list[Any]:

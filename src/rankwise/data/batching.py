@@ -227,24 +227,10 @@ def loader(
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
     process_batch = per_device * replicas_in_process
-    if isinstance(dataset, IterableDataset):
-        _check_iterable(dataset, shuffle, sampler)
-        if shard and not isinstance(dataset, ShardedIterable):
-            dataset = ShardedIterable(
-                dataset, num_replicas, rank, even=not evaluation, chunk=process_batch
-            )
-    elif sampler is None:
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas,
-            rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            pad=not evaluation,
-        )
-    else:
-        _check_sampler(sampler, num_replicas)
+    dataset, sampler = _share(
+        dataset, sampler, num_replicas, rank, shuffle, seed, drop_last, evaluation, shard,
+        process_batch,
+    )  # fmt: skip
     own_generator = dataloader_kwargs.get("generator") is None
     if own_generator:
         dataloader_kwargs["generator"] = torch.Generator()
@@ -258,6 +244,31 @@ def loader(
         replicas_in_process=replicas_in_process,
         generator_seed=seed * 8191 + rank if own_generator else None,
     )
+
+
+def _share(
+    dataset: Any, sampler: Sampler | None, num_replicas: int, rank: int, shuffle: bool,
+    seed: int, drop_last: bool, evaluation: bool, shard: bool, chunk: int,
+) -> tuple[Any, Sampler | None]:  # fmt: skip
+    """This rank's share of ``dataset``: a sharded stream, or our ``DistributedSampler`` (a
+    sampler the user gave is checked instead)."""
+    if isinstance(dataset, IterableDataset):
+        _check_iterable(dataset, shuffle, sampler)
+        if shard and not isinstance(dataset, ShardedIterable):
+            dataset = ShardedIterable(dataset, num_replicas, rank, even=not evaluation, chunk=chunk)
+    elif sampler is None:
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas,
+            rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            pad=not evaluation,
+        )
+    else:
+        _check_sampler(sampler, num_replicas)
+    return dataset, sampler
 
 
 def _check_kwargs(
