@@ -218,7 +218,8 @@ def init(
         _check_same(_current, backend, device, timeout)
         check_same(_current, strategy, devices)
         if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
-            _current = kind(**{f.name: getattr(_current, f.name) for f in dataclasses.fields(kind)})
+            have = dataclasses.fields(_current)
+            _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
         return _current  # type: ignore[return-value]
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
