@@ -1,7 +1,8 @@
 """Print the import graph's cycles among rankwise's modules (``python tools/import_cycles.py``).
 
 Every ``import``/``from ... import`` counts, at module level or inside a function, except
-those under ``if TYPE_CHECKING:`` (never executed). ``from .pkg import name`` is an edge to
+those under ``if TYPE_CHECKING:`` (never executed) and under ``if __name__ == "__main__":``
+(executed only when the file runs as a script, as the module ``__main__``, not as itself). ``from .pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``. The implicit import of a parent package
 (``import a.b`` runs ``a/__init__``) is not an edge: it is what makes packages, not layering.
 Exit status 1 when there is a cycle. ``--edges`` also prints every edge.
@@ -33,12 +34,21 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def _is_main_guard(test: ast.expr) -> bool:
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
 def _imports(tree: ast.AST):
-    """Import nodes, skipping the bodies of ``if TYPE_CHECKING:``."""
+    """Import nodes, skipping the bodies of ``if TYPE_CHECKING:`` and the script guard."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and (_is_type_checking(node.test) or _is_main_guard(node.test)):
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -60,8 +70,9 @@ def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
                     stem = ".".join(base + ([node.module] if node.module else []))
                 else:
                     stem = node.module or ""
-                targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in mods else stem
-                           for a in node.names]
+                targets = [
+                    f"{stem}.{a.name}" if f"{stem}.{a.name}" in mods else stem for a in node.names
+                ]
             for target in targets:
                 while target and target not in mods:
                     target = target.rpartition(".")[0]
@@ -112,8 +123,10 @@ def main(argv: list[str]) -> int:
         for name in sorted(graph):
             print(f"{name} -> {', '.join(sorted(graph[name])) or '(nothing)'}")
     found = cycles(graph)
-    print(f"{len(graph)} modules, {sum(map(len, graph.values()))} import edges "
-          f"(TYPE_CHECKING-only imports excluded), {len(found)} cycle(s)")
+    print(
+        f"{len(graph)} modules, {sum(map(len, graph.values()))} import edges "
+        f"(TYPE_CHECKING and __main__-guard imports excluded), {len(found)} cycle(s)"
+    )
     for comp in found:
         print(f"cycle of {len(comp)}: {' '.join(comp)}")
     return 1 if found else 0

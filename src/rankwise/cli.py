@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.launch.cli",  # rankwise run
-    "rankwise.topology_cli",  # rankwise topology
+    "rankwise.topology.cli",  # rankwise topology
     "rankwise.check.cli",  # rankwise check
-    "rankwise.diagnose.doctor",  # rankwise doctor
+    "rankwise.diagnose.cli",  # rankwise doctor
     "rankwise.bench.cli",  # rankwise bench
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
@@ -27,8 +27,11 @@ SUBCOMMANDS: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     """The full ``rankwise`` parser with every registered sub-command."""
     from . import __version__
+    from .cli_args import Parser
 
-    parser = argparse.ArgumentParser(
+    # Sub-command parsers inherit the class, so an unknown flag is reported by the command
+    # that got it, with its usage and the closest valid flag.
+    parser = Parser(
         prog="rankwise",
         description="Data-parallel and model-parallel training for PyTorch.",
     )
@@ -43,16 +46,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rankwise`` and ``python -m rankwise``; returns the exit code.
 
     A ``ConfigError`` (bad flag or input) exits with 2 like argparse's usage errors; any other
-    ``RankwiseError`` with 1. Both print the message with its fix, without a traceback.
+    ``RankwiseError`` with 1. Both print the message with its fix, without a traceback. A reader
+    that closes the pipe early (``rankwise topology --json | head``) ends the command quietly.
     """
+    from .cli_args import run_main
     from .errors import ConfigError, RankwiseError
 
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except RankwiseError as exc:
-        print(f"rankwise {args.command}: error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ConfigError) else 1
+
+    def call() -> int:
+        try:
+            return int(args.func(args) or 0)
+        except RankwiseError as exc:
+            print(f"rankwise {args.command}: error: {exc}", file=sys.stderr, flush=True)
+            return 2 if isinstance(exc, ConfigError) else 1
+
+    return run_main(call)
 
 
 if __name__ == "__main__":

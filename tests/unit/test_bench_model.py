@@ -66,6 +66,26 @@ def test_predict_and_validate():
     checks = validate({2: {"independent_ms": 10.0, "ddp_ms": 20.0}}, 10_000_000, net, 10e9)
     assert checks[0]["predicted_ms"] == pytest.approx(22.0)
     assert checks[0]["error"] == pytest.approx(0.1)
+    assert "efficiency" not in checks[0]
+
+
+def test_validation_efficiency_is_the_tables_definition():
+    """Plot points, curve and table: efficiency = speedup / ranks = c*B / step (one axis)."""
+    net = Network(alpha_s=0.0, beta_s_per_byte=1e-9)
+    single_ms, ddp_ms, ranks = 20.0, 25.0, 2  # one process does the global batch in 20 ms
+    table_efficiency = (single_ms / ddp_ms) / ranks  # report.py: speedup / workers = 0.4
+    compute_ms = single_ms / ranks  # c * B: one rank's batch on one process
+    # a loaded machine: the independent step (14 ms) is slower than c * B (10 ms); it must
+    # not enter the efficiency (it did: 14 / 25 = 0.56 was plotted beside the table's 0.4)
+    (check,) = validate(
+        {2: {"independent_ms": 14.0, "ddp_ms": ddp_ms}}, 10_000_000, net, 10e9, compute_ms
+    )
+    assert check["efficiency"] == pytest.approx(table_efficiency)
+    assert check["modelled_efficiency"] == pytest.approx(
+        compute_ms / check["predicted_ms"], abs=1e-3
+    )
+    curve = predict(compute_ms / 1e3, 10_000_000, 2, net, memcpy_Bps=10e9)
+    assert curve["efficiency"] == pytest.approx(compute_ms / curve["step_ms"], abs=1e-3)
 
 
 def _row(name, step, exact=True, comm=None, loss=2.0):

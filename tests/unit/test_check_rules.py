@@ -229,7 +229,8 @@ SNIPPETS = {
                     self._save()
         dist.init_process_group("nccl")
         """,
-        [],
+        # Not RW008 (the save is guarded); RW015 because the guard is LOCAL_RANK's.
+        [("RW015", 9)],
     ),
 }
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..cli_args import Parser, positive_int
 from ..errors import ConfigError
 
 DESCRIPTION = (
@@ -141,7 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     p.add_argument("--local-sgd-every", type=int, default=4, help="local-sgd averaging period")
     p.add_argument("--async-staleness", type=int, default=None, help="async staleness bound")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: GPUs when there are --nproc of them, else CPU",
+    )
     p.add_argument("--validate", default="2,3,4", help="world sizes to check the projection at")
     p.add_argument("--network", default=None, help="projection network, e.g. 100Gbps,5us")
     p.add_argument(
@@ -151,11 +157,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_comm(sub: argparse._SubParsersAction) -> None:
-    c = sub.add_parser("comm", help="all-reduce latency and bus bandwidth, 4 KiB..64 MiB")
-    c.add_argument("--nproc", type=int, default=2)
-    c.add_argument("--repeats", type=int, default=5)
-    c.add_argument("--max-bytes", type=int, default=None, help="largest message (default 64 MiB)")
-    c.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    c = sub.add_parser(
+        "comm",
+        help="all-reduce latency and bus bandwidth, 4 KiB..64 MiB",
+        description="Measure all-reduce latency and bus bandwidth between --nproc local ranks "
+        "for message sizes 4 KiB..--max-bytes, and memcpy bandwidth for comparison. "
+        "Writes comm.json to --out.",
+    )
+    c.add_argument(
+        "--nproc", type=positive_int, default=2, help="ranks taking part, at least 2 (default 2)"
+    )
+    c.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed repeats per size (default 5)"
+    )
+    c.add_argument(
+        "--max-bytes", type=int, default=None, help="largest message in bytes (default 64 MiB)"
+    )
+    c.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: NCCL on GPUs when there are --nproc of them, else Gloo on CPU",
+    )
     c.add_argument("--out", default="rankwise-bench", help="directory for comm.json")
     c.set_defaults(func=run_comm)
 
@@ -176,10 +199,10 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rankwise.bench ...`` (until ``rankwise bench`` is wired in)."""
+    """``python -m rankwise.bench ...``: the same as ``rankwise bench``."""
     from ..errors import RankwiseError
 
-    p = argparse.ArgumentParser(prog="rankwise bench", description=DESCRIPTION)
+    p = Parser(prog="rankwise bench", description=DESCRIPTION)
     _configure(p)
     args = p.parse_args(argv)
     try:

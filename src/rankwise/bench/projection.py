@@ -147,7 +147,11 @@ def project(
 
 
 def validate(
-    measured: dict[int, dict], grad_bytes: int, net: Network, memcpy_Bps: float = float("inf")
+    measured: dict[int, dict],
+    grad_bytes: int,
+    net: Network,
+    memcpy_Bps: float = float("inf"),
+    compute_ms: float | None = None,
 ) -> list[dict]:
     """Compare the model with measured synchronous steps at each world size here.
 
@@ -155,18 +159,25 @@ def validate(
     communication: the compute time at that world size on this machine, contention included)
     and ``ddp_ms`` (the measured synchronous step). The prediction is the first plus the
     modelled copies and all-reduce; ``error`` is ``(predicted - measured) / measured``.
+
+    With ``compute_ms`` (one process's time for one rank's batch, ``c * B``), each row also
+    has ``efficiency`` and ``modelled_efficiency``: ``c * B`` over the measured and the
+    predicted step. That is the report's one definition (``speedup / workers``; the projected
+    curve is ``c * B / T(n)`` too), so measured points, curve and table share one axis.
     """
     rows = []
     for n in sorted(measured):
         m = measured[n]
         pred = predict(m["independent_ms"] / 1e3, grad_bytes, n, net, memcpy_Bps)["step_ms"]
-        rows.append(
-            {
-                "world": n,
-                "independent_ms": m["independent_ms"],
-                "measured_ms": m["ddp_ms"],
-                "predicted_ms": round(pred, 3),
-                "error": round((pred - m["ddp_ms"]) / m["ddp_ms"], 3),
-            }
-        )
+        row = {
+            "world": n,
+            "independent_ms": m["independent_ms"],
+            "measured_ms": m["ddp_ms"],
+            "predicted_ms": round(pred, 3),
+            "error": round((pred - m["ddp_ms"]) / m["ddp_ms"], 3),
+        }
+        if compute_ms is not None:
+            row["efficiency"] = round(compute_ms / m["ddp_ms"], 3)
+            row["modelled_efficiency"] = round(compute_ms / pred, 3)
+        rows.append(row)
     return rows

@@ -88,7 +88,12 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
     single = next(r for r in rows if r["name"] == "single")
     per_sample = single["step_ms"]["median"] / 1e3 / (cfg.nproc * cfg.batch)
     copy = comm["memcpy_GBps"] * 1e9
-    checks = validate(raw["validation"], grad_bytes, measured, copy) if raw["validation"] else []
+    compute_ms = per_sample * cfg.batch * 1e3  # c * B: one rank's batch on one process
+    checks = (
+        validate(raw["validation"], grad_bytes, measured, copy, compute_ms)
+        if raw["validation"]
+        else []
+    )
     return {
         "model": "step = c*B + 2*bytes/memcpy + 2(n-1)*alpha + 2(n-1)/n*bytes*beta "
         "(bucket copies + ring all-reduce, no overlap)",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..cli_args import Parser
 from ..errors import ConfigError
 from .report import exit_code, to_json, to_text
 from .rules import RULES
@@ -14,7 +15,8 @@ from .runner import check_paths, select_rules
 DESCRIPTION = (
     "Statically check PyTorch training scripts for the classic data-parallel pitfalls "
     "(DDP before .to(device), init twice, sampler+shuffle, module. keys, rank-0 guards, hangs, "
-    "--local_rank, torch.load, DP batch size). Exit status: 0 clean (warnings allowed), "
+    "--local_rank, torch.load, DP batch size, global rank as device, local-rank saves, AMP "
+    "clipping, per-rank resume; --list-rules). Exit status: 0 clean (warnings allowed), "
     "1 errors found (or warnings with --strict), 2 a file could not be read or parsed."
 )
 
@@ -65,6 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rankwise.check PATH ...``."""
-    p = argparse.ArgumentParser(prog="rankwise check", description=DESCRIPTION)
+    p = Parser(prog="rankwise check", description=DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -51,35 +51,45 @@ def _is_env_rank_key(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value in RANK_ENV
 
 
-def is_rank_expr(e: ast.AST, script: Script | None = None) -> bool:
+def is_rank_expr(e: ast.AST, script: Script | None = None, follow: bool = True) -> bool:
     """Does ``e`` evaluate to this process's rank (global or local)?
 
-    With ``script``, a variable whose every assignment is a rank counts too
-    (``self.gpu_id = int(os.environ["LOCAL_RANK"])``).
+    With ``script``, a parameter that holds a rank (``ranksource``: ``main(rank)`` started by
+    ``mp.spawn``, ``Trainer(gpu_id=rank)``) counts, and (``follow``) so does a variable whose
+    every assignment is a rank (``self.gpu_id = int(os.environ["LOCAL_RANK"])``).
     """
     if isinstance(e, ast.Call):
         name = last_name(e.func)
         if name in ("int", "str") and e.args:
-            return is_rank_expr(e.args[0], script)
+            return is_rank_expr(e.args[0], script, follow)
         if name in ("get", "getenv") and e.args:  # os.environ.get("RANK"), os.getenv("RANK")
             return _is_env_rank_key(e.args[0])
         return name in RANK_CALLS
     if isinstance(e, ast.Subscript):  # os.environ["LOCAL_RANK"]
         return _is_env_rank_key(e.slice)
     if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):  # args.rank % ngpus == 0
-        return is_rank_expr(e.left, script)
+        return is_rank_expr(e.left, script, follow)
     name = last_name(e)
     if name is None:
         return False
     tokens = set(name.lower().split("_"))
     if ("rank" in tokens and not tokens & NOT_A_RANK) or name.endswith("process_index"):
         return True
-    bound = script.bindings.get(dotted(e) or "", []) if script is not None else []
-    return bool(bound) and all(is_rank_expr(b.value) for b in bound)
+    if script is None:
+        return False
+    if isinstance(e, ast.Name) and e.id in script.rank_params.get(script.scope_of.get(e), ()):
+        return True
+    bound = script.bindings.get(dotted(e) or "", []) if follow else []
+    return bool(bound) and all(is_rank_expr(b.value, script, follow=False) for b in bound)
+
+
+def _is_pid(e: ast.AST) -> bool:
+    return isinstance(e, ast.Call) and last_name(e.func) == "getpid"
 
 
 def mentions_rank(e: ast.AST, script: Script | None = None) -> bool:
-    return any(is_rank_expr(n, script) for n in ast.walk(e))
+    """Does ``e`` use the rank, or the process id, to tell processes apart?"""
+    return any(is_rank_expr(n, script) or _is_pid(n) for n in ast.walk(e))
 
 
 def _const(e: ast.AST) -> object:
@@ -164,3 +174,58 @@ def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
         found = {polarity(b.value, script, depth - 1) for b in script.bindings.get(dotted(e), [])}
         return found.pop() if len(found) == 1 else 0
     return 0
+
+
+GLOBAL_RANK_ENV = frozenset({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
+LOCAL_RANK_ENV = frozenset({"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"})
+
+
+def _env_kind(key: ast.AST) -> str | None:
+    if isinstance(key, ast.Constant):
+        if key.value in GLOBAL_RANK_ENV:
+            return "global"
+        if key.value in LOCAL_RANK_ENV:
+            return "local"
+    return None
+
+
+def rank_kind(e: ast.AST, script: Script | None = None, depth: int = 2) -> str | None:
+    """``"global"`` (RANK, ``dist.get_rank()``), ``"local"`` (LOCAL_RANK, ``args.local_rank``)
+    or None (not a rank, or a rank of unknown kind such as an ``mp.spawn`` index).
+
+    Variables are judged by what they were assigned (``rank = int(os.environ["RANK"])``);
+    only ``*local_rank*`` is judged by its name, because its meaning is the same everywhere.
+    """
+    if isinstance(e, ast.Call):
+        name = last_name(e.func)
+        if name in ("int", "str") and e.args:
+            return rank_kind(e.args[0], script, depth)
+        if name in ("get", "getenv") and e.args:
+            return _env_kind(e.args[0])
+        return {"get_rank": "global", "get_global_rank": "global", "get_local_rank": "local"}.get(
+            name or ""
+        )
+    if isinstance(e, ast.Subscript):
+        return _env_kind(e.slice)
+    name = last_name(e)
+    if name is None:
+        return None
+    tokens = set(name.lower().split("_"))
+    if {"local", "rank"} <= tokens:
+        return "local"
+    bound = script.bindings.get(dotted(e) or "", []) if script is not None and depth else []
+    kinds = {rank_kind(b.value, script, depth - 1) for b in bound}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def kinds_in(e: ast.AST, script: Script, depth: int = 1) -> set[str]:
+    """The kinds of every rank ``e`` reads, through the variables it names (``master``)."""
+    out: set[str] = set()
+    for n in ast.walk(e):
+        k = rank_kind(n, script)
+        if k is not None:
+            out.add(k)
+        elif depth and isinstance(n, ast.Name | ast.Attribute) and dotted(n):
+            for b in script.bindings.get(dotted(n) or "", []):
+                out |= kinds_in(b.value, script, depth - 1)
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from . import context
+from . import context, ranksource
 from .astutil import dotted, last_name, pos
 
 ROOTS = ("torch", "rankwise")
@@ -54,6 +54,8 @@ class Script:
                 self.loads.setdefault(last_name(n) or "", []).append(n)
         self.aliases = self._aliases()
         self.bindings = self._bindings()
+        self.rank_params: dict[ast.AST, frozenset[str]] = {}
+        self.rank_params = ranksource.rank_parameters(self)
         self.ctx = context.annotate(self)
 
     # ----------------------------------------------------------------- indexing

@@ -5,20 +5,18 @@ the environment as a mapping, so they can be tested (and run for another machine
 without touching ``os.environ``. Exit status: 1 when any error (or, with ``--strict``, any
 warning) was found, else 0.
 
-    rankwise doctor --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 [--json]
-    python -m rankwise.diagnose.doctor ...          # the same, without the rankwise command
+The command line (``rankwise doctor``, ``python -m rankwise.diagnose.doctor``) is in
+``cli.py``; this module is the checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
-import json
 import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .. import env as envmod
 from .. import netif
@@ -336,51 +334,8 @@ def format_text(findings: Sequence[Finding]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--master-addr", default=None, help="rank 0's host (default MASTER_ADDR)")
-    parser.add_argument("--master-port", type=int, default=None, help="default MASTER_PORT/29500")
-    parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
 
+if __name__ == "__main__":  # python -m rankwise.diagnose.doctor: the argparse lives in cli.py
+    from .cli import main
 
-def run(args: argparse.Namespace) -> int:
-    """Run the checks for parsed ``args``, print them, return the exit status."""
-    findings = run_checks(
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    )
-    bad = {"error", "warn"} if args.strict else {"error"}
-    failed = any(f.status in bad for f in findings)
-    if args.json:
-        print(json.dumps({"ok": not failed, "findings": [asdict(f) for f in findings]}, indent=2))
-    else:
-        print(format_text(findings))
-    return 1 if failed else 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``doctor`` to the ``rankwise`` command; ``args.func(args)`` returns the exit status."""
-    parser = subparsers.add_parser(
-        "doctor", help="check this machine and environment before a job", description=__doc__
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rankwise doctor",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
     sys.exit(main())

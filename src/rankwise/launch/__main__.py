@@ -8,9 +8,9 @@ is ``rankwise run``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ..cli_args import Parser
 from .cli import add_launch_arguments, run_command
 
 
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse torch.distributed.launch-style flags and launch; returns the exit code."""
     from ..errors import ConfigError, RankwiseError
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m rankwise.launch",
         description="torch.distributed.launch-compatible launcher: passes --local_rank=K.",
     )

@@ -10,14 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_args import flag as _flag
 from .options import DEFAULT_RDZV_TIMEOUT_S
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
-    spellings = [f"--{name}"]
-    if "-" in name:
-        spellings.append("--" + name.replace("-", "_"))
-    parser.add_argument(*spellings, **kwargs)
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:

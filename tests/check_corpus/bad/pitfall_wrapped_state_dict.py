@@ -12,4 +12,4 @@ device = torch.device("cuda", local_rank)
 net = nn.Linear(10, 10).to(device)
 net = DDP(net, device_ids=[local_rank], output_device=local_rank)
 if local_rank == 0:
-    torch.save(net.state_dict(), "model.pt")  # expect: RW006
+    torch.save(net.state_dict(), "model.pt")  # expect: RW006  # expect: RW015

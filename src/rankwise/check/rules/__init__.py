@@ -11,8 +11,10 @@ from .data import (
     sampler_with_shuffle,
 )
 from .model import ddp_before_device, torch_load_without_weights_only, wrapped_state_dict_saved
+from .multinode import global_rank_as_device, init_rank_from_local_rank, save_guarded_by_local_rank
 from .process_group import init_process_group_twice, local_rank_without_env
 from .ranks import collective_in_rank_branch, print_without_rank_guard, save_without_rank_guard
+from .training import clip_before_unscale, resume_decided_per_rank
 
 RULES: tuple[Rule, ...] = tuple(
     sorted(
@@ -29,6 +31,11 @@ RULES: tuple[Rule, ...] = tuple(
             local_rank_without_env,
             torch_load_without_weights_only,
             dp_batch_size,
+            global_rank_as_device,
+            init_rank_from_local_rank,
+            save_guarded_by_local_rank,
+            clip_before_unscale,
+            resume_decided_per_rank,
         ),
         key=lambda r: r.id,
     )

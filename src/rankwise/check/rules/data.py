@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ..astutil import call_args, keyword, last_name
+from ..astutil import call_args, dotted, keyword, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import (
@@ -135,18 +135,7 @@ def _epoch_loops(s: Script, name: str) -> list[ast.AST]:
     "epoch loop over a DistributedSampler without sampler.set_epoch(epoch)",
 )
 def missing_set_epoch(s: Script) -> Iterator[Hit]:
-    for loader in loader_calls(s):
-        sampler = sampler_of(s, loader)
-        name = assigned_name(s, loader)
-        if sampler is None or name is None:
-            continue
-        shuffle = keyword(sampler, "shuffle")
-        if (
-            shuffle is not None
-            and isinstance(shuffle.value, ast.Constant)
-            and not shuffle.value.value
-        ):
-            continue  # an unshuffled sampler gives the same order whatever the epoch
+    for name, sampler in [*_named_loaders(s), *_stored_loaders(s)]:
         for loop in _epoch_loops(s, name):
             if set_epoch_in(s, loop):
                 continue
@@ -158,6 +147,47 @@ def missing_set_epoch(s: Script) -> Iterator[Hit]:
                 "Call `sampler.set_epoch(epoch)` (or `loader.sampler.set_epoch(epoch)`) at the "
                 "start of each epoch, before iterating the loader.",
             )
+
+
+def _shuffled_sampler(s: Script, loader: ast.Call) -> ast.Call | None:
+    sampler = sampler_of(s, loader)
+    if sampler is None:
+        return None
+    shuffle = keyword(sampler, "shuffle")
+    if shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value:
+        return None  # an unshuffled sampler gives the same order whatever the epoch
+    return sampler
+
+
+def _named_loaders(s: Script) -> list[tuple[str, ast.Call]]:
+    """``loader = DataLoader(..., sampler=DistributedSampler(...))``: (name, sampler)."""
+    out = []
+    for loader in loader_calls(s):
+        sampler, name = _shuffled_sampler(s, loader), assigned_name(s, loader)
+        if sampler is not None and name is not None:
+            out.append((name, sampler))
+    return out
+
+
+def _stored_loaders(s: Script) -> list[tuple[str, ast.Call]]:
+    """A loader built in a helper (``return DataLoader(...)``) and kept as ``self.X``, which a
+    method iterates: pytorch/examples' ``Trainer(train_data=prepare_dataloader(...))``."""
+    built = [
+        sampler
+        for loader in loader_calls(s)
+        if assigned_name(s, loader) is None and (sampler := _shuffled_sampler(s, loader))
+    ]
+    if not built:
+        return []
+    iterated = {dotted(n.iter) for n in s.nodes if isinstance(n, ast.For | ast.AsyncFor)}
+    return [
+        (name, built[0])
+        for name, bound in s.bindings.items()
+        if name.startswith("self.")
+        and name.count(".") == 1
+        and name in iterated
+        and any(isinstance(b.value, ast.Name | ast.Call) for b in bound)
+    ]
 
 
 COUNT_NAMES = frozenset(

@@ -10,7 +10,7 @@ from ..context import Ctx
 from ..findings import Hit, Severity, rule
 from ..guards import mentions_rank
 from ..script import Script
-from .common import is_distributed_script
+from .common import is_ddp, is_distributed_script
 
 LOG_METHODS = frozenset(
     {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
@@ -51,6 +51,7 @@ RANKWISE_COLLECTIVES = frozenset(
         "save_checkpoint",
     }
 )
+SPAWN_CALLS = ("spawn", "start_processes")
 GUARD_FIX = "Wrap it in `if rank == 0:` (or `if rt.is_master:`)"
 
 
@@ -86,6 +87,34 @@ def _all_ranks(s: Script, c: ast.Call) -> bool:
     return ctx.polarity != 1 and not ctx.in_except and not any(mentions_rank(a, s) for a in args)
 
 
+def _starts_group(s: Script, call: ast.Call) -> bool:
+    """``init_process_group`` / ``rw.init``, or a call of the script's own function that makes one."""
+    for part in (call, *s.local_callees(call)):
+        for n in ast.walk(part):
+            if isinstance(n, ast.Call) and (
+                s.is_api(n.func, "init_process_group", unresolved=True)
+                or (s.is_rankwise(n.func) and last_name(n.func) == "init")
+            ):
+                return True
+    return False
+
+
+def _spawns(s: Script, call: ast.Call) -> bool:
+    r = s.resolve(call.func)
+    return bool(r and r[1] and "multiprocessing" in r[0] and r[0].endswith(SPAWN_CALLS))
+
+
+def _before_group(s: Script, c: ast.Call) -> bool:
+    """Output with no rank to guard by yet: before the process group is made in the same code
+    (``print(...); main()`` where main calls init_process_group), or in the process that
+    starts the workers with ``mp.spawn`` (one process, not a rank)."""
+    scope = s.scope_of.get(c)
+    same = [o for o in s.calls if s.scope_of.get(o) is scope and o is not c]
+    if any(_spawns(s, o) for o in same):
+        return True
+    return any(o.lineno > c.lineno and _starts_group(s, o) for o in same)
+
+
 @rule(
     "RW007",
     "print-without-rank-guard",
@@ -98,7 +127,7 @@ def print_without_rank_guard(s: Script) -> Iterator[Hit]:
     loggers = _loggers(s)
     for c in s.calls:
         kind = _output_kind(s, c, loggers)
-        if kind is None or not _all_ranks(s, c):
+        if kind is None or not _all_ranks(s, c) or _before_group(s, c):
             continue
         yield (
             c,
@@ -136,6 +165,8 @@ def save_without_rank_guard(s: Script) -> Iterator[Hit]:
 
 
 def _collective(s: Script, c: ast.Call) -> str | None:
+    if is_ddp(s, c.func):  # the constructor broadcasts rank 0's parameters to every rank
+        return "DistributedDataParallel"
     r = s.resolve(c.func)
     if not (r and r[1]):
         return None

@@ -1,0 +1,16 @@
+# pytorch/examples multigpu_torchrun.py: each rank checks the file on its own disk.
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+model = torch.nn.Linear(4, 1).to(local_rank)
+epochs_run = 0
+if os.path.exists("snapshot.pt"):  # expect: RW017
+    snapshot = torch.load("snapshot.pt", map_location=f"cuda:{local_rank}", weights_only=True)
+    model.load_state_dict(snapshot["MODEL_STATE"])
+    epochs_run = snapshot["EPOCHS_RUN"]
+model = DDP(model, device_ids=[local_rank])
