@@ -215,12 +215,7 @@ def init(
     """
     global _current
     if _current is not None:
-        _check_same(_current, backend, device, timeout)
-        check_same(_current, strategy, devices)
-        if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
-            have = dataclasses.fields(_current)
-            _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
-        return _current  # type: ignore[return-value]
+        return _again(kind, backend, device, timeout, strategy, devices)
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
@@ -240,6 +235,17 @@ def init(
     rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
     _current = _with_plan(rt, the_plan)
     return _current
+
+
+def _again(kind: type[R], backend, device, timeout, strategy, devices) -> R:
+    """A second ``init``: the same runtime, unless it asks for something else (refused)."""
+    global _current
+    _check_same(_current, backend, device, timeout)
+    check_same(_current, strategy, devices)
+    if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
+        have = dataclasses.fields(_current)
+        _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
+    return _current  # type: ignore[return-value]
 
 
 def _join(
