@@ -107,7 +107,8 @@ def main() -> None:
 
     start_epoch = 0
     if args.resume:  # every rank loads (a shared filesystem), mapped to its own device
-        start_epoch = rt.load(args.ckpt, model=model, optimizer=opt, loader=train)["epoch"] + 1
+        # The epoch to go on with: the next one, as the checkpoint was taken at an epoch's end.
+        start_epoch = rt.load(args.ckpt, model=model, optimizer=opt, loader=train)["epoch"]
         rt.print(f"resumed from {args.ckpt} after epoch {start_epoch - 1}")
 
     train_s, samples = 0.0, 0

@@ -64,6 +64,18 @@ def _load_stateful(obj: Any, state: Any) -> None:
         obj.sampler.load_state_dict(state["sampler"])
 
 
+def _resume_epoch(saved: Any, loader: Any) -> Any:
+    """The epoch to resume in: the saved one, or the next when the loader had finished it.
+
+    The usual loop saves ``epoch=epoch`` at the end of an epoch and resumes with
+    ``range(info["epoch"], n)``; the loader's state knows whether that epoch was finished.
+    """
+    finished = getattr(loader, "finished_epoch", None) if loader is not None else None
+    if isinstance(saved, int) and finished is not None and saved == finished:
+        return saved + 1
+    return saved
+
+
 def _write_atomic(payload: dict[str, Any], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -267,6 +279,17 @@ def _default_map_location() -> torch.device:
     return runtime.get_runtime().device if runtime.is_initialized() else torch.device("cpu")
 
 
+def _load_plain(file: Path, ckpt: Any, model: nn.Module | None, strict: bool) -> dict[str, Any]:
+    """A plain state dict (``torch.save(model.state_dict())``): into ``model`` only."""
+    if model is None or not isinstance(ckpt, Mapping):
+        raise ConfigError(
+            f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
+            fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
+        )
+    load_model_state(model, ckpt, strict=strict)
+    return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -281,6 +304,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore what ``save_checkpoint`` saved; returns ``step``, ``epoch``, ``extra``, ``meta``.
 
+    ``epoch`` is the epoch to resume in: the saved ``epoch``, or the next one when the saved
+    ``loader`` had finished it (a checkpoint taken at the end of an epoch).
+
     Call it on every rank (each reads the file, mapped to its own device: a shared filesystem
     is assumed). A plain state dict (e.g. torch's ``torch.save(ddp.state_dict())`` with
     ``module.`` keys) loads too, into ``model`` only.
@@ -292,13 +318,7 @@ def load_checkpoint(
     file = resolve(path)
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
-        if model is None or not isinstance(ckpt, Mapping):
-            raise ConfigError(
-                f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
-                fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
-            )
-        load_model_state(model, ckpt, strict=strict)
-        return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
+        return _load_plain(file, ckpt, model, strict)
     if model is not None:
         load_model_state(model, ckpt["model"], strict=strict)
     if optimizer is not None and ckpt["optimizer"] is not None:
@@ -311,7 +331,7 @@ def load_checkpoint(
         rng.restore(saved_rng[comm.rank()])
     return {
         "step": ckpt["step"],
-        "epoch": ckpt["epoch"],
+        "epoch": _resume_epoch(ckpt["epoch"], loader),
         "extra": ckpt["extra"],
         "meta": ckpt["meta"],
         "path": file,

@@ -293,6 +293,12 @@ def default_omp_threads(threads: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def set_rank_prefix_for_workers(prefixed: bool) -> None:
+    """``RANKWISE_RANK_PREFIX`` for the workers: whether the launcher prefixes their output
+    lines with the rank (``launcher_prefixes_output`` reads it)."""
+    os.environ["RANKWISE_RANK_PREFIX"] = "1" if prefixed else "0"
+
+
 def set_diag_dir_for_workers(folder: str) -> None:
     """``RANKWISE_DIAG_DIR`` for the workers this process starts (see ``diag_dir``)."""
     os.environ["RANKWISE_DIAG_DIR"] = folder
@@ -311,6 +317,12 @@ def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """
     e = os.environ if environ is None else environ
     return e.get("RANKWISE_DIAG_DIR") or None
+
+
+def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
+    """``RANKWISE_RANK_PREFIX=1``: the launcher prefixes every output line with the rank."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_RANK_PREFIX") == "1"
 
 
 def snapshot() -> dict[str, str]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from . import env as envmod
 from .runtime import coords
 
 
@@ -16,11 +18,38 @@ def _coords() -> tuple[int, int]:
     return c.rank, c.world_size
 
 
+open_bars: set[Any] = set()
+"""Progress bars drawn in place on a terminal (``rw.progress``), which a print must not cut."""
+
+
+def write(*args: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = True) -> None:
+    """``print``, through the open progress bar (``tqdm.write``): the text lands above the bar."""
+    file = sys.stdout if file is None else file
+    if open_bars:
+        from tqdm.auto import tqdm
+
+        tqdm.write(sep.join(str(a) for a in args), file=file, end=end)
+        if flush:
+            file.flush()
+    else:
+        print(*args, sep=sep, end=end, file=file, flush=flush)
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on global rank 0 only (flushed, so it is not lost when a run is killed)."""
     if _coords()[0] == 0:
         kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
+        write(*args, **kwargs)  # through an open progress bar, never into it
+
+
+class _ThroughBar(logging.StreamHandler):
+    """A console handler whose lines go above an open progress bar instead of into it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
 
 
 class _RankFilter(logging.Filter):
@@ -55,9 +84,11 @@ def get_logger(
     for h in list(logger.handlers):
         if getattr(h, "_rankwise", False):
             logger.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ThroughBar(sys.stderr)
     handler._rankwise = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("[rank %(rank)d/%(world_size)d] %(message)s"))
+    # Under `rankwise run` every line already starts with the launcher's `[rank0]: `.
+    prefix = "" if envmod.launcher_prefixes_output() else "[rank %(rank)d/%(world_size)d] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     handler.addFilter(_RankFilter(rank, world, all_ranks))
     logger.addHandler(handler)
     if log_dir is not None:
@@ -70,3 +101,91 @@ def get_logger(
         to_file.addFilter(_RankFilter(rank, world, all_ranks=True))
         logger.addHandler(to_file)
     return logger
+
+
+class _LineFile:
+    """A bar's output as whole lines: each refresh one line, none repeated, no carriage return.
+
+    A launcher (``rankwise run``, torchrun) reads worker output line by line and prefixes each
+    line with the rank: a bar redrawn in place with ``\\r`` becomes broken and blank lines there.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.last = stream, ""
+        self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks if it can
+
+    def write(self, text: str) -> int:
+        for piece in text.replace("\r", "\n").split("\n"):
+            piece = piece.rstrip()
+            if piece and piece != self.last:
+                self.last = piece
+                self.stream.write(piece + "\n")
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def finish_bar(bar: Any, lines: bool) -> None:
+    """Close ``bar``; as lines, end on one line with the final count (not a second at close)."""
+    if lines:
+        if bar.last_print_n != bar.n:
+            bar.refresh()
+        bar.leave = False
+    bar.close()
+
+
+def make_bar(total: int | None, desc: str | None, unit: str, lines_to: Any, kw: dict) -> Any:
+    """A tqdm bar: in place on a terminal, else whole lines on ``lines_to``; and which one."""
+    from tqdm.auto import tqdm
+
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank (as in
+        # rankwise bench) then "leaks" at exit; one process draws its bars: a thread lock does.
+        tqdm.set_lock(threading.RLock())
+    lines = not sys.stderr.isatty() and "file" not in kw
+    if lines:
+        # Under a launcher each refresh becomes a log line: one every few seconds, the first
+        # after a second (a short pass gets one line, its last). rw.progress writes them on
+        # stdout, in order with the script's prints (a launcher reads the two separately).
+        kw["file"] = _LineFile(lines_to)
+        kw.setdefault("delay", 1.0)
+        kw.setdefault("mininterval", 2.0)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, **kw), lines
+
+
+class TaskBar:
+    """Progress over units of work (``task_bar``); shows nothing when ``bar`` is None."""
+
+    def __init__(self, bar: Any = None, lines: bool = False) -> None:
+        self.bar, self.lines = bar, lines
+        if bar is not None and not lines:
+            open_bars.add(bar)
+
+    def update(self, doing: str = "", n: int = 1) -> None:
+        """``n`` more units done; ``doing`` says what runs now."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(doing, refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            open_bars.discard(self.bar)
+            finish_bar(self.bar, self.lines)
+            self.bar = None
+
+
+def task_bar(total: int, desc: str, *, unit: str = "task", file: Any = None) -> TaskBar:
+    """A bar over ``total`` units of work on rank 0 (elsewhere one that shows nothing).
+
+    Same output rules as ``progress``; ``file`` (default stderr) is where it goes.
+    """
+    if _coords()[0] != 0:
+        return TaskBar()
+    stream = sys.stderr if file is None else file
+    kw: dict[str, Any] = {} if stream is sys.stderr else {"file": stream}
+    return TaskBar(*make_bar(total, desc, unit, stream, kw))

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import comm
+from .log import finish_bar, make_bar, open_bars
 
 T = TypeVar("T")
 
@@ -31,14 +32,17 @@ def _batch_len(batch: Any) -> int:
 class _Counted:
     """Yields from ``iterable`` and updates a tqdm bar with global samples/s."""
 
-    def __init__(self, iterable: Iterable[T], bar: Any, replicas: int) -> None:
+    def __init__(self, iterable: Iterable[T], bar: Any, replicas: int, lines: bool) -> None:
         self.iterable, self.bar, self.replicas = iterable, bar, replicas
+        self.lines = lines  # the bar writes whole lines (_LineFile), not in place
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[T]:
         start, samples = time.perf_counter(), 0
+        if not self.lines:
+            open_bars.add(self.bar)
         try:
             for batch in self.iterable:
                 yield batch
@@ -49,7 +53,8 @@ class _Counted:
                 )
                 self.bar.update(1)
         finally:
-            self.bar.close()
+            open_bars.discard(self.bar)
+            finish_bar(self.bar, self.lines)
 
 
 def progress(
@@ -68,12 +73,8 @@ def progress(
     """
     if comm.rank() != 0:
         return iterable
-    from tqdm.auto import tqdm
-
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
-    if not sys.stderr.isatty():
-        # Under a launcher each refresh becomes a log line: a few a second is plenty.
-        tqdm_kwargs.setdefault("mininterval", 2.0)
-    bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, **tqdm_kwargs)
-    return _Counted(iterable, bar, comm.world_size() if replicas is None else replicas)
+    bar, lines = make_bar(total, desc, "batch", sys.stdout, tqdm_kwargs)
+    replicas = comm.world_size() if replicas is None else replicas
+    return _Counted(iterable, bar, replicas, lines)

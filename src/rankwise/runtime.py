@@ -95,6 +95,8 @@ R = TypeVar("R", bound=Runtime)
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
+joined_a_group = False
+"""True once ``init`` joined a process group in this process (kept after ``shutdown``)."""
 
 
 def _as_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -279,6 +281,8 @@ def _join(
             "from this machine (`rankwise doctor`), or raise the timeout.",
             rank=env.rank,
         ) from exc
+    global joined_a_group
+    joined_a_group = True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
     return chosen
 
 

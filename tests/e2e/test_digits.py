@@ -32,6 +32,13 @@ def test_readme_command_trains_to_95_percent_with_two_processes(tmp_path):
     assert int(throughput.replace(",", "")) > 0
     assert (strategy, replicas, first, last) == ("ddp", "2", "0", "7")
     assert "[rank0]: " in out and "[rank1]: test accuracy" not in out
+    # The README's sample: each epoch's progress lines end at 100% before its result line.
+    mine = [line for line in out.splitlines() if line.startswith("[rank0]: epoch")]
+    epochs = [int(line.split()[2].rstrip(":")) for line in mine]
+    assert epochs == sorted(epochs) and set(epochs) == set(range(8)), mine
+    for e in range(8):
+        last_two = [line for line in mine if line.startswith(f"[rank0]: epoch {e}:")][-2:]
+        assert "100%" in last_two[0] and "train loss" in last_two[1], last_two
     assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 3  # saved every epoch, keep 3
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..log import TaskBar, task_bar
 from . import strategies as st
 from .commbench import SIZES
 from .memory import PeakMemory
@@ -148,22 +149,29 @@ def _setup(cfg: BenchConfig, device: torch.device) -> st.Setup:
     )
 
 
-def time_strategies(cfg: BenchConfig, names: list[str], setup: st.Setup) -> dict[str, list[float]]:
+def time_strategies(
+    cfg: BenchConfig, names: list[str], setup: st.Setup, bar: TaskBar | None = None
+) -> dict[str, list[float]]:
     """Step times (ms) of every strategy in every repeat, interleaved. Sync point: all ranks."""
+    bar = bar or TaskBar()
     built = {name: st.build(name, setup) for name in names}
-    for trainer in built.values():
+    for name, trainer in built.items():
         _timed(trainer, 2, setup.device)  # warm-up: allocator, DDP buckets, server threads
+        bar.update(f"warm-up {name}")
     runs: dict[str, list[float]] = {name: [] for name in names}
     for r in range(cfg.repeats):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             runs[name].append(round(_timed(built[name], cfg.steps, setup.device), 3))
+            bar.update(f"repeat {r + 1}/{cfg.repeats}: {name}")
     for trainer in built.values():
         trainer.close()
     return runs
 
 
-def memory_and_loss(cfg: BenchConfig, names: list[str], setup: st.Setup) -> dict[str, dict]:
+def memory_and_loss(
+    cfg: BenchConfig, names: list[str], setup: st.Setup, bar: TaskBar | None = None
+) -> dict[str, dict]:
     """Per strategy, fresh: peak memory of each rank over ``steps`` steps, then the loss.
 
     Sync point: all ranks.
@@ -186,21 +194,30 @@ def memory_and_loss(cfg: BenchConfig, names: list[str], setup: st.Setup) -> dict
         dist.all_gather_object(peaks, peak)
         out[name] = {"peak_mb": peaks, "loss": loss, "memory_method": meter.method}
         del trainer
+        (bar or TaskBar()).update(f"memory and loss: {name}")
     return out
 
 
-def _worker(cfg: BenchConfig, names: list[str], extras: bool) -> dict:
+def _worker(cfg: BenchConfig, names: list[str], extras: bool, desc: str = "bench") -> dict:
     torch.set_num_threads(1)
     from ..runtime import get_runtime
 
     device = get_runtime().device
     setup = _setup(cfg, device)
-    result: dict = {"times": time_strategies(cfg, names, setup)}
-    if extras:
-        from .commbench import measure
+    # Units of work: warm-up and each repeat of each strategy, then the sweep and memory runs.
+    total = len(names) * (1 + cfg.repeats) + (1 + len(names) if extras else 0)
+    bar = task_bar(total, f"rankwise {desc}", unit="run")
+    try:
+        result: dict = {"times": time_strategies(cfg, names, setup, bar)}
+        if extras:
+            from .commbench import measure
 
-        result["comm"] = measure(cfg.comm_sizes, repeats=3)
-        result["memory_loss"] = memory_and_loss(cfg, names, setup)
+            bar.update("all-reduce sweep", n=0)
+            result["comm"] = measure(cfg.comm_sizes, repeats=3)
+            bar.update("all-reduce sweep")
+            result["memory_loss"] = memory_and_loss(cfg, names, setup, bar)
+    finally:
+        bar.close()
     return result
 
 
@@ -261,7 +278,7 @@ def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dic
         here = times
         if world != cfg.nproc or "ddp" not in times:
             log(f"rankwise bench: validation run at world size {world}")
-            args = (replace(cfg, nproc=world), ["ddp", st.REFERENCE], False)
+            args = (replace(cfg, nproc=world), ["ddp", st.REFERENCE], False, f"world {world}")
             job = run_distributed(_worker, world, args=args, backend=backend, timeout=cfg.timeout)
             here = job[0]["times"]
         out[world] = {

@@ -24,71 +24,26 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
-from . import _coords
+from . import _coords, _resume
+from .contract import per_device_batch
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
-
-
-def per_device_batch(
-    batch_size: int | None,
-    global_batch_size: int | None,
-    num_replicas: int,
-    replicas_in_process: int = 1,
-) -> int:
-    """The per-device batch implied by exactly one of the two sizes; errors say the fix."""
-    _check_positive("replicas_in_process", replicas_in_process, "2 (devices DataParallel uses)")
-    replicas = num_replicas * replicas_in_process
-    if batch_size is not None and global_batch_size is not None:
-        raise ConfigError(
-            f"both batch_size={batch_size} and global_batch_size={global_batch_size} were given",
-            fix=f"pass exactly one: batch_size is per device, global_batch_size is per step over "
-            f"all {replicas} replica(s) (e.g. global_batch_size={global_batch_size} alone).",
-        )
-    if batch_size is None and global_batch_size is None:
-        raise ConfigError(
-            "neither batch_size nor global_batch_size was given",
-            fix=f"pass exactly one: batch_size= (samples per device per step) or "
-            f"global_batch_size= (samples per step over all {replicas} replica(s)).",
-        )
-    name, value = (
-        ("batch_size", batch_size)
-        if batch_size is not None
-        else ("global_batch_size", global_batch_size)
-    )
-    _check_positive(name, value, "32")
-    if batch_size is not None:
-        return batch_size
-    if global_batch_size % replicas:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} does not divide evenly over {replicas} "
-            f"replicas ({num_replicas} process(es) x {replicas_in_process} device(s) each)",
-            fix=f"use global_batch_size={_nearest(global_batch_size, replicas)}, or pass "
-            "batch_size= (per device) instead.",
-        )
-    return global_batch_size // replicas
-
-
-def _check_positive(name: str, value: Any, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{name}={value!r} must be a positive integer", fix=f"pass e.g. {name}={example}."
-        )
-
-
-def _nearest(value: int, replicas: int) -> str:
-    below = value // replicas * replicas
-    above = below + replicas
-    choices = [v for v in (below, above) if v > 0]
-    return " or ".join(f"{v} ({v // replicas} per device)" for v in choices)
 
 
 class Loader:
     """Batches for this process, with the batch contract as attributes.
 
-    Iterate it like a DataLoader. Each new pass uses the next epoch's order unless
-    ``set_epoch`` was called (so forgetting ``set_epoch`` cannot repeat the order).
-    ``state_dict()`` counts the batches the loop has received, so a resume is exact even with
-    prefetching workers.
+    Iterate it like a DataLoader. The epoch contract (docs/data.md):
+
+    - ``set_epoch(e)`` (on the loader or on its sampler) makes the next pass read epoch ``e``;
+    - a pass that ran to its end moves the next pass to the following epoch, unless
+      ``set_epoch`` is called first (so forgetting ``set_epoch`` cannot repeat the order);
+    - a pass left early (``next(iter(loader))`` to peek, a ``break``) moves nothing: the next
+      pass reads the same epoch again from where that pass began, as torch's DataLoader does.
+
+    ``state_dict()`` describes what the next batches will be: mid-pass, the rest of the epoch
+    (counting the batches the loop received, so a resume is exact even with prefetching
+    workers); after a finished pass, the next epoch from its start.
     """
 
     def __init__(
@@ -112,12 +67,17 @@ class Loader:
         self.replicas_in_process = replicas_in_process
         """Devices this process splits each batch over (DataParallel); 1 with DDP."""
         self.epoch = 0
+        """The epoch of the pass under way, or of the next pass."""
+        self.finished_epoch: int | None = None
+        """After ``load_state_dict``: the epoch the saved run had finished (until ``set_epoch``)."""
         self._explicit = False  # set_epoch/load_state_dict called since the last pass began
-        self._iterated = False
-        self._in_pass = False  # a pass of self.epoch has begun (its progress is ours to report)
+        self._completed = False  # the last pass ran to its end
+        self._live = 0  # id of the pass under way (0: none); a peek's iterator may linger
+        self._passes = 0
         self._consumed = 0
         self._batches = 0
         self._skip_batches = 0
+        self._end: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -141,20 +101,52 @@ class Loader:
         return len(self.dataloader)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order for the next pass; same on every rank. No sync point."""
+        """Use epoch ``epoch``'s order for the next pass; same on every rank. No sync point.
+
+        After ``load_state_dict``, the saved epoch continues where the saved run stopped.
+        """
         if epoch != self.epoch:
             self._skip_batches = 0
         self.epoch = epoch
         for part in (self.sampler, self.dataset):
             if hasattr(part, "set_epoch"):
                 part.set_epoch(epoch)
-        self._explicit = True
-        self._in_pass = False
+        self._explicit, self._completed = True, False
+        if self.finished_epoch is not None:
+            if _resume.check_first_epoch(epoch, self.finished_epoch):
+                self._exhaust(epoch)
+            self.finished_epoch = None
+
+    def _exhaust(self, epoch: int) -> None:
+        """Nothing is left of ``epoch``: the resumed checkpoint had finished it."""
+        if isinstance(self.sampler, DistributedSampler):
+            state = self.sampler.state_dict()
+            n = self.sampler.num_samples
+            self.sampler.load_state_dict({**state, "epoch": epoch, "offset": 0, "position": n})
+        else:
+            self._skip_batches = len(self.dataloader)
+
+    def _begin_pass(self) -> tuple[int, dict[str, Any] | None]:
+        """Decide the pass's epoch; return its id and the state to go back to if it is left."""
+        sampler_set = getattr(self.sampler, "_epoch_set", False)  # sampler.set_epoch() called
+        if sampler_set and (not self._explicit or self.sampler.epoch != self.epoch):
+            self.set_epoch(self.sampler.epoch)
+        elif self._completed and not self._explicit:
+            self.set_epoch(self.epoch + 1)
+        elif not self._explicit and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)  # the same epoch again, on purpose: no warning
+        self._explicit = self._completed = False
+        restart = self.state_dict()
+        self._passes += 1
+        self._live = self._passes
+        try:
+            self._end = len(self.dataloader)  # batches this pass will hand out
+        except TypeError:  # a stream without a length
+            self._end = None
+        return self._passes, restart
 
     def __iter__(self) -> Iterator[Any]:
-        if self._iterated and not self._explicit:
-            self.set_epoch(self.epoch + 1)
-        self._iterated, self._explicit, self._in_pass = True, False, True
+        pass_id, restart = self._begin_pass()
         start = getattr(self.sampler, "start_position", 0)
         epoch_len = (
             start + len(self.sampler) if isinstance(self.sampler, DistributedSampler) else None
@@ -168,31 +160,75 @@ class Loader:
         it = iter(self.dataloader)
         for _ in range(skip):
             next(it, None)
-        for batch in it:
-            self._batches += 1
-            consumed = start + (self._batches - skip) * self.batch_size
-            self._consumed = consumed if epoch_len is None else min(consumed, epoch_len)
-            yield batch
+        try:
+            for batch in it:
+                self._batches += 1
+                consumed = start + (self._batches - skip) * self.batch_size
+                self._consumed = consumed if epoch_len is None else min(consumed, epoch_len)
+                yield batch
+            self._completed = self._live == pass_id
+            self.finished_epoch = None
+        finally:
+            if self._live == pass_id:
+                self._live = 0
+                if not self._completed and not self._explicit:
+                    self._restore(restart)  # left early: the next pass begins where this one did
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        finished = self.finished_epoch  # a peek right after resuming keeps the resume's facts
+        self.load_state_dict(state)
+        self.finished_epoch = finished
+        self._explicit = False  # as if never iterated: a later sampler.set_epoch still counts
+        if hasattr(self.sampler, "_epoch_set"):
+            self.sampler._epoch_set = False
+
+    def _pass_done(self) -> bool:
+        """The pass under way has handed out its last batch (its future is the next epoch)."""
+        return self._end is not None and self._batches >= self._end
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the samples/batches the loop has received; the same on every rank."""
-        state: dict[str, Any] = {"epoch": self.epoch, "batches": self._batches}
-        if not self._in_pass:
-            state["batches"] = self._skip_batches
+        """What the next batches are: the epoch and how far into it; the same on every rank."""
+        if (self._completed and not self._explicit) or (self._live and self._pass_done()):
+            return self._next_epoch_state()
+        state: dict[str, Any] = {"epoch": self.epoch, "batches": self._skip_batches}
+        if self.finished_epoch is not None:
+            state["finished_epoch"] = self.finished_epoch
+        if self._live:
+            state["batches"] = self._batches
         if hasattr(self.sampler, "state_dict"):
             sampler_state = dict(self.sampler.state_dict())
-            if self._in_pass and "position" in sampler_state:
+            if self._live and "position" in sampler_state:
                 sampler_state["position"] = self._consumed
             state["sampler"] = sampler_state
         return state
 
+    def _next_epoch_state(self) -> dict[str, Any]:
+        done = self.epoch
+        state: dict[str, Any] = {"epoch": done + 1, "batches": 0, "finished_epoch": done}
+        if hasattr(self.sampler, "state_dict"):
+            sampler_state = dict(self.sampler.state_dict())
+            sampler_state.update(epoch=done + 1, offset=0, position=0)
+            state["sampler"] = sampler_state
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next pass continues ``state``'s epoch where the saved run stopped."""
+        """Resume: the next pass continues ``state``'s epoch where the saved run stopped.
+
+        A state saved after an epoch finished resumes at the start of the next epoch, and
+        ``finished_epoch`` names the finished one.
+        """
+        self.finished_epoch = None
         self.set_epoch(state["epoch"])
         if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])
         else:  # streams and foreign samplers: re-read the epoch and skip what was consumed
             self._skip_batches = state.get("batches", 0)
+        self.finished_epoch = state.get("finished_epoch")
+        ours = isinstance(self.sampler, DistributedSampler) and "sampler" in state
+        if self.finished_epoch is None and ours and len(self.sampler) == 0 < len(self.dataset):
+            # Saved at the very end of an epoch by an older rankwise: go on with the next one.
+            self.set_epoch(state["epoch"] + 1)
+            self.finished_epoch = state["epoch"]
 
 
 def loader(

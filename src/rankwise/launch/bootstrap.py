@@ -18,6 +18,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 import time
 import traceback
 
@@ -52,6 +53,50 @@ def _record(exc: BaseException, text: str) -> None:
         pass  # the traceback still reaches stderr below
 
 
+class _GroupWatch(threading.Thread):
+    """Notices a process group alive at any moment, even one the script destroys at its end."""
+
+    def __init__(self) -> None:
+        super().__init__(name="rankwise-group-watch", daemon=True)
+        self.seen = False
+
+    def run(self) -> None:
+        while not self.seen:
+            time.sleep(0.5)
+            self.seen = _group_now()
+
+
+def _group_now() -> bool:
+    try:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_initialized():
+            return True
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        # Set by init_process_group(init_method=...) and kept after destroy_process_group.
+        if getattr(c10d, "_default_pg_init_method", None) is not None:
+            return True
+        return bool(getattr(sys.modules.get("rankwise.runtime"), "joined_a_group", False))
+    except Exception:  # a module half-imported by the main thread: look again later
+        return False
+
+
+def _warn_if_alone(watch: _GroupWatch) -> None:
+    """N processes ran a torch script and rank 0 never joined a group: N identical copies."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if os.environ.get("RANK") != "0" or not world.isdigit() or int(world) < 2:
+        return
+    if "torch" not in sys.modules or watch.seen or _group_now():
+        return
+    sys.stderr.write(
+        f"rankwise run: warning: {world} processes were started, but rank 0 never joined a "
+        "process group (no rw.init() or torch.distributed.init_process_group): the "
+        f"{world} processes each trained the same model on all of the data, and each wrote "
+        "every file it saved. Fix: call rw.init() and split the data with rw.loader (or "
+        "DistributedSampler), or run with --nproc-per-node 1. See docs/launcher.md.\n"
+    )
+    sys.stderr.flush()
+
+
 def main(argv: list[str]) -> None:
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
@@ -59,6 +104,8 @@ def main(argv: list[str]) -> None:
     target, args = argv[0], argv[1:]
     # `python script.py` puts the script's folder first on sys.path; `python -m` the cwd.
     sys.path[0] = os.getcwd() if as_module else os.path.dirname(os.path.abspath(target))
+    watch = _GroupWatch()
+    watch.start()
     try:
         if as_module:
             sys.argv = [target, *args]  # run_module replaces argv[0] with the module's file
@@ -66,7 +113,11 @@ def main(argv: list[str]) -> None:
         else:
             sys.argv = [target, *args]
             runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            _warn_if_alone(watch)
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as exc:
         text = _user_traceback(exc)
@@ -74,6 +125,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.write(text)
         sys.stderr.flush()
         sys.exit(1)  # what Python itself returns for an uncaught exception
+    _warn_if_alone(watch)
 
 
 if __name__ == "__main__":

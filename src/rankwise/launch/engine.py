@@ -21,6 +21,7 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
+from .output import console, tee_to_files, waiting_message
 from .report import JobFailed, from_elastic, read_diagnoses
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
@@ -64,7 +65,7 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    tee = Std.ALL if opts.prefix_output else Std.NONE
+    tee = Std.ALL if tee_to_files(opts) else Std.NONE
     return LaunchConfig(
         min_nodes=opts.min_nodes or opts.nnodes,
         max_nodes=opts.nnodes,
@@ -77,7 +78,7 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
         max_restarts=opts.max_restarts,
         monitor_interval=opts.monitor_interval,
         start_method="spawn",
-        log_line_prefix_template=RANK_PREFIX if opts.prefix_output else None,
+        log_line_prefix_template=RANK_PREFIX if tee_to_files(opts) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
     )
 
@@ -107,8 +108,14 @@ def launch(opts: LaunchOptions) -> None:
         # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
         diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
         envmod.set_diag_dir_for_workers(diag)
+        # The rank-aware logger leaves out its own prefix when the launcher adds one.
+        envmod.set_rank_prefix_for_workers(opts.prefix_output)
+        waiting = waiting_message(opts, rdzv)
+        if waiting:
+            print(waiting, file=sys.stderr, flush=True)
         try:
-            elastic_launch(config, cmd)(*args)
+            with console(opts):
+                elastic_launch(config, cmd)(*args)
         except ChildFailedError as exc:
             failures = from_elastic(exc.failures)
             raise JobFailed(
