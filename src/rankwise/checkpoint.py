@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import comm, rng, runtime
+from . import __version__, comm, rng, runtime
 from .errors import ConfigError, DistributedError
 from .state_dict import model_state, strip_prefixes, unwrap_model
 
@@ -131,8 +131,6 @@ def _prune(directory: Path, keep_last: int) -> None:
 
 
 def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra) -> dict:
-    from . import __version__
-
     return {
         "format": FORMAT,
         "version": VERSION,
