@@ -25,3 +25,18 @@ def _fresh_runtime():
     rankwise.shutdown()
     yield
     rankwise.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip on machines without CUDA, so a marker alone is enough.
+
+    ``benchmarks/gpu_check.sh`` selects them all with ``-m gpu`` on a GPU machine.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs CUDA (run benchmarks/gpu_check.sh)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

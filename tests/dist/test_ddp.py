@@ -206,6 +206,7 @@ def _cuda_case() -> dict:
     return _train_cases(GPU_CASES, device="cuda:0")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_and_cpu_spanning_modules_match_single_process_and_torch():
     results = run_distributed(_cuda_case, 2, timeout=180, init=False)

@@ -249,6 +249,7 @@ def _cuda_sync_and_async_s0() -> dict:
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_staleness_zero_still_equals_synchronous_training():
     results = run_distributed(_cuda_sync_and_async_s0, 2, init=False, timeout=180)

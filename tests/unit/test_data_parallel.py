@@ -216,6 +216,7 @@ class TupleNet(Net):
         return super().forward(Inputs(x, extra), scale=scale)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_outputs_and_gradients_equal_torch_data_parallel_on_cuda():
     torch.manual_seed(0)

@@ -144,6 +144,7 @@ def test_several_device_ids_and_bad_compression_are_refused():
         rw.DistributedDataParallel(_fresh().requires_grad_(False))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_module_with_device_ids_moves_inputs():
     model = rw.DistributedDataParallel(_fresh().cuda(), device_ids=[0], find_unused_parameters=True)

@@ -242,6 +242,7 @@ def test_moving_a_split_model_is_refused_but_dtype_changes_work():
     assert pipe(torch.randn(2, 6, dtype=torch.float64)).dtype == torch.float64
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_split_over_two_gpus_equals_unsplit():
     ref = _mlp()

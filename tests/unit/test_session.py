@@ -173,6 +173,7 @@ def test_a_split_model_stays_where_it_is_and_dp_refuses_it():
     )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_model_and_optimizer_state_move_to_the_gpu_before_wrapping():
     net = nn.Linear(4, 2)

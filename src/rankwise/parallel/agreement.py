@@ -140,9 +140,14 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside tuples, lists and dicts moved to ``device``."""
+    """``obj`` with every tensor inside tuples, lists and dicts moved to ``device``.
+
+    A copy to an accelerator is ordered on its current stream, so it may be asynchronous (from
+    pinned memory it overlaps the host); a copy to the CPU must not be, or the host could read
+    the tensor before the data has arrived.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return obj.to(device, non_blocking=device.type != "cpu")
     if isinstance(obj, tuple):
         return tuple(move_to_device(o, device) for o in obj)
     if isinstance(obj, list):

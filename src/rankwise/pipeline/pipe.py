@@ -20,8 +20,9 @@ wrapper with ``device_ids=None`` can wrap it: DDP over model-parallel replicas.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -95,7 +96,7 @@ class Pipe(nn.Module):
         if len(micro) == 1 or len(stages) == 1:
             outputs, events = schedule.run_sequential(stages, micro)
         else:
-            outputs, events = schedule.run_pipelined(stages, micro, self._thread_setup())
+            outputs, events = schedule.run_pipelined(stages, micro, self._thread_setup(x))
         self.last_schedule = sorted(events, key=lambda e: (e.start, e.stage))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
@@ -119,15 +120,32 @@ class Pipe(nn.Module):
 
         return run
 
-    def _thread_setup(self):
-        # Grad mode and the current CUDA device are thread-local: copy the caller's to workers.
+    def _thread_setup(self, x: torch.Tensor) -> Callable[[int], contextlib.ExitStack]:
+        """The caller's thread-local state, re-entered in each stage thread.
+
+        Grad mode, autocast, the current device and the current CUDA stream belong to a thread.
+        A stage thread left on the default stream could read an activation the caller's stream
+        is still writing (a ``non_blocking`` input copy, a previous stage), and the caller could
+        read outputs too early; on the caller's streams of every device involved, the stages are
+        ordered exactly as in the sequential run (docs/model-parallel.md, CUDA streams).
+        """
         grad = torch.is_grad_enabled()
         devices = self.devices
+        cuda = {d for d in [*devices, x.device] if d.type == "cuda"}
+        streams = [torch.cuda.current_stream(d) for d in sorted(cuda, key=str)]
+        kinds = sorted({d.type for d in devices} | {"cpu"})
+        autocast = [(k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)]
 
-        def setup(j: int) -> None:
-            torch.set_grad_enabled(grad)
-            if devices[j].type == "cuda":
-                torch.cuda.set_device(devices[j])
+        def setup(j: int) -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for stream in streams:
+                stack.enter_context(torch.cuda.stream(stream))
+            if devices[j].type == "cuda":  # last: entering a stream also switches the device
+                stack.enter_context(torch.cuda.device(devices[j]))
+            for kind, dtype in autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+            return stack
 
         return setup
 

@@ -13,6 +13,7 @@ measure the bubble instead of assuming it.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -86,10 +87,29 @@ def _worker(
     inbox: queue.Queue,
     outbox: queue.Queue,
     events: list[ScheduleEvent],
-    setup: Callable[[int], None],
+    setup: Callable[[int], contextlib.AbstractContextManager | None],
 ) -> None:
-    setup(j)
-    broken = False  # after a failure, later micro-batches are dropped: the batch is lost anyway
+    # setup may return a context (the caller's streams, autocast) held for the thread's life.
+    # If it fails, the stage still passes the end marker on, so the caller never waits forever.
+    try:
+        context = setup(j) or contextlib.nullcontext()
+    except BaseException as exc:
+        outbox.put(_Failure(exc))
+        _serve(j, fn, inbox, outbox, events, broken=True)
+        return
+    with context:
+        _serve(j, fn, inbox, outbox, events, broken=False)
+
+
+def _serve(
+    j: int,
+    fn: StageFn,
+    inbox: queue.Queue,
+    outbox: queue.Queue,
+    events: list[ScheduleEvent],
+    broken: bool,
+) -> None:
+    # After a failure, later micro-batches are dropped: the batch is lost anyway.
     while True:
         item = inbox.get()
         if item is None or isinstance(item, _Failure):
@@ -114,12 +134,13 @@ def _worker(
 def run_pipelined(
     stages: Sequence[StageFn],
     micro_batches: Sequence[torch.Tensor],
-    setup: Callable[[int], None] = lambda j: None,
+    setup: Callable[[int], contextlib.AbstractContextManager | None] = lambda j: None,
 ) -> tuple[list[torch.Tensor], list[ScheduleEvent]]:
     """Run micro-batches through stages in GPipe order, one thread per stage.
 
     ``setup(j)`` runs first in stage ``j``'s thread (thread-local state such as grad mode and
-    the current CUDA device). Returns the last stage's outputs in micro-batch order and the
+    the current CUDA device and stream); a context manager it returns stays entered until the
+    thread ends. Returns the last stage's outputs in micro-batch order and the
     recorded events. The first exception of any stage is re-raised here, after every thread
     has ended, so no thread outlives the call.
     """

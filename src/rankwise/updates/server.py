@@ -89,6 +89,11 @@ class ParameterServer:
         self._timeout = timeout
         self._heartbeat = timeout / 4
         self._local_since = time.monotonic()  # when the local worker last got a reply
+        # Rank 0's training thread hands CUDA gradients to the loop and reads the parameters it
+        # sends back: both threads queue their kernels on the stream current here (the training
+        # thread's), so every hand-over is stream-ordered (docs/updates.md, CUDA streams).
+        device = self._flat.device
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,6 +147,8 @@ class ParameterServer:
             self.inbox.put(text_message(Kind.LOST, worker, text))
 
     def _serve(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_stream(self._stream)  # this thread's own setting; it ends with it
         next_beat = time.monotonic() + self._heartbeat
         while len(self._finished) < len(self._workers):
             try:
