@@ -5,6 +5,8 @@
                                                              #   or DataParallel on several GPUs)
     python examples/digits.py --strategy dp --devices cpu,cpu    # DataParallel, 2 CPU replicas
     python examples/digits.py --ckpt runs/digits --resume    # continue from the last checkpoint
+    python examples/digits.py --precision bf16-mixed --clip 1.0   # mixed precision, clipping
+    tensorboard --logdir runs/digits-logs                    # the curves (also metrics.csv/.jsonl)
 
 The training loop is the same under every strategy: ``rt.prepare`` moves the model, wraps it,
 splits the data and moves each batch. ``--batch-size`` is the GLOBAL batch (samples per
@@ -35,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--ckpt", default="runs/digits", help="checkpoint directory")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--clip", type=float, default=None, help="max gradient norm (global)")
+    p.add_argument("--log-dir", default="runs/digits-logs", help="curves: CSV, JSONL, TensorBoard")
     return p.parse_args()
 
 
@@ -61,16 +66,20 @@ def cnn() -> nn.Module:
     )  # fmt: skip
 
 
-def train_epoch(model, opt, loader, epoch: int) -> tuple[float, int]:
+def train_epoch(rt, model, opt, loader, epoch: int, clip: float | None) -> tuple[float, int]:
     """One pass over this process's share; returns (mean loss over all ranks, samples here)."""
     model.train()
     loader.set_epoch(epoch)
     total, samples = 0.0, 0
-    for x, y in rw.progress(loader, desc=f"epoch {epoch}"):  # a bar on rank 0 only
+    for i, (x, y) in enumerate(rw.progress(loader, desc=f"epoch {epoch}")):  # a bar on rank 0
         loss = F.cross_entropy(model(x), y)
-        loss.backward()  # DDP: gradients averaged over the ranks here
+        rt.backward(loss)  # DDP: gradients averaged over the ranks here (fp16: scaled)
+        if clip is not None:
+            rt.clip_grad_norm_(model, clip)  # the global norm: the same on every rank
         opt.step()
         opt.zero_grad()
+        # rank 0's batch loss (no collective; rank 0 writes), at the global step
+        rt.log({"train/loss": loss.item()}, step=epoch * len(loader) + i)
         total += loss.item() * len(y)
         samples += len(y)
     return rw.all_reduce_sum(total) / rw.all_reduce_sum(samples), samples
@@ -92,7 +101,8 @@ def main() -> None:
     args = parse_args()
     devices = args.devices.split(",") if args.devices else None
     devices = [int(d) if d.isdigit() else d for d in devices] if devices else None
-    rt = rw.init(strategy=args.strategy, devices=devices)
+    rt = rw.init(strategy=args.strategy, devices=devices, precision=args.precision)
+    rt.log_to(args.log_dir)  # TensorBoard too when it is installed
     if rt.device.type == "cpu":
         # A model this small gains nothing from intra-op threads; on a busy machine they only
         # contend with the other replicas (the launcher sets OMP_NUM_THREADS=1 for the same reason).
@@ -114,10 +124,11 @@ def main() -> None:
     train_s, samples = 0.0, 0
     for epoch in range(start_epoch, args.epochs):
         t0 = time.perf_counter()
-        loss, n = train_epoch(model, opt, train, epoch)
+        loss, n = train_epoch(rt, model, opt, train, epoch, args.clip)
         train_s += time.perf_counter() - t0
         samples += n
         correct, total = evaluate(model, test)
+        rt.log({"epoch/train_loss": loss, "epoch/test_accuracy": correct / total}, step=epoch)
         rt.print(f"epoch {epoch}: train loss {loss:.4f}, test accuracy {correct / total:.4f}")
         rt.save(args.ckpt, model=model, optimizer=opt, loader=train, epoch=epoch)  # every rank
 

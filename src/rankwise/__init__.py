@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "init": ".session",
     "is_initialized": ".runtime",
     "join": ".data",
+    "launch": ".launch",
     "list_checkpoints": ".checkpoint",
     "load_checkpoint": ".checkpoint",
     "Loader": ".data",
@@ -62,7 +63,7 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'rankwise' has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name], __name__)
-    value = module if name == "updates" else getattr(module, name)
+    value = module if name in ("updates", "launch") else getattr(module, name)
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -72,7 +73,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
-    from . import updates
+    from . import launch, updates
     from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
     from .comm import (
         all_gather_object,
@@ -129,6 +130,7 @@ __all__ = [
     "init",
     "is_initialized",
     "join",
+    "launch",
     "list_checkpoints",
     "load_checkpoint",
     "loader",

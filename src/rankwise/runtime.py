@@ -25,7 +25,8 @@ from . import env as envmod
 from . import netif
 from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, DistributedError, RuntimeStateError
-from .plan import Plan, check_same, plan
+from .plan import Plan, Precision, check_same, plan
+from .plan import parse as parse_precision
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -62,6 +63,12 @@ class Runtime:
     """How ``prepare`` parallelises: 'single', 'dp' (DataParallel) or 'ddp' ('auto' resolved)."""
     devices: tuple[torch.device, ...] = ()
     """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
+    precision: str = "32"
+    """'32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true': how ``prepare``'s model computes."""
+
+    @property
+    def precision_policy(self) -> Precision:
+        return parse_precision(self.precision)
 
     @property
     def rank(self) -> int:
@@ -202,6 +209,7 @@ def init(
     env: DistEnv | None = None,
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
+    precision: str | None = None,
     kind: type[R] = Runtime,  # type: ignore[assignment]
 ) -> R:
     """Join the distributed job described by the environment, or run as a single process.
@@ -210,20 +218,22 @@ def init(
     as world size 1, where no process group is created and every collective is a no-op.
     ``strategy`` ('auto', 'single', 'dp', 'ddp') and ``devices`` (DataParallel's) decide what
     ``rt.prepare`` does; 'auto' (the default) is 'ddp' when launched, 'dp' over every GPU
-    when unlaunched with several, else 'single'. ``kind``: the class of the runtime made
-    (``rw.init`` asks for the one-call API's ``rankwise.session.Session``).
+    when unlaunched with several, else 'single'. ``precision`` ('32', 'bf16-mixed',
+    'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
+    ``kind``: the class of the runtime made (``rw.init`` asks for ``rankwise.session.Session``).
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
     global _current
     if _current is not None:
-        return _again(kind, backend, device, timeout, strategy, devices)
+        return _again(kind, backend, device, timeout, strategy, devices, precision)
+    policy = parse_precision(precision)  # a bad name fails every rank before the rendezvous
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         rt = _adopt_existing(env, device, timeout_td, kind)
-        _current = _with_plan(rt, plan(strategy, devices, rt.env, device))
+        _current = _with_plan(rt, plan(strategy, devices, rt.env, device), policy)
         return _current
     # Settled before the rendezvous: a refused strategy fails every rank at once.
     the_plan = plan(strategy, devices, env, device)
@@ -231,19 +241,21 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.world_size == 1:
-        _current = _with_plan(kind(env=env, device=dev, backend=None, timeout=timeout_td), the_plan)
+        rt = kind(env=env, device=dev, backend=None, timeout=timeout_td)
+        _current = _with_plan(rt, the_plan, policy)
         return _current
     chosen = _join(env, dev, backend, timeout_td, exported=explicit_env)
     rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
-    _current = _with_plan(rt, the_plan)
+    _current = _with_plan(rt, the_plan, policy)
     return _current
 
 
-def _again(kind: type[R], backend, device, timeout, strategy, devices) -> R:
+def _again(kind: type[R], backend, device, timeout, strategy, devices, precision) -> R:
     """A second ``init``: the same runtime, unless it asks for something else (refused)."""
     global _current
     _check_same(_current, backend, device, timeout)
     check_same(_current, strategy, devices)
+    _check_same_precision(_current, precision)
     if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
         have = dataclasses.fields(_current)
         _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
@@ -282,7 +294,9 @@ def _join(
             rank=env.rank,
         ) from exc
     global joined_a_group
-    joined_a_group = True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
+    joined_a_group = (
+        True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
+    )
     return chosen
 
 
@@ -301,10 +315,23 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"/rankwise/attempt_{env.restart_count}", store)}
 
 
-def _with_plan(rt: R, settled: Plan) -> R:
+def _with_plan(rt: R, settled: Plan, policy: Precision) -> R:
     return dataclasses.replace(
-        rt, strategy=settled.strategy, devices=settled.devices or (rt.device,)
+        rt,
+        strategy=settled.strategy,
+        devices=settled.devices or (rt.device,),
+        precision=policy.name,
     )
+
+
+def _check_same_precision(current: Runtime, precision: str | None) -> None:
+    if precision is not None and parse_precision(precision).name != current.precision:
+        raise RuntimeStateError(
+            f"rw.init() was already called with precision={current.precision!r}; this call "
+            f"asks for precision={parse_precision(precision).name!r}",
+            fix="call rw.init() once at the start of the program, or rw.shutdown() first.",
+            rank=current.rank,
+        )
 
 
 def get_runtime() -> Runtime:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -40,6 +41,11 @@ def test_readme_command_trains_to_95_percent_with_two_processes(tmp_path):
         last_two = [line for line in mine if line.startswith(f"[rank0]: epoch {e}:")][-2:]
         assert "100%" in last_two[0] and "train loss" in last_two[1], last_two
     assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 3  # saved every epoch, keep 3
+    # The curves, written once (rank 0): 8 epoch records, the last accuracy the one printed.
+    records = (tmp_path / "runs" / "digits-logs" / "metrics.jsonl").read_text().splitlines()
+    epochs = [json.loads(r) for r in records if "epoch/test_accuracy" in r]
+    assert [e["step"] for e in epochs] == list(range(8))
+    assert round(epochs[-1]["epoch/test_accuracy"], 4) == float(acc)
 
 
 def test_plain_python_then_resume_under_dataparallel(tmp_path):

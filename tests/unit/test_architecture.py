@@ -116,7 +116,7 @@ def test_pitfalls_are_cited_by_anchors_that_exist():
 def test_rw_init_returns_the_runtime_with_the_one_call_api():
     """``rw.init`` is the session layer's; the runtime below it never imports the session.
     A runtime made by a lower layer first is the same data, and ``rw.init`` returns it as a
-    ``Session``; the aliases are the functions themselves (one implementation)."""
+    ``Session``; ``rt.print`` is ``rw.print0`` itself (one implementation, two spellings)."""
     import rankwise as rw
     from rankwise import runtime
 
@@ -129,8 +129,6 @@ def test_rw_init_returns_the_runtime_with_the_one_call_api():
         assert (rt.env, rt.device, rt.strategy) == (low.env, low.device, low.strategy)
         assert rw.get_runtime() is rt and rw.init() is rt
         assert rt.print is rw.print0
-        assert rt.save is rw.save_checkpoint
-        assert rt.load is rw.load_checkpoint
         assert runtime.coords() == runtime.Coords(0, 1, 1, "runtime")
     finally:
         rw.shutdown()

@@ -15,8 +15,9 @@ are averaged over that group, as DDP would average them.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -96,6 +97,8 @@ class DistributedPipeline(nn.Module):
             self.add_module(name, layer.to(self.device))
         self.__dict__["stage"] = nn.Sequential(mine)  # the same layers, not registered twice
         self.data_parallel_group = data_parallel_group
+        self.require_backward_grad_sync = True
+        """False inside ``no_sync()``: ``train_step`` leaves the gradients un-averaged."""
         nccl = rt.backend is not None and "nccl" in rt.backend
         self._link = p2p.Link(self.device if nccl else torch.device("cpu"), rt.timeout, self.rank)
 
@@ -129,11 +132,24 @@ class DistributedPipeline(nn.Module):
             if not self.is_first:
                 self._link.send(inputs[i].grad, self._prev, f"gradient {i}", None)
         self._link.flush()
-        self._average_gradients()
+        if self.require_backward_grad_sync:
+            self._average_gradients()
         if not self.is_last:
             return None
         weights = [s / sum(sizes) if self.loss_reduction == "mean" else 1.0 for s in sizes]
         return sum(w * loss.detach() for w, loss in zip(weights, losses, strict=True))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: ``train_step`` inside does not average them over
+        ``data_parallel_group`` (activations still flow between stages); the next one outside
+        averages the sum. What ``rt.accumulate`` uses."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
 
     def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Pipelined forward only (evaluation): the output on the last stage, None elsewhere.

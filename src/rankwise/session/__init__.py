@@ -19,19 +19,22 @@ rank-aware (pitfalls 5 and 6).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import runtime
+from .. import precision, runtime
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Loader
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..training import LoopState, TrainingLoop
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
 
@@ -49,12 +52,18 @@ __all__ = [
 ]
 
 
-class Session(runtime.Runtime):
-    """What ``rw.init()`` returns: the ``Runtime`` (data: env, device, backend, strategy) plus
-    the one-call API. ``prepare``/``prepare_loader`` are this package's functions with the
-    runtime filled in; ``print``/``save``/``load`` are aliases of ``rw.print0``,
-    ``rw.save_checkpoint`` and ``rw.load_checkpoint`` (one implementation, two spellings).
+@dataclass(frozen=True, kw_only=True)
+class Session(runtime.Runtime, TrainingLoop):
+    """What ``rw.init()`` returns: the ``Runtime`` (data: env, device, backend, strategy,
+    precision) plus the one-call API: ``prepare``/``prepare_loader`` (this package's functions
+    with the runtime filled in), the loop verbs of ``rankwise.training`` (``backward``,
+    ``clip_grad_norm_``, ``accumulate``, ``log``, ...), ``print`` (an alias of ``rw.print0``)
+    and ``save``/``load`` (``rw.save_checkpoint``/``rw.load_checkpoint`` plus what ``prepare``
+    set up: the scheduler and the loss scale).
     """
+
+    loop: LoopState = field(default_factory=LoopState, repr=False, compare=False)
+    """The training-loop verbs' state: scaler, prepared optimizers, schedulers, loaders."""
 
     def prepare(
         self,
@@ -63,12 +72,15 @@ class Session(runtime.Runtime):
         loader: Any = None,
         *,
         global_batch_size: int | None = None,
+        scheduler: Any = None,
     ) -> Any:
         """``prepare(rt, ...)``: move, then wrap the model; split the loader.
 
         Sync point: all ranks under 'ddp'.
         """
-        return prepare(self, model, optimizer, loader, global_batch_size=global_batch_size)
+        return prepare(
+            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
+        )
 
     def prepare_loader(
         self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
@@ -81,10 +93,18 @@ class Session(runtime.Runtime):
 
     print = staticmethod(print0)
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
-    save = staticmethod(save_checkpoint)
-    """Alias of ``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks."""
-    load = staticmethod(load_checkpoint)
-    """Alias of ``rw.load_checkpoint``, mapped to this process's device. No sync point."""
+
+    def save(self, path: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_checkpoint`` with the prepared scheduler and loss scale. Sync point: all
+        ranks (call it on every rank)."""
+        return save_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=True))
+
+    def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
+        """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale.
+        No sync point."""
+        result = load_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=False))
+        self._restore_scaler(result)
+        return result
 
 
 def init(
@@ -95,6 +115,7 @@ def init(
     env: DistEnv | None = None,
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
+    precision: str | None = None,
 ) -> Session:
     """``rw.init``: ``rankwise.runtime.init`` returning a ``Session`` (the one-call API).
 
@@ -107,22 +128,27 @@ def init(
         env=env,
         strategy=strategy,
         devices=devices,
+        precision=precision,
         kind=Session,
     )
 
 
 def prepare(
-    rt: runtime.Runtime,
+    rt: Session,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     loader: DataLoader | Loader | None = None,
     *,
     global_batch_size: int | None = None,
+    scheduler: Any = None,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
     Returns the model alone when only a model is given, ``(model, optimizer)`` without a
-    loader, else ``(model, optimizer, loader)``.
+    loader, else ``(model, optimizer, loader)``; a ``scheduler`` is appended unchanged (and
+    saved/restored by ``rt.save``/``rt.load``). ``rt.precision`` is applied here
+    (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
+    under 'fp16-mixed'.
 
     Sync point: all ranks under 'ddp' (the model's parameters are broadcast from rank 0).
     """
@@ -134,9 +160,24 @@ def prepare(
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
+    wrapped, optimizer = _with_precision(rt, model, optimizer)
+    if scheduler is not None:
+        rt.loop.schedulers.append(scheduler)
+    tail = () if scheduler is None else (scheduler,)
+    if loader is None:
+        return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
+    prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
+    rt.loop.loaders.append(prepared)
+    return (wrapped, optimizer, prepared, *tail)
+
+
+def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    policy = rt.precision_policy
+    precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     wrapped = prepare_model(rt, model)
+    device_type = precision.model_device_type(model, rt.device)
+    precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:
         move_optimizer_state(optimizer)  # the model has moved: its state follows
-    if loader is None:
-        return wrapped if optimizer is None else (wrapped, optimizer)
-    return wrapped, optimizer, prepare_loader(rt, loader, global_batch_size=global_batch_size)
+        optimizer = rt._prepare_optimizer(optimizer, device_type)
+    return wrapped, optimizer

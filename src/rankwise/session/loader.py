@@ -190,10 +190,18 @@ class DeviceLoader:
         # Copies from pinned host memory can overlap compute; from pageable memory they are
         # synchronous anyway, so non_blocking is only asked for where it helps.
         self._non_blocking = device.type != "cpu" and bool(loader.dataloader.pin_memory)
+        self.at_last_batch = False
+        """True while the epoch's last batch is out (``rt.accumulate`` synchronises on it)."""
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
+        try:
+            total = len(self.loader)
+        except TypeError:  # an iterable dataset of unknown length
+            total = -1
+        for i, batch in enumerate(self.loader):
+            self.at_last_batch = i + 1 == total
             yield _to(batch, self.device, self._non_blocking)
+        self.at_last_batch = False
 
     def __len__(self) -> int:
         return len(self.loader)

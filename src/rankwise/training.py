@@ -1,0 +1,256 @@
+"""The training-loop verbs of the one-call API: backward, clipping, accumulation, ordering.
+
+``rankwise.session.Session`` (what ``rw.init()`` returns) inherits these methods
+(``rt.backward(loss)``, ``rt.clip_grad_norm_(model, 1.0)``, ``with rt.accumulate(model, steps=4):``,
+``with rt.rank_zero_first():``); their state (the loss scaler, the prepared optimizers and
+schedulers, the accumulation counters) lives in one ``LoopState`` per session. This module sits
+in the session layer: it uses ``comm``, the engines and ``precision`` from below.
+
+    rt = rw.init(precision="bf16-mixed")
+    model, opt, loader = rt.prepare(model, opt, loader)
+    for x, y in loader:
+        with rt.accumulate(model, steps=4) as acc:
+            rt.backward(F.cross_entropy(model(x), y))
+            if acc.sync:
+                rt.clip_grad_norm_(model, 1.0)
+                opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import comm
+from .errors import ConfigError
+from .log_metrics import MetricsLogger
+from .pipeline import DistributedPipeline
+from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+@dataclass
+class LoopState:
+    """What the loop verbs remember between calls (one per runtime, never shared)."""
+
+    scaler: AgreedGradScaler | None = None
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    loaders: list[Any] = field(default_factory=list)
+    micro_batches: dict[int, int] = field(default_factory=dict)
+    """id(model) -> micro-batches accumulated since the last synchronised one."""
+    loss_divisor: int = 1
+    """Set inside ``accumulate(..., scale_loss=True)``: ``rt.backward`` divides by it."""
+    metrics: MetricsLogger | None = None
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """What ``rt.accumulate`` yields: whether this micro-batch synchronises (and steps)."""
+
+    sync: bool
+    """True on the last micro-batch of ``steps`` (or of the epoch): step the optimizer then."""
+    index: int
+    """This micro-batch's position in its group, from 0."""
+
+
+class TrainingLoop:
+    """Mixin of ``Runtime``: the loop verbs. Expects ``self.loop``, ``self.precision_policy``."""
+
+    loop: LoopState
+    precision_policy: Precision
+
+    # -- mixed precision -------------------------------------------------------------------
+
+    def autocast(self: Runtime) -> contextlib.AbstractContextManager:
+        """The precision policy's autocast on this device (for code outside the prepared
+        model's forward, e.g. ``DistributedPipeline.train_step``); a no-op at '32'."""
+        return self.precision_policy.autocast(self.device.type)
+
+    def backward(self: Runtime, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled under 'fp16-mixed' and divided by ``steps`` inside
+        ``accumulate(..., scale_loss=True)``. Sync point: as the model's backward (DDP: all)."""
+        if self.loop.loss_divisor != 1:
+            loss = loss / self.loop.loss_divisor
+        if self.loop.scaler is None:
+            loss.backward(**kwargs)
+            return
+        self.loop.scaler.scale(loss).backward(**kwargs)
+        for opt in self.loop.optimizers:
+            opt.scaled_backward = True
+
+    # -- gradient clipping -----------------------------------------------------------------
+
+    def clip_grad_norm_(
+        self: Runtime, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip the gradients to a total norm of ``max_norm``; return the norm before clipping.
+
+        The norm is that of the global gradient, the same on every rank: under DP/DDP the
+        averaged gradients already are; a ``DistributedPipeline`` stage adds the other stages'
+        parts; an engine that defines ``clip_grad_norm_`` (sharded) computes it itself.
+        Unscales first under 'fp16-mixed'. Sync point: all ranks for a pipeline or an engine.
+        """
+        self._unscale_for(model)
+        if callable(getattr(model, "clip_grad_norm_", None)):
+            return model.clip_grad_norm_(max_norm, norm_type)
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+        if _is_pipeline(model):
+            total = _pipeline_norm(model, total, float(norm_type))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def clip_grad_value_(self: Runtime, model: nn.Module, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (unscaled first)."""
+        self._unscale_for(model)
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+
+    def _unscale_for(self: Runtime, model: nn.Module) -> None:
+        mine = {id(p) for p in model.parameters()}
+        for opt in self.loop.optimizers:
+            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+                opt.unscale_()
+
+    # -- gradient accumulation -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_backward_sync(self: Runtime, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+        """The model's ``no_sync()`` when ``enabled`` (backward passes inside communicate
+        nothing); a plain block for a model without one (one process: nothing to skip)."""
+        skip = enabled and callable(getattr(model, "no_sync", None))
+        with model.no_sync() if skip else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(
+        self: Runtime, model: nn.Module, steps: int, *, scale_loss: bool = False
+    ) -> Iterator[Accumulation]:
+        """One micro-batch of ``steps``: gradients are averaged across replicas only on the last.
+
+        Yields an ``Accumulation``; step the optimizer when ``.sync`` is True. The last
+        micro-batch of an epoch of a prepared loader synchronises even when the group is short.
+        ``scale_loss=True`` makes ``rt.backward`` divide the loss by ``steps`` (so a group of
+        mean losses sums to the mean over the group). Sync point: all ranks on ``.sync``.
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(
+                f"rt.accumulate(steps={steps!r}): steps must be a positive integer",
+                fix="pass the number of micro-batches per optimizer step, e.g. steps=4.",
+            )
+        index = self.loop.micro_batches.get(id(model), 0)
+        sync = index + 1 >= steps or any(
+            getattr(dl, "at_last_batch", False) for dl in self.loop.loaders
+        )
+        self.loop.micro_batches[id(model)] = 0 if sync else index + 1
+        previous = self.loop.loss_divisor
+        self.loop.loss_divisor = steps if scale_loss else 1
+        try:
+            with self.no_backward_sync(model, enabled=not sync):
+                yield Accumulation(sync=sync, index=index)
+        finally:
+            self.loop.loss_divisor = previous
+
+    # -- ordering --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rank_zero_first(self: Runtime, *, local: bool = False) -> Iterator[None]:
+        """Rank 0 runs the block first (a download, a cache); the others wait, then run it.
+
+        Sync point: all ranks (one barrier each).
+        """
+        first = (self.local_rank if local else self.rank) == 0
+        if not first:
+            comm.barrier()
+        yield
+        if first:
+            comm.barrier()
+
+    def local_rank_zero_first(self: Runtime) -> contextlib.AbstractContextManager:
+        """``rank_zero_first`` per machine: local rank 0 of each node first (node-local
+        caches). Sync point: all ranks."""
+        return self.rank_zero_first(local=True)
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def log(
+        self: Runtime,
+        metrics: dict[str, Any],
+        step: int | None = None,
+        *,
+        reduce: str | None = None,
+    ) -> None:
+        """Write ``metrics`` (rank 0) to the run's CSV/JSONL files (and TensorBoard when
+        installed), after reducing each value over the ranks with ``reduce`` ('mean', 'sum',
+        'max', 'min') when given. Sync point: all ranks when ``reduce`` is given."""
+        self.log_to().log(metrics, step=step, reduce=reduce)
+
+    def log_to(
+        self: Runtime, log_dir: str | Path | None = None, *, tensorboard: bool | None = None
+    ) -> MetricsLogger:
+        """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
+        installed. Returns the logger; calling it again with a directory starts a new one."""
+        if self.loop.metrics is None or log_dir is not None:
+            if self.loop.metrics is not None:
+                self.loop.metrics.close()
+            self.loop.metrics = MetricsLogger(log_dir or "rankwise_logs", tensorboard=tensorboard)
+        return self.loop.metrics
+
+    # -- what rt.prepare and rt.save/load call ---------------------------------------------
+
+    def _prepare_optimizer(self: Runtime, optimizer: Any, device_type: str) -> Any:
+        if not self.precision_policy.scales_loss:
+            return optimizer
+        if self.loop.optimizers:
+            raise ConfigError(
+                "precision='fp16-mixed' supports one optimizer per run (one loss scale); "
+                "rt.prepare was given a second one",
+                fix="use one optimizer with several param_groups, or precision='bf16-mixed' "
+                "(no loss scaler).",
+            )
+        self.loop.scaler = make_scaler(device_type)
+        wrapped: ScaledOptimizer = ScaledOptimizer(optimizer, self.loop.scaler)
+        self.loop.optimizers.append(wrapped)
+        return wrapped
+
+    def _checkpoint_kwargs(self: Runtime, kwargs: dict[str, Any], saving: bool) -> dict[str, Any]:
+        """``rt.save``/``rt.load``: the prepared scheduler and the loss scale come along."""
+        if len(self.loop.schedulers) == 1:
+            kwargs.setdefault("scheduler", self.loop.schedulers[0])
+        if saving and self.loop.scaler is not None:
+            kwargs.setdefault("grad_scaler", self.loop.scaler.state_dict())
+        return kwargs
+
+    def _restore_scaler(self: Runtime, result: dict[str, Any]) -> None:
+        state = result.get("extra", {}).get("grad_scaler")
+        if state is not None and self.loop.scaler is not None:
+            self.loop.scaler.load_state_dict(state)
+
+
+def _is_pipeline(model: nn.Module) -> bool:
+    return isinstance(model, DistributedPipeline)
+
+
+def _pipeline_norm(model: Any, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The whole model's gradient norm from each stage's part.
+
+    Summed over every rank, then divided by the number of replicas of each stage: the
+    replicas of a stage hold the same averaged gradients (``data_parallel_group``), so the
+    sum counts each stage's part once per replica. Sync point: all ranks.
+    """
+    replicas = comm.world_size() // len(model.ranks)
+    if math.isinf(norm_type):
+        return comm.all_reduce(local.float(), "max").to(local.dtype)
+    powered = local.double() ** norm_type
+    total = comm.all_reduce(powered, "sum") / replicas
+    return (total ** (1.0 / norm_type)).to(local.dtype)
