@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "save_checkpoint": ".checkpoint",
     "Session": ".session",
     "ShardedIterable": ".data",
+    "ShardedDataParallel": ".parallel",
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
@@ -89,7 +90,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
-    from .parallel import DataParallel, DistributedDataParallel
+    from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
     from .pipeline import DistributedPipeline, Pipe, split
     from .progress import progress
     from .runtime import Runtime, get_runtime, is_initialized, shutdown
@@ -112,6 +113,7 @@ __all__ = [
     "Runtime",
     "RuntimeStateError",
     "Session",
+    "ShardedDataParallel",
     "ShardedIterable",
     "Slot",
     "Topology",

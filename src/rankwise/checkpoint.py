@@ -130,12 +130,27 @@ def _prune(directory: Path, keep_last: int) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra) -> dict:
+def _collective_states(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """States whose ``state_dict()`` is a collective (the sharded engine's: it gathers the
+    shards into one consolidated state), taken on every rank before rank 0 writes."""
+    states = {}
+    if getattr(model, "collective_state_dict", False):
+        states["model"] = model.state_dict()
+    if optimizer is not None and getattr(optimizer, "collective_state_dict", False):
+        states["optimizer"] = optimizer.state_dict()
+    return states
+
+
+def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states) -> dict:
+    if "optimizer" in states:
+        optimizer_state = states["optimizer"]
+    else:
+        optimizer_state = None if optimizer is None else optimizer.state_dict()
     return {
         "format": FORMAT,
         "version": VERSION,
-        "model": model_state(model),
-        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "model": states["model"] if "model" in states else model_state(model),
+        "optimizer": optimizer_state,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "loader": _stateful(loader),
         "step": step,
@@ -180,12 +195,13 @@ def save_checkpoint(
             fix="keep at least the checkpoint just written, e.g. keep_last=3.",
         )
     rng_states = comm.all_gather_object(rng.capture())
+    states = _collective_states(model, optimizer)
     status: tuple[str, str] = ("ok", "")
     if comm.rank() == 0:
         status = _write_on_master(
             Path(path),
             keep_last,
-            _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra),
+            _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states),
             step,
         )
     status = comm.broadcast_object(status)
@@ -284,7 +300,10 @@ def _load_plain(file: Path, ckpt: Any, model: nn.Module | None, strict: bool) ->
             f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
             fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
         )
-    load_model_state(model, ckpt, strict=strict)
+    if getattr(model, "collective_state_dict", False):
+        model.load_state_dict(ckpt, strict=strict)
+    else:
+        load_model_state(model, ckpt, strict=strict)
     return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
 
 
@@ -317,7 +336,9 @@ def load_checkpoint(
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
         return _load_plain(file, ckpt, model, strict)
-    if model is not None:
+    if model is not None and getattr(model, "collective_state_dict", False):
+        model.load_state_dict(ckpt["model"], strict=strict)  # the sharded engine keeps its slice
+    elif model is not None:
         load_model_state(model, ckpt["model"], strict=strict)
     if optimizer is not None and ckpt["optimizer"] is not None:
         optimizer.load_state_dict(ckpt["optimizer"])

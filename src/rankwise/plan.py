@@ -20,7 +20,7 @@ from .errors import ConfigError, RuntimeStateError
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-STRATEGIES = ("auto", "single", "dp", "ddp")
+STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3")
 _LAUNCHER_FIX = (
     "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
     "with plain `python train.py` for one process."
@@ -32,7 +32,7 @@ class Plan:
     """What ``rw.init`` settles before it joins the job."""
 
     strategy: str
-    """'single', 'dp' or 'ddp' ('auto' resolved)."""
+    """'single', 'dp', 'ddp' or 'zero1'/'zero2'/'zero3' ('auto' resolved)."""
     devices: tuple[torch.device, ...] = ()
     """DataParallel's devices under 'dp' (the first is the master); empty otherwise."""
 
@@ -50,12 +50,16 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
     """
     name = "auto" if strategy is None else strategy
     if name not in STRATEGIES:
+        sharded = str(name).lower() in ("fsdp", "zero", "deepspeed")
         raise ConfigError(
             f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}",
-            fix="pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
-            "or name one of 'single', 'dp', 'ddp'.",
+            fix="pass strategy='zero3' (parameters, gradients and optimizer state sharded, as "
+            "FSDP), or 'zero1'/'zero2' to shard less; see docs/zero.md."
+            if sharded
+            else "pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
+            "or name one of 'single', 'dp', 'ddp', 'zero1', 'zero2', 'zero3'.",
         )
-    if devices is not None and name in ("single", "ddp"):
+    if devices is not None and name not in ("auto", "dp"):
         raise ConfigError(
             f"devices={list(devices)!r} lists DataParallel's devices, but strategy={name!r} "
             "computes on one device per process (rt.device)",

@@ -56,10 +56,12 @@ def test_bad_strategy_is_refused():
     with pytest.raises(rw.ConfigError) as exc:
         rw.init(strategy="fsdp")
     assert _error(exc) == (
-        "strategy='fsdp' is not one of 'auto', 'single', 'dp', 'ddp'\n"
-        "Fix: pass strategy='auto' (ddp when launched, dp on several GPUs, else single), or name "
-        "one of 'single', 'dp', 'ddp'."
+        "strategy='fsdp' is not one of 'auto', 'single', 'dp', 'ddp', 'zero1', 'zero2', 'zero3'\n"
+        "Fix: pass strategy='zero3' (parameters, gradients and optimizer state sharded, as FSDP), "
+        "or 'zero1'/'zero2' to shard less; see docs/zero.md."
     )
+    with pytest.raises(rw.ConfigError, match="or name one of 'single', 'dp', 'ddp', 'zero1'"):
+        rw.init(strategy="horovod")
 
 
 def test_second_init_with_another_strategy_is_refused():

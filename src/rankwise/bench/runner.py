@@ -187,8 +187,8 @@ def memory_and_loss(
             for _ in range(cfg.steps):
                 trainer.step()
         torch.set_num_threads(1)
+        peak = meter.peak_mb() if trainer.works else None  # the steps, not what close() does
         trainer.close()
-        peak = meter.peak_mb() if trainer.works else None
         loss = trainer.loss() if setup.rank == 0 else None
         peaks: list = [None] * setup.world
         dist.all_gather_object(peaks, peak)

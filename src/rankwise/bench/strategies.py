@@ -11,6 +11,7 @@ threads         rank 0       the same with ``nproc`` intra-op threads (torch.set
 dp              rank 0       ``rw.DataParallel``: ``nproc`` replicas (CPU threads or GPUs)
 ddp             every rank   ``rw.DistributedDataParallel``, each rank its share of the batch
 torch-ddp       every rank   torch's own ``DistributedDataParallel``, the reference
+zero1/2/3       every rank   ``rw.ShardedDataParallel`` at ZeRO stage 1, 2 or 3 (docs/zero.md)
 async           every rank   ``rw.updates.asynchronous``: a parameter server on rank 0
 local-sgd       every rank   ``rw.updates.local_sgd``: parameters averaged every H steps
 independent     every rank   the bare model on each rank's share, no communication at all:
@@ -32,13 +33,15 @@ from torch import nn
 
 from .workload import Batch, Workload, evaluate, loss_fn, shard
 
-ALL = ("single", "threads", "dp", "ddp", "torch-ddp", "async", "local-sgd")
+ALL = (
+    "single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3", "async", "local-sgd",
+)  # fmt: skip
 """Every strategy ``--strategies`` accepts, in table order."""
 
 REFERENCE = "independent"
 """The no-communication baseline, run whenever a multi-process strategy is."""
 
-EXACT = ("single", "threads", "dp", "ddp", "torch-ddp")
+EXACT = ("single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3")
 """Strategies that compute exactly the one-process update (same loss after S steps)."""
 
 ON_RANK0 = ("single", "threads", "dp")
@@ -128,10 +131,15 @@ def build(name: str, s: Setup) -> Trainer:
             opt = updates.local_sgd(model, opt, every=s.local_sgd_every)
         close = opt.close
         parts, index = opt.num_workers, opt.worker_index
+    elif name in ("zero1", "zero2", "zero3"):
+        from ..parallel import ShardedDataParallel
+
+        forward = ShardedDataParallel(model, lambda ps: torch.optim.SGD(ps, lr=s.lr), int(name[-1]))
+        opt = forward.optimizer
     elif name != REFERENCE:
         raise ValueError(f"unknown strategy {name!r}")
     batches = [shard(b, index, parts) for b in s.pool]
-    return Trainer(
+    trainer = Trainer(
         name=name,
         works=True,
         model=model,
@@ -141,6 +149,16 @@ def build(name: str, s: Setup) -> Trainer:
         pool=s.pool,
         close=close,
     )
+    if name == "zero3":
+        trainer.close = lambda: _consolidate(trainer, s)
+    return trainer
+
+
+def _consolidate(trainer: Trainer, s: Setup) -> None:
+    """Stage 3 holds 1/N of the parameters: gather a full model for the loss (every rank)."""
+    state = trainer.forward.state_dict()
+    trainer.model = s.workload.build(s.device)
+    trainer.model.load_state_dict(state)
 
 
 def _one_process(name: str, s: Setup) -> Trainer:

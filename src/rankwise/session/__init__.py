@@ -37,6 +37,7 @@ from ..log import print0
 from ..training import LoopState, TrainingLoop
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
+from .sharded import ZERO_STAGES, prepare_sharded, warn_if_too_big
 
 __all__ = [
     "DeviceLoader",
@@ -174,7 +175,11 @@ def prepare(
 def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
-    wrapped = prepare_model(rt, model)
+    warn_if_too_big(rt, model, optimizer)
+    if rt.strategy in ZERO_STAGES:
+        wrapped, optimizer = prepare_sharded(rt, model, optimizer)
+    else:
+        wrapped = prepare_model(rt, model)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:

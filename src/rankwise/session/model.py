@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..parallel import DataParallel, DistributedDataParallel
+from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
 from ..pipeline import DistributedPipeline, Pipe
 from ..runtime import Runtime
 
 _WRAPPERS = (
     DataParallel,
     DistributedDataParallel,
+    ShardedDataParallel,
     DistributedPipeline,
     nn.DataParallel,
     nn.parallel.DistributedDataParallel,

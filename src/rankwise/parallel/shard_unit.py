@@ -1,0 +1,164 @@
+"""One flat unit at run time: its full buffer, this rank's shard, and their collectives.
+
+The model's parameters become views into the unit's flat ``full`` buffer, set once: their
+``.data`` never changes afterwards. Stage 3 frees the buffer by shrinking its *storage* to zero
+bytes and re-gathers into the same storage, so every view (including the ones autograd saved
+during forward, such as a transposed weight) sees the gathered values again before backward.
+
+The optimizer never sees the model's parameters: it updates ``shard``, a 1-D parameter holding
+this rank's slice of the unit. Under stages 1 and 2 ``shard`` is a view into ``full`` (updated
+in place, then the other slices are all-gathered into the same buffer); under stage 3 it is the
+only copy that persists.
+
+Gradients: each parameter's gradient, divided by N, is copied into its slot of a flat gradient
+buffer laid out like ``full``; one collective per unit then sums it across ranks (stage 1:
+all-reduce, every rank keeps the whole averaged gradient; stages 2 and 3: reduce-scatter, each
+rank keeps only its slice and the full buffer is dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..diagnose import fingerprints
+from . import shard_comm
+from .flat import UnitLayout
+
+
+class FlatUnit:
+    """Parameters of one unit stored flat and sharded over the group (see the module text)."""
+
+    def __init__(
+        self,
+        spec: UnitLayout,
+        params: list[nn.Parameter],
+        *,
+        number: int,
+        stage: int,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        gather_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.spec, self.params, self.number, self.stage = spec, params, number, stage
+        self.group, self.gather_group = group, gather_group
+        self.communicates = spec.world_size > 1
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.lo, self.hi = spec.shard_range(rank)
+        full = torch.zeros(spec.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, off, n in zip(params, spec.offsets, spec.numels, strict=True):
+                full[off : off + n].copy_(p.detach().reshape(-1))
+                p.data = full[off : off + n].view(p.shape)
+        self.full = full
+        self._nbytes = full.untyped_storage().nbytes()
+        self.gathered = True
+        if stage < 3:
+            self.shard = nn.Parameter(full[self.lo : self.hi])
+        else:  # freed at once: building unit by unit, the model never exists twice
+            self.shard = nn.Parameter(full[self.lo : self.hi].clone())
+            full.untyped_storage().resize_(0)
+            self.gathered = False
+        self._gather_entry: fingerprints.Entry | None = None
+        self.grad_full: torch.Tensor | None = None
+        self._reduce_entry: fingerprints.Entry | None = None
+        self._reduce_out: torch.Tensor | None = None
+
+    # -- parameters (stage 3 frees and re-gathers them) ---------------------------------------
+
+    def free(self) -> None:
+        """Release the full parameters' memory; the views stay, pointing at empty storage."""
+        if self.gathered and self.stage == 3:
+            self.wait_gathered()
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self) -> None:
+        """Start the all-gather of the full parameters (no-op when gathered or under way)."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self._nbytes)
+        self.gathered = True
+        if not self.communicates:
+            self.full[self.lo : self.hi].copy_(self.shard.detach())
+            return
+        entry = fingerprints.record(
+            "all_gather", self.shard, label=f"parameters of unit {self.number}",
+            group=self.gather_group,
+        )  # fmt: skip
+        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group)
+        self._gather_entry = entry
+        entry.watch(work)
+
+    def wait_gathered(self) -> None:
+        if self._gather_entry is not None:
+            self._gather_entry.wait()
+            self._gather_entry = None
+
+    def all_gather_updated(self) -> fingerprints.Entry | None:
+        """Stages 1/2 after the step: every rank's updated slice into ``full``, in place."""
+        if not self.communicates:
+            return None
+        entry = fingerprints.record(
+            "all_gather", self.shard, label=f"updated parameters of unit {self.number}",
+            group=self.group,
+        )  # fmt: skip
+        entry.watch(shard_comm.all_gather(self.full, self.full[self.lo : self.hi], self.group))
+        return entry
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def grad_slot(self, k: int) -> torch.Tensor:
+        """The slot of the ``k``-th parameter in the flat gradient buffer (allocated on use)."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+        off, n = self.spec.offsets[k], self.spec.numels[k]
+        return self.grad_full[off : off + n].view(self.params[k].shape)
+
+    def launch_reduce(self) -> None:
+        """Sum the (already divided by N) gradient buffer across ranks, asynchronously."""
+        if self.grad_full is None:  # no parameter of the unit had anything to contribute
+            self.grad_slot(0)
+        if not self.communicates:
+            self._reduce_out = self.grad_full[self.lo : self.hi]
+            return
+        if self.stage == 1:
+            op, out = "all_reduce", None
+            work = lambda: dist.all_reduce(self.grad_full, group=self.group, async_op=True)  # noqa: E731
+        else:
+            op = "reduce_scatter"
+            if shard_comm.in_place(self.group):  # the sum lands in this rank's own chunk
+                out = self.grad_full[self.lo : self.hi]
+            else:
+                out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
+            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group)  # noqa: E731
+        entry = fingerprints.record(
+            op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
+            extra="sum",
+        )  # fmt: skip
+        entry.watch(work())
+        self._reduce_entry, self._reduce_out = entry, out
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction; leave the averaged slice in ``shard.grad`` (accumulating)."""
+        if self._reduce_entry is not None:
+            self._reduce_entry.wait()
+            self._reduce_entry = None
+        if self.stage == 1:
+            # The whole averaged gradient stays (stage 1 shards only optimizer state); the
+            # optimizer reads this rank's slice of it, without a copy.
+            self.shard.grad = self.grad_full[self.lo : self.hi]
+            self._reduce_out = None
+            return
+        out = self._reduce_out
+        if out is None and self.grad_full is not None:
+            out = self.grad_full[self.lo : self.hi]
+        self._reduce_out, self.grad_full = None, None
+        if out is None:
+            return
+        if self.shard.grad is None:
+            self.shard.grad = out.clone() if out._base is not None else out
+        else:
+            self.shard.grad.add_(out)

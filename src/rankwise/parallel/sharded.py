@@ -1,0 +1,338 @@
+"""``ShardedDataParallel``: data parallelism where each rank keeps 1/N of the training state.
+
+ZeRO's three stages, on plain ``torch.distributed`` collectives:
+
+- **stage 1**: the optimizer state is sharded. Gradients are all-reduced during backward (in
+  buckets, like our DDP); each rank's optimizer updates only its slice of the parameters, then
+  the slices are all-gathered.
+- **stage 2**: the gradients are sharded too. Each bucket is reduce-scattered as soon as its
+  gradients are complete, and the full gradient is dropped: a rank keeps only its slice.
+- **stage 3**: the parameters are sharded too. A module's parameters are all-gathered just
+  before its forward and again before its backward, and freed after each; the next module's
+  gather is started early (prefetch) so it overlaps with compute.
+
+The layout (which parameters share a flat buffer, who owns which slice) is ``flat.py``; one
+buffer's tensors and collectives are ``shard_unit.py``; the optimizer wrapper and the
+world-size-independent state dicts are ``sharded_optim.py``. This module wires them to autograd
+with the same hook pattern as the DDP reducer.
+
+Sync point: all ranks, at construction, in every synchronised backward pass, in every
+``optimizer.step()``, and (stage 3) in every forward and backward of a sharded module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from ..diagnose import fingerprints
+from ..errors import ConfigError
+from . import sharded_optim
+from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from .distributed import _check_no_sparse, _group_size_and_rank
+from .flat import layout, module_units
+from .shard_unit import FlatUnit
+from .stage3 import Stage3Hooks
+from .agreement import broadcast_tensors, trainable_parameters, verify_same_model
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+_IN_FLIGHT = 2
+"""Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""
+
+DEFAULT_UNIT_NUMEL = 1 << 20
+"""Stage 3: a module becomes its own gather unit from this many parameter elements (1M)."""
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap ``module`` (already on its device) and build its sharded optimizer.
+
+    ``optimizer_factory`` receives the list of this rank's flat parameter shards and returns a
+    torch optimizer over them, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``; the result
+    is ``self.optimizer`` (use it for ``step``/``zero_grad``/schedulers/checkpoints). Any
+    optimizer whose state is per element works unchanged (SGD, Adam, AdamW, ...); LBFGS, which
+    needs the whole model, is refused. ``stage`` is 1, 2 or 3 (see the module docstring).
+    ``unit_numel`` (stage 3) sets the size from which a module is gathered on its own.
+
+    After a synchronised backward the averaged gradient lives in the optimizer's shards, not in
+    the model parameters' ``.grad`` (stage 1 keeps the full ``.grad`` as well); clip with
+    :meth:`clip_grad_norm_`, which computes the global norm over all shards.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        stage: int = 2,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        unit_numel: int = DEFAULT_UNIT_NUMEL,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ConfigError(
+                f"stage={stage!r} is not a ZeRO stage",
+                fix="pass stage=1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters).",
+            )
+        self.module, self.stage, self.process_group = module, stage, process_group
+        self.world_size, self.rank = _group_size_and_rank(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._forward_sync = True
+        _check_no_sparse(module, self.rank)
+        if self.world_size > 1:
+            verify_same_model(module, process_group, self.rank)
+            everything = [t.detach() for t in module.parameters()]
+            broadcast_tensors(everything + [b.detach() for b in module.buffers()], process_group)
+        self.names, self.params = trainable_parameters(module, self.rank)
+        _check_one_dtype(self.names, self.params, self.rank)
+        self._build_units(bucket_cap_mb, unit_numel)
+        self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer_factory)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+        self.stage3 = Stage3Hooks(self, self._unit_modules) if stage == 3 else None
+        self._reset()
+
+    def _build_units(self, bucket_cap_mb: float, unit_numel: int) -> None:
+        numels = [p.numel() for p in self.params]
+        if self.stage < 3:
+            groups = [list(b.indices) for b in assign_buckets(self.params, bucket_cap_mb)]
+            modules: list[nn.Module | None] = [None] * len(groups)
+        else:
+            pairs = module_units(self.module, self.params, unit_numel)
+            pairs = [(m, g) for m, g in pairs if g]
+            modules, groups = [m for m, _ in pairs], [g for _, g in pairs]
+        gather_group = self.process_group
+        if self.stage == 3 and self.world_size > 1:
+            # Parameter gathers run on their own group: their order (forward/backward hooks)
+            # and the gradient reductions' order (strictly by unit) are each the same on every
+            # rank, but their interleaving need not be.
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            gather_group = dist.new_group(ranks, backend=dist.get_backend(self.process_group))
+        specs = layout(numels, groups, self.world_size)
+        self.units = [
+            FlatUnit(
+                spec,
+                [self.params[i] for i in spec.indices],
+                number=n,
+                stage=self.stage,
+                rank=self.rank,
+                group=self.process_group,
+                gather_group=gather_group,
+            )
+            for n, spec in enumerate(specs)
+        ]
+        self._unit_modules = modules
+        self._where = [(0, 0)] * len(self.params)
+        for u, unit in enumerate(self.units):
+            for k, i in enumerate(unit.spec.indices):
+                self._where[i] = (u, k)
+        # Reductions are issued strictly in this order on every rank: buckets complete in
+        # bucket order; stage 3 units complete in reverse forward order, the root's last.
+        n = len(self.units)
+        self._order = list(range(n)) if self.stage < 3 else [*range(n - 2, -1, -1), n - 1]
+
+    # -- the backward pass --------------------------------------------------------------------
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        u, k = self._where[i]
+        unit = self.units[u]
+        scale = 1.0 / self.world_size
+        keep_full_grad = self.stage == 1
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._active:
+                self._begin()
+            if self._seen[i]:
+                self._fired_twice(i)
+            self._seen[i] = True
+            if self._syncing:
+                slot = unit.grad_slot(k)
+                if p.grad is slot:
+                    slot.mul_(scale)
+                else:  # copy and average in one pass
+                    torch.mul(p.grad, scale, out=slot)
+                p.grad = slot if keep_full_grad else None
+            self._pending[u] -= 1
+            if self._pending[u] == 0:
+                self._unit_done(u)
+
+        return hook
+
+    def _begin(self) -> None:
+        self._active = True
+        self._syncing = bool(self.require_backward_grad_sync and self._forward_sync)
+        Variable._execution_engine.queue_callback(self._finalize)
+
+    def _unit_done(self, u: int) -> None:
+        if self.stage3 is not None:
+            self.stage3.backward_done(u)
+        if self._syncing:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order, pending = self._order, self._pending
+        while self._next < len(order) and pending[order[self._next]] == 0:
+            self.units[order[self._next]].launch_reduce()
+            self._next += 1
+            # Stages 2/3 keep at most _IN_FLIGHT full gradient buffers: finishing an earlier
+            # reduction drops its buffer, so the full gradient never exists all at once.
+            while self.stage > 1 and self._next - self._done > _IN_FLIGHT:
+                self.units[order[self._done]].finish_reduce()
+                self._done += 1
+
+    def _finalize(self) -> None:
+        """End of backward: fill parameters that got no gradient, wait for every reduction."""
+        try:
+            if self._syncing:
+                self._fill_unused()
+                for u in self._order[self._done :]:
+                    self.units[u].finish_reduce()
+        finally:
+            if self.stage3 is not None:
+                self.stage3.free_all()
+            self._reset()
+
+    def _fill_unused(self) -> None:
+        # A parameter that took no part in this pass contributes what it has (an accumulated
+        # .grad from no_sync passes, else zeros), so every rank still sends every unit.
+        scale = 1.0 / self.world_size
+        for i, seen in enumerate(self._seen):
+            if seen:
+                continue
+            u, k = self._where[i]
+            p, slot = self.params[i], self.units[u].grad_slot(k)
+            if p.grad is None:
+                slot.zero_()
+            elif p.grad is slot:
+                slot.mul_(scale)
+            else:
+                torch.mul(p.grad, scale, out=slot)
+            p.grad = slot if self.stage == 1 else None
+            self._pending[u] = 0
+        self._launch_ready()
+
+    def _reset(self) -> None:
+        self._active = False
+        self._syncing = False
+        self._seen = [False] * len(self.params)
+        self._pending = [len(u.spec.indices) for u in self.units]
+        self._next = 0
+        self._done = 0
+
+    # -- forward, no_sync, step ---------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module (stage 3: gathering each unit's parameters on the way)."""
+        if self._active:  # a backward pass died half-way: forget it
+            self._reset()
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            self._forward_sync = self.require_backward_grad_sync
+        if self.broadcast_buffers and self.world_size > 1 and grad_on:
+            buffers = [b for b in self.module.buffers()]
+            if buffers and self.require_backward_grad_sync:
+                with torch.no_grad():
+                    broadcast_tensors(buffers, self.process_group)
+        if self.stage3 is None:
+            return self.module(*inputs, **kwargs)
+        return self.stage3.run_root(self.module, inputs, kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (full size); the next backward outside reduces them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def _after_step(self) -> None:
+        """Stages 1/2: every rank's updated slice to every rank. Sync point: all ranks."""
+        if self.stage == 3:
+            return
+        entries = [unit.all_gather_updated() for unit in self.units]
+        for entry in entries:
+            if entry is not None:
+                entry.wait()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the sharded gradients so their global norm is at most ``max_norm``.
+
+        Returns the total norm over all ranks' shards, the same on every rank (what
+        ``torch.nn.utils.clip_grad_norm_`` returns on one process). Sync point: all ranks.
+        """
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        device = self.units[0].device
+        norm_type = float(norm_type)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+        else:
+            norms = torch.zeros(1, device=device)
+        if norm_type == float("inf"):
+            local, op = norms.max(), dist.ReduceOp.MAX
+        else:
+            local, op = norms.pow(norm_type).sum(), dist.ReduceOp.SUM
+        if self.world_size > 1:
+            with fingerprints.collective(
+                "all_reduce", local, label="gradient norm", group=self.process_group,
+                extra=str(op),
+            ):  # fmt: skip
+                dist.all_reduce(local, op=op, group=self.process_group)
+        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    # -- state: consolidated, independent of the world size and the stage --------------------
+
+    collective_state_dict = True
+    """``state_dict()`` is a collective here: ``save_checkpoint`` calls it on every rank."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The bare module's full state (no prefix), as one process would have it.
+
+        Sync point: all ranks (stage 3 gathers the parameters).
+        """
+        return sharded_optim.full_model_state(self)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a full (consolidated, DDP or plain) model state into the shards."""
+        return sharded_optim.load_full_model_state(self, state_dict, strict)
+
+    def _fired_twice(self, i: int) -> None:
+        self._reset()
+        raise ConfigError(
+            f"parameter {self.names[i]} received its gradient twice in one backward pass "
+            "(reentrant activation checkpointing, or a nested backward through the model)",
+            fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
+            rank=self.rank,
+        )
+
+
+def _check_one_dtype(names: list[str], params: list[nn.Parameter], rank: int) -> None:
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        first = {}
+        for n, p in zip(names, params, strict=True):
+            first.setdefault((p.dtype, p.device), n)
+        shown = ", ".join(f"{n} ({d}, {dev})" for (d, dev), n in first.items())
+        raise ConfigError(
+            f"the trainable parameters mix dtypes/devices: {shown}; one flat shard layout "
+            "holds one dtype on one device",
+            fix="cast the model to one dtype (model.float()) and move it to one device before "
+            "wrapping; use autocast for mixed precision.",
+            rank=rank,
+        )
