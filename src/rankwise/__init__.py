@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "gather_object": ".comm",
     "get_logger": ".log",
     "get_runtime": ".runtime",
-    "init": ".runtime",
+    "init": ".session",
     "is_initialized": ".runtime",
     "join": ".data",
     "launch": ".launch",
@@ -47,13 +47,14 @@ _LAZY: dict[str, str] = {
     "Runtime": ".runtime",
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
+    "Session": ".session",
     "ShardedIterable": ".data",
     "ShardedDataParallel": ".parallel",
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
     "Topology": ".topology",
-    "unwrap_model": ".state",
+    "unwrap_model": ".state_dict",
     "updates": ".updates",
 }
 """Public name -> the module that defines it (``updates`` is a module itself)."""
@@ -92,8 +93,9 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
     from .pipeline import DistributedPipeline, Pipe, split
     from .progress import progress
-    from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
-    from .state import unwrap_model
+    from .runtime import Runtime, get_runtime, is_initialized, shutdown
+    from .session import Session, init
+    from .state_dict import unwrap_model
     from .topology import Slot, Topology
 
 __all__ = [
@@ -110,6 +112,7 @@ __all__ = [
     "RankwiseError",
     "Runtime",
     "RuntimeStateError",
+    "Session",
     "ShardedDataParallel",
     "ShardedIterable",
     "Slot",
@@ -141,3 +144,5 @@ __all__ = [
     "unwrap_model",
     "updates",
 ]
+"""The same names as ``_LAZY`` and the ``TYPE_CHECKING`` imports (a literal, for static
+analysers); ``tests/unit/test_public_api.py`` checks that the three lists agree."""

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import __version__, comm, rng, runtime
 from . import checkpoint_files as files
-from . import comm, rng
 from .checkpoint_files import LATEST, list_checkpoints
 from .errors import ConfigError, DistributedError
-from .state import model_state, strip_prefixes, unwrap_model
+from .state_dict import model_state, strip_prefixes, unwrap_model
 
 FORMAT = "rankwise-checkpoint"
 VERSION = 1
@@ -84,8 +84,6 @@ def _collective_states(model: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states) -> dict:
-    from . import __version__
-
     if "optimizer" in states:
         optimizer_state = states["optimizer"]
     else:
@@ -264,9 +262,21 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool
 
 
 def _default_map_location() -> torch.device:
-    from . import runtime
-
     return runtime.get_runtime().device if runtime.is_initialized() else torch.device("cpu")
+
+
+def _load_plain(file: Path, ckpt: Any, model: nn.Module | None, strict: bool) -> dict[str, Any]:
+    """A plain state dict (``torch.save(model.state_dict())``): into ``model`` only."""
+    if model is None or not isinstance(ckpt, Mapping):
+        raise ConfigError(
+            f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
+            fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
+        )
+    if getattr(model, "collective_state_dict", False):
+        model.load_state_dict(ckpt, strict=strict)
+    else:
+        load_model_state(model, ckpt, strict=strict)
+    return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
 
 
 def load_checkpoint(
@@ -297,16 +307,7 @@ def load_checkpoint(
     file = resolve(path)
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
-        if model is None or not isinstance(ckpt, Mapping):
-            raise ConfigError(
-                f"{os.fspath(file)!r} is not a rankwise checkpoint nor a model state dict",
-                fix="pass a file written by rw.save_checkpoint or torch.save(model.state_dict()).",
-            )
-        if getattr(model, "collective_state_dict", False):
-            model.load_state_dict(ckpt, strict=strict)
-        else:
-            load_model_state(model, ckpt, strict=strict)
-        return {"step": None, "epoch": None, "extra": {}, "meta": {}, "path": file}
+        return _load_plain(file, ckpt, model, strict)
     if model is not None and getattr(model, "collective_state_dict", False):
         model.load_state_dict(ckpt["model"], strict=strict)  # the sharded engine keeps its slice
     elif model is not None:

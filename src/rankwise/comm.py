@@ -16,7 +16,6 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from . import env as envmod
 from . import runtime
 from .diagnose import fingerprints
 from .errors import DistributedError, RuntimeStateError
@@ -41,16 +40,15 @@ def world_size() -> int:
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    if not runtime.is_initialized():
-        launched = envmod.detect()
-        if launched.world_size > 1:
-            raise RuntimeStateError(
-                f"this process was launched as rank {launched.rank} of {launched.world_size} "
-                f"({launched.source}) but rankwise is not initialised, so it cannot "
-                "communicate",
-                fix="call `rt = rw.init()` at the start of the program, on every rank.",
-                rank=launched.rank,
-            )
+    launched = runtime.coords()
+    if launched.world_size > 1:
+        raise RuntimeStateError(
+            f"this process was launched as rank {launched.rank} of {launched.world_size} "
+            f"({launched.source}) but rankwise is not initialised, so it cannot "
+            "communicate",
+            fix="call `rt = rw.init()` at the start of the program, on every rank.",
+            rank=launched.rank,
+        )
     return 1
 
 
@@ -58,7 +56,7 @@ def rank() -> int:
     """This process's global rank (0 when not distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return runtime.get_runtime().rank if runtime.is_initialized() else 0
+    return runtime.coords().rank
 
 
 def _comm_device() -> torch.device:
@@ -157,7 +155,11 @@ def barrier(timeout: float | timedelta | None = None) -> None:
     if world_size() == 1:
         return
     if timeout is None:
-        td = runtime.get_runtime().timeout if runtime.is_initialized() else timedelta(minutes=5)
+        td = (
+            runtime.get_runtime().timeout
+            if runtime.is_initialized()
+            else timedelta(seconds=runtime.DEFAULT_TIMEOUT_S)
+        )
     else:
         td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     entry = fingerprints.record("barrier", check=True)
@@ -179,3 +181,51 @@ def barrier(timeout: float | timedelta | None = None) -> None:
             "synchronises, such as save_checkpoint) inside `if rank == 0:` or a rank that died.",
             rank=rank(),
         ) from exc
+
+
+# ---- collectives on tensors rankwise owns (flat gradients, parameters, gathered outputs) ----
+# Not for user code: they skip the copies the helpers above make, and take a group. They go
+# through the same fingerprints, so a rank that issues something else is diagnosed, not hung.
+
+
+def all_reduce_(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    *,
+    group: Any = None,
+    label: str | None = None,
+    timeout: float | timedelta | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` ('mean': the sum divided by its size).
+
+    Sync point: the ranks of ``group``.
+    """
+    entry = fingerprints.record("all_reduce", tensor, label=label, group=group, extra=op)
+    entry.watch(dist.all_reduce(tensor, op=_TORCH_OPS[op], group=group, async_op=True))
+    entry.wait(timeout)
+    if op == "mean":
+        tensor /= dist.get_world_size(group)
+    return tensor
+
+
+def broadcast_(
+    tensor: torch.Tensor, src: int = 0, *, group: Any = None, label: str | None = None
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with rank ``src``'s, in place. Sync point: the ranks of ``group``."""
+    entry = fingerprints.record("broadcast", tensor, label=label, group=group, extra=f"src={src}")
+    entry.watch(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    entry.wait()
+    return tensor
+
+
+def all_gather_tensors(
+    tensor: torch.Tensor, *, group: Any = None, label: str | None = None
+) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order.
+
+    Sync point: the ranks of ``group``.
+    """
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    with fingerprints.collective("all_gather", tensor, label=label, group=group):
+        dist.all_gather(slots, tensor, group=group)
+    return slots

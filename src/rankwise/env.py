@@ -16,6 +16,10 @@ from .errors import EnvError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_TIMEOUT_S = 300.0
+"""Finite default for every collective and the rendezvous (``rw.init``, the launcher's
+``--rdzv-timeout``): a hang becomes an error. Defined here, the bottom layer, so that the
+launcher (which never imports torch) and the runtime share one value."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,19 +278,41 @@ def export_for_torch(env: DistEnv) -> None:
     )
 
 
-def get(name: str, default: str | None = None) -> str | None:
-    """Read one environment variable (for settings such as GLOO_SOCKET_IFNAME or CUDA_VISIBLE_DEVICES)."""
-    return os.environ.get(name, default)
+def gloo_interface() -> str | None:
+    """``GLOO_SOCKET_IFNAME``: the network interface Gloo uses, when the user chose one."""
+    return os.environ.get("GLOO_SOCKET_IFNAME") or None
 
 
-def set_default(name: str, value: str) -> None:
-    """Set an environment variable for torch's own readers, unless the user already set it."""
-    os.environ.setdefault(name, value)
+def default_gloo_interface(name: str) -> None:
+    """Point Gloo (which reads ``GLOO_SOCKET_IFNAME`` itself) at ``name``, unless the user chose."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
 
 
-def set_for_workers(name: str, value: str) -> None:
-    """Set an environment variable that the workers this process starts will inherit."""
-    os.environ[name] = value
+def default_omp_threads(threads: int) -> None:
+    """``OMP_NUM_THREADS`` for the workers this process starts, unless the user chose."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def set_rank_prefix_for_workers(prefixed: bool) -> None:
+    """``RANKWISE_RANK_PREFIX`` for the workers: whether the launcher prefixes their output
+    lines with the rank (``launcher_prefixes_output`` reads it)."""
+    os.environ["RANKWISE_RANK_PREFIX"] = "1" if prefixed else "0"
+
+
+def set_collective_debug() -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this process and the workers it starts: torch then
+    checks op, shapes and dtypes of every collective (docs/diagnose.md)."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+
+
+def set_launcher_pid_for_workers(pid: int) -> None:
+    """``RANKWISE_LAUNCHER_PID`` for the workers: the bootstrap makes them die with it."""
+    os.environ["RANKWISE_LAUNCHER_PID"] = str(pid)
+
+
+def set_diag_dir_for_workers(folder: str) -> None:
+    """``RANKWISE_DIAG_DIR`` for the workers this process starts (see ``diag_dir``)."""
+    os.environ["RANKWISE_DIAG_DIR"] = folder
 
 
 def fingerprints_enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -10,15 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from . import env as envmod
-from . import runtime
+from .runtime import coords
 
 
 def _coords() -> tuple[int, int]:
-    if runtime.is_initialized():
-        rt = runtime.get_runtime()
-        return rt.rank, rt.world_size
-    e = envmod.detect()
-    return e.rank, e.world_size
+    c = coords()
+    return c.rank, c.world_size
 
 
 open_bars: set[Any] = set()

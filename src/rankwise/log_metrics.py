@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import comm
 from .errors import ConfigError
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
@@ -53,8 +54,6 @@ def _as_float(name: str, value: Any) -> float:
 
 def reduce_metrics(values: dict[str, float], op: str) -> dict[str, float]:
     """Every value reduced over the ranks with ``op``, in one collective. Sync point: all ranks."""
-    from . import comm
-
     if op not in _REDUCE_OPS:
         raise ConfigError(
             f"rt.log(reduce={op!r}) is not one of {', '.join(map(repr, _REDUCE_OPS))}",
@@ -74,8 +73,6 @@ class MetricsLogger:
     """
 
     def __init__(self, log_dir: str | os.PathLike, *, tensorboard: bool | None = None) -> None:
-        from . import comm
-
         self.log_dir = Path(log_dir)
         self.is_writer = comm.rank() == 0
         if tensorboard and not tensorboard_available():

@@ -14,6 +14,8 @@ import ipaddress
 import socket
 import struct
 
+from . import env as envmod
+
 _SIOCGIFADDR = 0x8915
 
 
@@ -59,3 +61,13 @@ def interface_towards(host: str) -> str | None:
         if interface_address(name) == address:
             return name
     return None
+
+
+def point_gloo_at(host: str) -> None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface that reaches ``host`` (rank 0's machine),
+    unless the user chose one or ``host`` is this machine (then any interface works)."""
+    if envmod.gloo_interface() or is_loopback(host):
+        return
+    name = interface_towards(host)
+    if name is not None:
+        envmod.default_gloo_interface(name)

@@ -15,63 +15,17 @@ takes, and the replicas would drift apart. So the flags are max-reduced before `
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import comm
 from .errors import ConfigError
+from .plan import PRECISIONS, Precision, parse
 
-PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
-_ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "16-mixed": "fp16-mixed"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Precision:
-    """How the forward computes and whether the loss is scaled."""
-
-    name: str = "32"
-    """One of ``PRECISIONS``: '32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true'."""
-
-    def __post_init__(self) -> None:
-        if self.name not in PRECISIONS:
-            raise ConfigError(
-                f"precision={self.name!r} is not one of {', '.join(map(repr, PRECISIONS))}",
-                fix="pass precision='bf16-mixed' (CPU and recent GPUs), 'fp16-mixed' (GPUs, "
-                "with a loss scaler), 'bf16-true' (bf16 weights) or '32' (the default).",
-            )
-
-    @property
-    def mixed(self) -> bool:
-        return self.name.endswith("-mixed")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype of the forward."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name[:4], torch.float32)
-
-    @property
-    def scales_loss(self) -> bool:
-        return self.name == "fp16-mixed"
-
-    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        """``torch.autocast`` for a mixed policy, a no-op context otherwise."""
-        if not self.mixed:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.dtype)
-
-
-def parse(precision: str | int | Precision | None) -> Precision:
-    """``Precision`` from a name ('bf16-mixed', ...), a few common aliases, or 32/None."""
-    if isinstance(precision, Precision):
-        return precision
-    if precision is None:
-        return Precision()
-    name = str(precision)
-    return Precision(name=_ALIASES.get(name, name))
+__all__ = ["PRECISIONS", "Precision", "parse"]  # the policy is settled by rw.init (plan.py)
 
 
 def model_device_type(model: nn.Module, default: torch.device) -> str:
@@ -164,8 +118,6 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        from . import comm
-
         if comm.world_size() == 1:
             return
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]

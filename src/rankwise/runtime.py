@@ -1,4 +1,8 @@
-"""``rw.init()``: join the job (or not, at world size 1), choose device and backend, once.
+"""``rw.init()``: join the job (or not, at world size 1), choose device, backend and plan, once.
+
+The ground floor of rankwise: it imports only ``env``, ``process_group``, ``devices``, ``plan`` and
+``errors``, never anything above it (``comm``, engines, ``session``). Layers above that must act
+when the process group goes away (the fingerprints' watchdog) register with ``on_shutdown``.
 
 One process group per process is torch's rule ("trying to initialize the default process group
 twice!"). ``init()`` therefore keeps the runtime it made and returns it again on a second call;
@@ -8,32 +12,44 @@ both values named, instead of torch's error.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import env as envmod
-from . import netif
-from .env import DistEnv
-from .errors import ConfigError, DistributedError, RuntimeStateError
-from .precision import Precision
-from .precision import parse as parse_precision
-from .training import LoopState, TrainingLoop
+from . import process_group
+from .env import DEFAULT_TIMEOUT_S, DistEnv
+from .errors import ConfigError, RuntimeStateError
+from .plan import Plan, Precision, check_same, plan
+from .plan import parse as parse_precision
 
-DEFAULT_TIMEOUT_S = 300.0
-"""Finite default for every collective and the rendezvous: a hang becomes an error."""
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Coords",
+    "Runtime",
+    "choose_backend",
+    "choose_device",
+    "coords",
+    "get_runtime",
+    "init",
+    "is_initialized",
+    "on_shutdown",
+    "shutdown",
+]
 
 _BACKENDS = ("gloo", "nccl", "mpi")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Runtime(TrainingLoop):
+class Runtime:
     """This process's place in the job and the resources it uses."""
 
     env: DistEnv
@@ -52,8 +68,6 @@ class Runtime(TrainingLoop):
     """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
     precision: str = "32"
     """'32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true': how ``prepare``'s model computes."""
-    loop: LoopState = field(default_factory=LoopState, repr=False, compare=False)
-    """The training-loop verbs' state (``rankwise.training``): scaler, prepared optimizers."""
 
     @property
     def precision_policy(self) -> Precision:
@@ -80,63 +94,17 @@ class Runtime(TrainingLoop):
         """True when a process group with more than one rank is active."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    # The one-call API; the logic lives in the session package (strategy, model, loader).
+    @property
+    def replicas_in_process(self) -> int:
+        """Model replicas this process computes: DataParallel's devices under 'dp', else 1."""
+        return len(self.devices) if self.strategy == "dp" else 1
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        loader: Any = None,
-        *,
-        global_batch_size: int | None = None,
-        scheduler: Any = None,
-    ) -> Any:
-        """Move, then wrap the model for ``strategy``; split the loader; see ``session.prepare``.
 
-        Sync point: all ranks under 'ddp'.
-        """
-        from . import session
-
-        return session.prepare(
-            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
-        )
-
-    def prepare_loader(
-        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
-    ) -> Any:
-        """A loader split over the replicas, batches on the device; ``evaluation``: each sample
-        once. No sync point."""
-        from . import session
-
-        return session.prepare_loader(
-            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
-        )
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (``rw.print0``)."""
-        from .log import print0
-
-        print0(*args, **kwargs)
-
-    def save(self, path: str | Path, **kwargs: Any) -> Path:
-        """``rw.save_checkpoint``: rank 0 writes. Sync point: all ranks (call it on every rank)."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=True))
-
-    def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
-        """``rw.load_checkpoint``, mapped to this process's device. No sync point."""
-        from .checkpoint import load_checkpoint
-
-        result = load_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=False))
-        self._restore_scaler(result)
-        return result
-
+R = TypeVar("R", bound=Runtime)
 
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
-joined_a_group = False
-"""True once ``init`` joined a process group in this process (kept after ``shutdown``)."""
+_shutdown_hooks: list[Callable[[], None]] = []
 
 
 def _as_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -193,16 +161,6 @@ def choose_backend(device: torch.device, backend: str | None = None) -> str:
     return backend
 
 
-def _pick_gloo_interface(env: DistEnv, backend: str) -> None:
-    if "gloo" not in backend or envmod.get("GLOO_SOCKET_IFNAME"):
-        return
-    if netif.is_loopback(env.master_addr):
-        return
-    name = netif.interface_towards(env.master_addr)
-    if name is not None:
-        envmod.set_default("GLOO_SOCKET_IFNAME", name)
-
-
 def _check_same(current: Runtime, backend: str | None, device, timeout) -> None:
     asked = {
         "backend": None if backend is None else backend,
@@ -224,7 +182,7 @@ def _check_same(current: Runtime, backend: str | None, device, timeout) -> None:
         )
 
 
-def _adopt_existing(env: DistEnv, device, timeout: timedelta) -> Runtime:
+def _adopt_existing(env: DistEnv, device, timeout: timedelta, kind: type[R]) -> R:
     """The user (or another library) already called ``init_process_group``: use it."""
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -241,7 +199,7 @@ def _adopt_existing(env: DistEnv, device, timeout: timedelta) -> Runtime:
     dev = choose_device(env, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    return Runtime(env=env, device=dev, backend=str(dist.get_backend()), timeout=timeout)
+    return kind(env=env, device=dev, backend=str(dist.get_backend()), timeout=timeout)
 
 
 def init(
@@ -254,7 +212,8 @@ def init(
     devices: Sequence[Any] | None = None,
     precision: str | None = None,
     debug: bool = False,
-) -> Runtime:
+    kind: type[R] = Runtime,  # type: ignore[assignment]
+) -> R:
     """Join the distributed job described by the environment, or run as a single process.
 
     ``debug=True`` makes torch check every collective of the process group (ours and the
@@ -268,93 +227,57 @@ def init(
     ``rt.prepare`` does; 'auto' (the default) is 'ddp' when launched, 'dp' over every GPU
     when unlaunched with several, else 'single'. ``precision`` ('32', 'bf16-mixed',
     'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
+    ``kind``: the class of the runtime made (``rw.init`` asks for ``rankwise.session.Session``).
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
     global _current
-    from . import session
-
     if _current is not None:
-        _check_same(_current, backend, device, timeout)
-        session.check_same(_current, strategy, devices)
-        _check_same_precision(_current, precision)
-        return _current
+        return _again(kind, backend, device, timeout, strategy, devices, precision)
     policy = parse_precision(precision)  # a bad name fails every rank before the rendezvous
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
     timeout_td = _as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
-        rt = _adopt_existing(env, device, timeout_td)
-        _current = _with_plan(rt, session.plan(strategy, devices, rt.env, device), policy)
+        rt = _adopt_existing(env, device, timeout_td, kind)
+        _current = _with_plan(rt, plan(strategy, devices, rt.env, device), policy)
         return _current
     # Settled before the rendezvous: a refused strategy fails every rank at once.
-    the_plan = session.plan(strategy, devices, env, device)
-    if the_plan.devices:
-        device = the_plan.devices[0]
-    dev = choose_device(env, device)
+    the_plan = plan(strategy, devices, env, device)
+    dev = choose_device(env, the_plan.devices[0] if the_plan.devices else device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.world_size == 1:
-        rt = Runtime(env=env, device=dev, backend=None, timeout=timeout_td)
+        rt = kind(env=env, device=dev, backend=None, timeout=timeout_td)
         _current = _with_plan(rt, the_plan, policy)
         return _current
     chosen = choose_backend(dev, backend)
-    _pick_gloo_interface(env, chosen)
-    if debug:  # read when the group is created; the env var reaches the ranks' own children
-        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-        dist.set_debug_level(dist.DebugLevel.DETAIL)
-    # torch's env:// reads RANK/MASTER_* itself: give it the values we were given or detected.
-    if explicit_env or env.source in ("slurm", "mpi"):
-        envmod.export_for_torch(env)
-    try:
-        dist.init_process_group(
-            backend=chosen,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout_td,
-            **_rendezvous(env, timeout_td),
-        )
-    except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
-        raise DistributedError(
-            f"could not join the job at MASTER_ADDR={env.master_addr} "
-            f"MASTER_PORT={env.master_port} as rank {env.rank} of {env.world_size} "
-            f"within {timeout_td.total_seconds():.0f}s ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})",
-            fix="check that rank 0 is running and that MASTER_ADDR/MASTER_PORT reach it "
-            "from this machine (`rankwise doctor`), or raise the timeout.",
-            rank=env.rank,
-        ) from exc
-    global joined_a_group
-    joined_a_group = True  # the launcher's bootstrap reads it to tell a lone copy (docs/launcher.md)
-    rt = Runtime(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
+    process_group.create(env, chosen, timeout_td, exported=explicit_env, debug=debug)
+    if "gloo" in chosen:
+        atexit.register(_shutdown_at_exit)
+    rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
     _current = _with_plan(rt, the_plan, policy)
     return _current
 
 
-_destroyed = {"groups": 0}
-"""Process groups this process created and destroyed (each rank counts the same)."""
+def _again(kind: type[R], backend, device, timeout, strategy, devices, precision) -> R:
+    """A second ``init``: the same runtime, unless it asks for something else (refused)."""
+    global _current
+    _check_same(_current, backend, device, timeout)
+    check_same(_current, strategy, devices)
+    _check_same_precision(_current, precision)
+    if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
+        have = dataclasses.fields(_current)
+        _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
+    return _current  # type: ignore[return-value]
 
 
-def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
-    """How ``init_process_group`` finds its peers: torch's ``env://``, with one exception.
-
-    Under the launcher's agent the store outlives a restart of the worker group. The keys the
-    previous attempt's ranks left in it (their Gloo addresses among them) would be read as
-    the new ranks' and the connection refused; a prefix per attempt keeps attempts apart.
-    """
-    if not env.agent_store:
-        return {"init_method": "env://"}
-    store = dist.TCPStore(
-        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
-    )
-    # ... and so does a group this process destroyed (rw.shutdown(), then rw.init() again).
-    prefix = f"/rankwise/attempt_{env.restart_count}/init_{_destroyed['groups']}"
-    return {"store": dist.PrefixStore(prefix, store)}
-
-
-def _with_plan(rt: Runtime, plan: Any, policy: Precision) -> Runtime:
+def _with_plan(rt: R, settled: Plan, policy: Precision) -> R:
     return dataclasses.replace(
-        rt, strategy=plan.strategy, devices=plan.devices or (rt.device,), precision=policy.name
+        rt,
+        strategy=settled.strategy,
+        devices=settled.devices or (rt.device,),
+        precision=policy.name,
     )
 
 
@@ -383,6 +306,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook).
+
+    For layers above this one that hold on to the group (the fingerprints' watchdog talks to
+    its store): they register here, so that this module never imports them.
+    """
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
 def shutdown() -> None:
     """Leave the job: destroy the process group ``init`` created. Safe to call twice.
 
@@ -390,9 +323,45 @@ def shutdown() -> None:
     """
     global _current
     if _current is not None and _current.owns_process_group and dist.is_initialized():
-        from .diagnose import fingerprints
-
-        fingerprints.reset()  # its watchdog talks to the store the group is about to drop
-        dist.destroy_process_group()
-        _destroyed["groups"] += 1  # a later init must not read this group's keys
+        for hook in _shutdown_hooks:
+            hook()
+        process_group.destroy()
     _current = None
+
+
+def _shutdown_at_exit() -> None:
+    # Gloo's worker threads hold tensors of finished async work; left to the interpreter's
+    # teardown they are freed without the GIL and the process dies of SIGABRT ("terminate
+    # called without an active exception"). Leave the group while the interpreter is alive,
+    # on a clean exit only: after an unhandled exception a collective may still be pending,
+    # and waiting for it could hang (the launcher stops the job instead).
+    if getattr(sys, "last_value", None) is None:
+        with contextlib.suppress(Exception):  # never raise from atexit
+            shutdown()
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where this process sits, from the one lookup every module uses (``coords()``)."""
+
+    rank: int
+    world_size: int
+    replicas_in_process: int = 1
+    """Model replicas this process computes (DataParallel's devices under 'dp')."""
+    source: str = "single"
+    """'runtime', 'torch' (a process group made without ``rw.init``) or the environment's
+    source ('launcher', 'slurm', 'mpi', 'single')."""
+
+
+def coords() -> Coords:
+    """Rank and world size of this process: the runtime's, else torch's process group's, else
+    the launcher's environment (a loader built before ``rw.init()`` still splits the data).
+
+    The one place that decides which source wins. No sync point.
+    """
+    if _current is not None:
+        return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime")
+    if dist.is_available() and dist.is_initialized():
+        return Coords(dist.get_rank(), dist.get_world_size(), source="torch")
+    e = envmod.detect()
+    return Coords(e.rank, e.world_size, source=e.source)

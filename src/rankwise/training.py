@@ -1,10 +1,10 @@
 """The training-loop verbs of the one-call API: backward, clipping, accumulation, ordering.
 
-``Runtime`` inherits these methods (``rt.backward(loss)``, ``rt.clip_grad_norm_(model, 1.0)``,
-``with rt.accumulate(model, steps=4):``, ``with rt.rank_zero_first():``); their state (the loss
-scaler, the prepared optimizers and schedulers, the accumulation counters) lives in one
-``LoopState`` per runtime. This module imports nothing above the runtime at import time: the
-runtime is the ground floor and imports it.
+``rankwise.session.Session`` (what ``rw.init()`` returns) inherits these methods
+(``rt.backward(loss)``, ``rt.clip_grad_norm_(model, 1.0)``, ``with rt.accumulate(model, steps=4):``,
+``with rt.rank_zero_first():``); their state (the loss scaler, the prepared optimizers and
+schedulers, the accumulation counters) lives in one ``LoopState`` per session. This module sits
+in the session layer: it uses ``comm``, the engines and ``precision`` from below.
 
     rt = rw.init(precision="bf16-mixed")
     model, opt, loader = rt.prepare(model, opt, loader)
@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import comm
 from .errors import ConfigError
+from .log_metrics import MetricsLogger
+from .pipeline import DistributedPipeline
+from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
 if TYPE_CHECKING:
-    from .log_metrics import MetricsLogger
-    from .precision import AgreedGradScaler, Precision, ScaledOptimizer
     from .runtime import Runtime
 
 
@@ -167,8 +169,6 @@ class TrainingLoop:
 
         Sync point: all ranks (one barrier each).
         """
-        from . import comm
-
         first = (self.local_rank if local else self.rank) == 0
         if not first:
             comm.barrier()
@@ -184,7 +184,11 @@ class TrainingLoop:
     # -- metrics ---------------------------------------------------------------------------
 
     def log(
-        self: Runtime, metrics: dict[str, Any], step: int | None = None, *, reduce: str | None = None
+        self: Runtime,
+        metrics: dict[str, Any],
+        step: int | None = None,
+        *,
+        reduce: str | None = None,
     ) -> None:
         """Write ``metrics`` (rank 0) to the run's CSV/JSONL files (and TensorBoard when
         installed), after reducing each value over the ranks with ``reduce`` ('mean', 'sum',
@@ -196,8 +200,6 @@ class TrainingLoop:
     ) -> MetricsLogger:
         """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
         installed. Returns the logger; calling it again with a directory starts a new one."""
-        from .log_metrics import MetricsLogger
-
         if self.loop.metrics is None or log_dir is not None:
             if self.loop.metrics is not None:
                 self.loop.metrics.close()
@@ -209,8 +211,6 @@ class TrainingLoop:
     def _prepare_optimizer(self: Runtime, optimizer: Any, device_type: str) -> Any:
         if not self.precision_policy.scales_loss:
             return optimizer
-        from .precision import ScaledOptimizer, make_scaler
-
         if self.loop.optimizers:
             raise ConfigError(
                 "precision='fp16-mixed' supports one optimizer per run (one loss scale); "
@@ -238,8 +238,6 @@ class TrainingLoop:
 
 
 def _is_pipeline(model: nn.Module) -> bool:
-    from .pipeline import DistributedPipeline
-
     return isinstance(model, DistributedPipeline)
 
 
@@ -250,8 +248,6 @@ def _pipeline_norm(model: Any, local: torch.Tensor, norm_type: float) -> torch.T
     replicas of a stage hold the same averaged gradients (``data_parallel_group``), so the
     sum counts each stage's part once per replica. Sync point: all ranks.
     """
-    from . import comm
-
     replicas = comm.world_size() // len(model.ranks)
     if math.isinf(norm_type):
         return comm.all_reduce(local.float(), "max").to(local.dtype)

@@ -197,7 +197,7 @@ def _stuck_on_a_backend_that_never_raises() -> str | None:
     if rank == 1:
         time.sleep(2 * TIMEOUT)  # busy-site
         return None
-    for group in fp._groups.values():
+    for group in fp.STATE.groups.values():
         group.gloo = False  # pretend the backend never raises (NCCL): the watchdog must speak
     seen: list[str] = []
 

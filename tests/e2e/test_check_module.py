@@ -10,7 +10,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "check_corpus"
 
 
 def test_python_dash_m_rankwise_check() -> None:
-    bad = CORPUS / "bad" / "seed_sampler_shuffle.py"
+    bad = CORPUS / "bad" / "pitfall_sampler_shuffle.py"
     proc = subprocess.run(
         [sys.executable, "-m", "rankwise.check", str(bad)],
         capture_output=True,

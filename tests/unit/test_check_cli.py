@@ -11,8 +11,8 @@ import pytest
 from rankwise.check.cli import main, register
 
 CORPUS = Path(__file__).resolve().parents[1] / "check_corpus"
-WRAP = str(CORPUS / "bad" / "seed_cpu_model_wrap.py")  # one error, RW001 at 14:9
-PRINTS = str(CORPUS / "bad" / "seed_print_all_ranks.py")  # one warning, RW007 at 8:5
+WRAP = str(CORPUS / "bad" / "pitfall_cpu_model_wrap.py")  # one error, RW001 at 14:9
+PRINTS = str(CORPUS / "bad" / "pitfall_print_all_ranks.py")  # one warning, RW007 at 8:5
 CLEAN = str(CORPUS / "good" / "clean_torch_ddp.py")
 
 FINDING_KEYS = {"path", "line", "column", "rule", "slug", "severity", "message", "fix"}

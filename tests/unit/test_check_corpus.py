@@ -42,23 +42,23 @@ def test_every_rule_has_a_bad_script() -> None:
     assert covered == {r.id for r in RULES}
 
 
-# The seed's own snippets (000_e39e69c82df9c18e.txt), pinned by file, rule and line.
-SEED = {
-    "seed_ddp_local_rank.py": ("RW010", 14),  # section 2's DDP example: --local_rank only
-    "seed_cpu_model_wrap.py": ("RW001", 14),  # pitfall 1: DDP on a CPU model
-    "seed_init_twice.py": ("RW002", 12),  # pitfall 2: init_process_group twice
-    "seed_sampler_shuffle.py": ("RW003", 14),  # pitfall 3: DistributedSampler + shuffle
-    "seed_dp_batch_divided.py": ("RW012", 13),  # pitfall 4: DP batch size
+# The classic snippets of docs/pitfalls.md, one per pitfall, pinned by file, rule and line.
+PITFALLS = {
+    "pitfall_ddp_local_rank.py": ("RW010", 14),  # docs/pitfalls.md#pitfall-local-rank: --local_rank only
+    "pitfall_cpu_model_wrap.py": ("RW001", 14),  # pitfall 1: DDP on a CPU model
+    "pitfall_init_twice.py": ("RW002", 12),  # pitfall 2: init_process_group twice
+    "pitfall_sampler_shuffle.py": ("RW003", 14),  # pitfall 3: DistributedSampler + shuffle
+    "pitfall_dp_batch_divided.py": ("RW012", 13),  # pitfall 4: DP batch size
     # pitfall 5: net.state_dict() of a DDP net (and, under `if local_rank == 0`, once per node)
-    "seed_wrapped_state_dict.py": [("RW006", 15), ("RW015", 15)],
-    "seed_print_all_ranks.py": ("RW007", 8),  # pitfall 6: print on every rank
+    "pitfall_wrapped_state_dict.py": [("RW006", 15), ("RW015", 15)],
+    "pitfall_print_all_ranks.py": ("RW007", 8),  # pitfall 6: print on every rank
 }
 
 
-@pytest.mark.parametrize("name", SEED)
-def test_seed_snippets(name: str) -> None:
+@pytest.mark.parametrize("name", PITFALLS)
+def test_pitfall_snippets(name: str) -> None:
     findings = check_file(CORPUS / "bad" / name).findings
-    want = SEED[name] if isinstance(SEED[name], list) else [SEED[name]]
+    want = PITFALLS[name] if isinstance(PITFALLS[name], list) else [PITFALLS[name]]
     assert [(f.rule, f.line) for f in findings] == want
 
 

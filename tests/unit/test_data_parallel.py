@@ -126,7 +126,7 @@ def test_state_dict_has_no_module_prefix_and_loading_accepts_both():
         "head.weight",
         "head.bias",
     ]
-    Net().load_state_dict(state)  # loads into the bare model (the seed's pitfall 5)
+    Net().load_state_dict(state)  # loads into the bare model (docs/pitfalls.md#pitfall-5)
 
     prefixed = torch.nn.DataParallel(dp.module).state_dict()  # torch's own, with `module.`
     assert next(iter(prefixed)) == "module.enc.weight"

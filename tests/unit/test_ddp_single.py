@@ -79,7 +79,7 @@ def test_state_dict_has_no_module_prefix_and_load_accepts_both():
     state = model.state_dict()
     assert list(state) == list(model.module.state_dict())
     bare = _fresh(1)
-    assert not bare.load_state_dict(state).missing_keys  # the seed's pitfall 5 is gone
+    assert not bare.load_state_dict(state).missing_keys  # docs/pitfalls.md#pitfall-5 is gone
     other = rw.DistributedDataParallel(_fresh(2))
     other.load_state_dict(state)
     assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())

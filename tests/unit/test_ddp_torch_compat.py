@@ -12,8 +12,8 @@ from torch import nn
 
 import rankwise as rw
 from rankwise.errors import ModelError
+from rankwise.parallel.agreement import move_to_device
 from rankwise.parallel.scatter_gather import non_blocking, to_device
-from rankwise.parallel.state import move_to_device
 
 Pair = namedtuple("Pair", ["x", "mask"])
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import rankwise as rw
-from rankwise.parallel.state import move_to_device
+from rankwise.parallel.agreement import move_to_device
 from rankwise.pipeline import schedule
 
 

@@ -80,7 +80,7 @@ def test_a_sampler_that_does_not_split_the_data_is_refused_when_distributed():
 @pytest.mark.parametrize(
     ("kwargs", "per_device", "loader_batch", "global_batch"),
     [
-        # DDP, 2 processes: batch_size=30 means 30 per device, 60 per step (the seed's pitfall 4)
+        # DDP, 2 processes: batch_size=30 means 30 per device, 60 per step (docs/pitfalls.md#pitfall-4)
         ({"batch_size": 30, "num_replicas": 2}, 30, 30, 60),
         ({"global_batch_size": 60, "num_replicas": 2}, 30, 30, 60),
         # DataParallel, 1 process over 2 devices: the loader batch is the global batch

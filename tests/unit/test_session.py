@@ -14,7 +14,7 @@ from torch.utils.data import (
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import rankwise as rw
-from rankwise import session
+from rankwise import plan
 from rankwise.env import DistEnv
 
 CUDA = torch.cuda.is_available()
@@ -33,14 +33,14 @@ def _error(exc_info) -> str:
 
 
 def test_auto_is_ddp_when_launched_dp_with_devices_else_single():
-    assert session.plan("auto", None, LAUNCHED, None).strategy == "ddp"
-    assert session.plan(None, None, LAUNCHED, None).strategy == "ddp"
-    dp = session.plan("auto", ["cpu", "cpu"], DistEnv(), None)
+    assert plan.plan("auto", None, LAUNCHED, None).strategy == "ddp"
+    assert plan.plan(None, None, LAUNCHED, None).strategy == "ddp"
+    dp = plan.plan("auto", ["cpu", "cpu"], DistEnv(), None)
     assert dp.strategy == "dp" and dp.devices == (torch.device("cpu"), torch.device("cpu"))
     if torch.accelerator.device_count() < 2:
-        assert session.plan("auto", None, DistEnv(), None).strategy == "single"
+        assert plan.plan("auto", None, DistEnv(), None).strategy == "single"
     # An explicit single device means one device, even on a multi-GPU machine.
-    assert session.plan("auto", None, DistEnv(), "cpu").strategy == "single"
+    assert plan.plan("auto", None, DistEnv(), "cpu").strategy == "single"
 
 
 def test_init_records_strategy_and_devices():

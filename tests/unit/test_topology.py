@@ -1,4 +1,4 @@
-"""The rank table for 1x1, 1x4, 3x4 (the seed's example) and 2x8, from Python and the CLI."""
+"""The rank table for 1x1, 1x4, 3x4 (the docs' example) and 2x8, from Python and the CLI."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_slots(nnodes, nproc):
     assert [s.rank for s in topo.slots if s.is_master] == [0]
 
 
-def test_seed_example_3x4():
+def test_example_3x4():
     topo = Topology(nnodes=3, nproc_per_node=4)
     assert topo.world_size == 12
     assert [s.rank for s in topo.slots if s.node == 1] == [4, 5, 6, 7]

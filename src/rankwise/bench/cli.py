@@ -106,13 +106,13 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_comm(args: argparse.Namespace) -> int:
     """``rankwise bench comm``: all-reduce latency / bus bandwidth and memcpy bandwidth."""
     from . import commbench
-    from .runner import BenchConfig, resolve_device
+    from .runner import BenchConfig, device_and_backend
 
     if args.nproc < 2:
         raise ConfigError(
             f"--nproc {args.nproc}: an all-reduce needs at least 2 ranks", fix="--nproc 2"
         )
-    _, backend = resolve_device(BenchConfig(nproc=args.nproc, device=args.device))
+    _, backend = device_and_backend(BenchConfig(nproc=args.nproc, device=args.device))
     sizes = _sizes(args.max_bytes, "--max-bytes")
     report = commbench.run(args.nproc, backend, sizes, args.repeats)
     out = Path(args.out)

@@ -103,7 +103,7 @@ class BenchConfig:
         resolve(self.model, self.data)  # a bad --model fails here, not inside the ranks
 
 
-def resolve_device(cfg: BenchConfig) -> tuple[str, str]:
+def device_and_backend(cfg: BenchConfig) -> tuple[str, str]:
     """(device type, backend) for the job; CUDA needs one GPU per process."""
     cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
     if not cuda:
@@ -242,7 +242,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     """Run the whole benchmark; returns the raw measurements for ``report.build``."""
     from ..testing import run_distributed
 
-    device_type, backend = resolve_device(cfg)
+    device_type, backend = device_and_backend(cfg)
     names, skipped = plan(cfg, device_type)
     log(
         f"rankwise bench: {cfg.model}, {cfg.nproc} processes ({backend}), "

@@ -17,6 +17,7 @@ import ast
 from typing import TYPE_CHECKING
 
 from .astutil import last_name
+from .guards import is_rank_expr
 
 if TYPE_CHECKING:
     from .script import Script
@@ -63,8 +64,6 @@ def _callee(s: Script, call: ast.Call) -> tuple[ast.FunctionDef | None, bool]:
 
 def rank_parameters(s: Script) -> RankParams:
     """Every parameter that holds a rank (see the module docstring)."""
-    from .guards import is_rank_expr
-
     found = _spawned(s)
     s.rank_params = found
     for _ in range(ROUNDS):

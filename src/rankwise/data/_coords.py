@@ -1,4 +1,4 @@
-"""Where this process sits, for data partitioning: the runtime first, then torch, then the env.
+"""Where this process sits, for data partitioning, from ``runtime.coords()`` (the one lookup).
 
 Partitioning needs no collective, so a loader built before ``rw.init()`` in a launched job still
 splits the data by the launcher's RANK/WORLD_SIZE instead of silently giving every rank all of it.
@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import env as envmod
 from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
 
 
 def coords() -> tuple[int, int]:
     """(rank, world_size) of this process."""
-    if runtime.is_initialized():
-        rt = runtime.get_runtime()
-        return rt.rank, rt.world_size
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    e = envmod.detect()
-    return e.rank, e.world_size
+    c = runtime.coords()
+    return c.rank, c.world_size
 
 
 def resolve(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """``rw.loader``: a DataLoader whose batch size says what it means.
 
-The seed's pitfall 4: ``batch_size=30`` is 30 in total with DataParallel (15 per device on two
+Pitfall 4 (docs/pitfalls.md#pitfall-4): ``batch_size=30`` is 30 in total with DataParallel (15 per device on two
 devices) but 30 *per process* with DDP (60 in total). ``rw.loader`` takes exactly one of
 ``batch_size`` (always per device) or ``global_batch_size`` (always per optimizer step over the
 whole job) and derives the rest, for both modes:
@@ -10,7 +10,7 @@ whole job) and derives the rest, for both modes:
     loader batch          = per_device_batch_size x replicas_in_process   (what one process gets)
     global_batch_size     = per_device_batch_size x replicas
 
-The seed's pitfall 3: the loader builds the ``DistributedSampler`` itself and puts ``shuffle``
+Pitfall 3 (docs/pitfalls.md#pitfall-3): the loader builds the ``DistributedSampler`` itself and puts ``shuffle``
 in it; ``shuffle=True`` together with a ``sampler`` is refused, and so is a sampler that does not
 split the data when several processes run.
 """
@@ -25,61 +25,9 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
 from . import _coords, _resume
+from .contract import per_device_batch
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
-
-
-def per_device_batch(
-    batch_size: int | None,
-    global_batch_size: int | None,
-    num_replicas: int,
-    replicas_in_process: int = 1,
-) -> int:
-    """The per-device batch implied by exactly one of the two sizes; errors say the fix."""
-    _check_positive("replicas_in_process", replicas_in_process, "2 (devices DataParallel uses)")
-    replicas = num_replicas * replicas_in_process
-    if batch_size is not None and global_batch_size is not None:
-        raise ConfigError(
-            f"both batch_size={batch_size} and global_batch_size={global_batch_size} were given",
-            fix=f"pass exactly one: batch_size is per device, global_batch_size is per step over "
-            f"all {replicas} replica(s) (e.g. global_batch_size={global_batch_size} alone).",
-        )
-    if batch_size is None and global_batch_size is None:
-        raise ConfigError(
-            "neither batch_size nor global_batch_size was given",
-            fix=f"pass exactly one: batch_size= (samples per device per step) or "
-            f"global_batch_size= (samples per step over all {replicas} replica(s)).",
-        )
-    name, value = (
-        ("batch_size", batch_size)
-        if batch_size is not None
-        else ("global_batch_size", global_batch_size)
-    )
-    _check_positive(name, value, "32")
-    if batch_size is not None:
-        return batch_size
-    if global_batch_size % replicas:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} does not divide evenly over {replicas} "
-            f"replicas ({num_replicas} process(es) x {replicas_in_process} device(s) each)",
-            fix=f"use global_batch_size={_nearest(global_batch_size, replicas)}, or pass "
-            "batch_size= (per device) instead.",
-        )
-    return global_batch_size // replicas
-
-
-def _check_positive(name: str, value: Any, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{name}={value!r} must be a positive integer", fix=f"pass e.g. {name}={example}."
-        )
-
-
-def _nearest(value: int, replicas: int) -> str:
-    below = value // replicas * replicas
-    above = below + replicas
-    choices = [v for v in (below, above) if v > 0]
-    return " or ".join(f"{v} ({v // replicas} per device)" for v in choices)
 
 
 class Loader:
@@ -315,24 +263,10 @@ def loader(
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
     process_batch = per_device * replicas_in_process
-    if isinstance(dataset, IterableDataset):
-        _check_iterable(dataset, shuffle, sampler)
-        if shard and not isinstance(dataset, ShardedIterable):
-            dataset = ShardedIterable(
-                dataset, num_replicas, rank, even=not evaluation, chunk=process_batch
-            )
-    elif sampler is None:
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas,
-            rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            pad=not evaluation,
-        )
-    else:
-        _check_sampler(sampler, num_replicas)
+    dataset, sampler = _share(
+        dataset, sampler, num_replicas, rank, shuffle, seed, drop_last, evaluation, shard,
+        process_batch,
+    )  # fmt: skip
     own_generator = dataloader_kwargs.get("generator") is None
     if own_generator:
         dataloader_kwargs["generator"] = torch.Generator()
@@ -346,6 +280,31 @@ def loader(
         replicas_in_process=replicas_in_process,
         generator_seed=seed * 8191 + rank if own_generator else None,
     )
+
+
+def _share(
+    dataset: Any, sampler: Sampler | None, num_replicas: int, rank: int, shuffle: bool,
+    seed: int, drop_last: bool, evaluation: bool, shard: bool, chunk: int,
+) -> tuple[Any, Sampler | None]:  # fmt: skip
+    """This rank's share of ``dataset``: a sharded stream, or our ``DistributedSampler`` (a
+    sampler the user gave is checked instead)."""
+    if isinstance(dataset, IterableDataset):
+        _check_iterable(dataset, shuffle, sampler)
+        if shard and not isinstance(dataset, ShardedIterable):
+            dataset = ShardedIterable(dataset, num_replicas, rank, even=not evaluation, chunk=chunk)
+    elif sampler is None:
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas,
+            rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            pad=not evaluation,
+        )
+    else:
+        _check_sampler(sampler, num_replicas)
+    return dataset, sampler
 
 
 def _check_kwargs(

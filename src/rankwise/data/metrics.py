@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from ..errors import ConfigError, DistributedError
@@ -127,8 +126,7 @@ def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int)
     mine = leaf.detach().reshape(-1, *trailing).to(device=device, dtype=dtype)
     padded = torch.zeros((most, *trailing), dtype=dtype, device=device)
     padded[: mine.shape[0]] = mine
-    slots = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(slots, padded)
+    slots = comm.all_gather_tensors(padded, label="gather_for_metrics")
     # [world, most, ...] -> [most, world, ...]: row j*world + r is rank r's j-th sample; the
     # strided split leaves the missing rows (j >= per_rank[r]) at the very end.
     rows = torch.stack(slots, dim=1).reshape(most * world, *trailing)

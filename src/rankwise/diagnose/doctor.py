@@ -170,41 +170,44 @@ def check_network(master: str, environ: Mapping[str, str]) -> list[Finding]:
                 fix="check the network (ip route get ADDRESS) and firewall between the nodes.",
             )
         ]
-    out = [
-        Finding(
-            check="network",
-            status="ok",
-            message=f"{master} ({address}) is reached via interface {name}",
-        )
-    ]
+    reached = Finding(
+        check="network",
+        status="ok",
+        message=f"{master} ({address}) is reached via interface {name}",
+    )
+    return [reached, *_gloo_binding(master, name, environ)]
+
+
+def _gloo_binding(master: str, name: str, environ: Mapping[str, str]) -> list[Finding]:
+    """Whether Gloo binds to ``name``, the interface that reaches the master."""
     chosen = environ.get("GLOO_SOCKET_IFNAME")
     if chosen:
-        if chosen.split(",")[0] != name:
-            out.append(
-                Finding(
-                    check="network",
-                    status="warn",
-                    message=f"GLOO_SOCKET_IFNAME={chosen} but the route to {master} uses {name}",
-                    fix=f"export GLOO_SOCKET_IFNAME={name} (or unset it: rw.init picks it).",
-                )
+        if chosen.split(",")[0] == name:
+            return []
+        return [
+            Finding(
+                check="network",
+                status="warn",
+                message=f"GLOO_SOCKET_IFNAME={chosen} but the route to {master} uses {name}",
+                fix=f"export GLOO_SOCKET_IFNAME={name} (or unset it: rw.init picks it).",
             )
-        return out
+        ]
     host = socket.gethostname()
     try:
         own = socket.gethostbyname(host)
     except OSError:
         own = None
-    if own is None or netif.is_loopback(own):
-        out.append(
-            Finding(
-                check="network",
-                status="warn",
-                message=f"Gloo would bind to {own or 'nothing'}: hostname {host!r} resolves to "
-                f"{own or 'no address'}, which the other nodes cannot reach",
-                fix=f"export GLOO_SOCKET_IFNAME={name} (rw.init sets it for you; torchrun does not).",
-            )
+    if own is not None and not netif.is_loopback(own):
+        return []
+    return [
+        Finding(
+            check="network",
+            status="warn",
+            message=f"Gloo would bind to {own or 'nothing'}: hostname {host!r} resolves to "
+            f"{own or 'no address'}, which the other nodes cannot reach",
+            fix=f"export GLOO_SOCKET_IFNAME={name} (rw.init sets it for you; torchrun does not).",
         )
-    return out
+    ]
 
 
 def _is_local(address: str) -> bool:

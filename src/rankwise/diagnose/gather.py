@@ -168,14 +168,9 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
-last: dict[str, str | None] = {"report": None}
-"""The latest diagnosis made on this rank (by a failure or by the watchdog)."""
-
-
 def write_diag_file(rank: int, message: str, fix: str, culprits: list[int] | None = None) -> None:
-    """Keep the diagnosis, and leave it where the launcher looks (``RANKWISE_DIAG_DIR``):
-    ``rank<r>.txt``, and ``rank<r>.json`` naming the ranks to blame (the launcher's headline)."""
-    last["report"] = f"[rank {rank}] {message}\nFix: {fix}"
+    """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
+    and ``rank<r>.json`` naming the ranks to blame (the launcher's headline)."""
     folder = envmod.diag_dir()
     if not folder:
         return

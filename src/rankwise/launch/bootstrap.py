@@ -106,7 +106,7 @@ def _group_now() -> bool:
         # Set by init_process_group(init_method=...) and kept after destroy_process_group.
         if getattr(c10d, "_default_pg_init_method", None) is not None:
             return True
-        return bool(getattr(sys.modules.get("rankwise.runtime"), "joined_a_group", False))
+        return bool(getattr(sys.modules.get("rankwise.process_group"), "joined_a_group", False))
     except Exception:  # a module half-imported by the main thread: look again later
         return False
 

@@ -44,6 +44,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"wait this long for the other nodes / the master (default {DEFAULT_RDZV_TIMEOUT_S})",
     )
+    _add_worker_arguments(parser)
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Standalone mode, restarts, output, and what to run."""
     _flag(
         parser,
         "standalone",

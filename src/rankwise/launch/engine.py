@@ -58,16 +58,11 @@ def worker_command(opts: LaunchOptions) -> tuple[str, list[str]]:
 def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     # torchrun's rule: several workers on one machine each get one OpenMP thread unless told.
     if opts.nproc_per_node > 1:
-        envmod.set_default("OMP_NUM_THREADS", "1")
+        envmod.default_omp_threads(1)
     if opts.debug:  # torch checks op, shapes and dtypes of every collective (docs/diagnose.md)
-        envmod.set_for_workers("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    # Gloo binds to the hostname's address, which is 127.0.0.1 in many containers: name the
-    # interface that reaches the master so workers on other hosts can connect back.
-    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
-    if not netif.is_loopback(host) and not envmod.get("GLOO_SOCKET_IFNAME"):
-        name = netif.interface_towards(host)
-        if name is not None:
-            envmod.set_default("GLOO_SOCKET_IFNAME", name)
+        envmod.set_collective_debug()
+    # Workers on other hosts must be able to connect back to the master.
+    netif.point_gloo_at(rdzv.endpoint.rsplit(":", 1)[0].strip("[]"))
 
 
 def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
@@ -116,11 +111,11 @@ def launch(opts: LaunchOptions) -> None:
         config = _config(opts, rdzv, opts.log_dir or tmp)
         # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
         diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
-        envmod.set_for_workers("RANKWISE_DIAG_DIR", diag)
+        envmod.set_diag_dir_for_workers(diag)
         # The rank-aware logger leaves out its own prefix when the launcher adds one.
-        envmod.set_for_workers("RANKWISE_RANK_PREFIX", "1" if opts.prefix_output else "0")
+        envmod.set_rank_prefix_for_workers(opts.prefix_output)
         # The agent runs in this process and starts the workers: they die with it (bootstrap).
-        envmod.set_for_workers("RANKWISE_LAUNCHER_PID", str(os.getpid()))
+        envmod.set_launcher_pid_for_workers(os.getpid())
         waiting = waiting_message(opts, rdzv)
         if waiting:
             print(waiting, file=sys.stderr, flush=True)

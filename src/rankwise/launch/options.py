@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..env import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S
 from ..errors import ConfigError
 
-DEFAULT_MASTER_PORT = 29500
-"""torchrun's default port for multi-node static rendezvous."""
-DEFAULT_RDZV_TIMEOUT_S = 300
-"""How long a node waits for the others (or for the master) before failing with an error."""
+DEFAULT_RDZV_TIMEOUT_S = int(DEFAULT_TIMEOUT_S)
+"""How long a node waits for the others (or for the master) before failing with an error:
+the runtime's collective timeout (``env.DEFAULT_TIMEOUT_S``), in whole seconds for the flag."""
 RANK_PREFIX = "[rank${rank}]: "
 """Prefix of every output line of a worker (``${rank}`` is the global rank)."""
 

@@ -69,6 +69,22 @@ def _pickled_exception(exc: BaseException) -> bytes | None:
         return None
 
 
+def _set_rank_env(env: dict[str, str], rank: int, world_size: int, port: int) -> None:
+    """The variables a launcher gives a worker (this child is one), read by ``rw.init``."""
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        # The parent hosts the store: every rank connects as a client (torchrun does the same).
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+
+
 def _child(
     fn: Callable[..., Any],
     args: tuple,
@@ -83,18 +99,7 @@ def _child(
     init: bool,
     stream: bool = False,
 ) -> None:
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        # The parent hosts the store: every rank connects as a client (torchrun does the same).
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    _set_rank_env(env, rank, world_size, port)
     if stream:
         sys.stdout = _QueueWriter(results, rank, "stdout")  # type: ignore[assignment]
         sys.stderr = _QueueWriter(results, rank, "stderr")  # type: ignore[assignment]

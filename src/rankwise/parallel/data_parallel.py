@@ -9,7 +9,7 @@ their outputs on ``output_device``. The optimizer updates the master copy only.
 
 Balanced mode (``loss_fn=``) runs the loss on each replica too, and gathers only one scalar per
 replica instead of every output, so the output device no longer holds the whole batch's outputs
-(and the loss's activations over them): the seed's "the master device uses more memory".
+(and the loss's activations over them): the well-known "the master device uses more memory" (docs/dp.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..devices import DeviceLike, accelerator, resolve_device
 from ..errors import ConfigError
-from ..state import add_module_prefix, strip_module_prefix
+from ..state_dict import add_module_prefix, strip_module_prefix
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes
@@ -145,7 +145,7 @@ class DataParallel(nn.Module):
             # Kept out of the module tree so state_dict stays the model's alone.
             object.__setattr__(self, "loss_fn", loss_fn)
         self._check_master()
-        # No `module.` in saved keys; loading accepts keys with or without it (pitfall 5).
+        # No `module.` in saved keys; loading accepts keys with or without it (docs/pitfalls.md#pitfall-5).
         self.register_state_dict_post_hook(strip_module_prefix)
         self.register_load_state_dict_pre_hook(add_module_prefix)
 

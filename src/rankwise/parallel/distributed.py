@@ -2,7 +2,7 @@
 
 Construction checks, then agrees, then listens:
 
-1. **Check** the module is where it will compute (the seed's pitfall 1 becomes a message that
+1. **Check** the module is where it will compute (docs/pitfalls.md#pitfall-1 becomes a message that
    says what to move where) and that there is a process group when the job has several ranks.
 2. **Agree**: compare parameter names, shapes and dtypes across ranks (a mismatch names the
    first differing parameter and both ranks), then broadcast rank 0's parameters and buffers,
@@ -25,22 +25,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from .. import env as envmod
 from .. import runtime
 from ..errors import ConfigError, ModelError, NoProcessGroupError
-from ..state import add_module_prefix, strip_module_prefix
+from ..state_dict import add_module_prefix, strip_module_prefix
 from . import compression as comp
-from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from .comm_hooks import HookFn, check_hook
-from .ddp_options import buffer_sync, group_from_mesh, refuse_unsupported
-from .join import DDPJoinHook, sync_flag
-from .reducer import Reducer
-from .state import (
+from .agreement import (
     broadcast_tensors,
     move_to_device,
     trainable_parameters,
     verify_same_model,
 )
+from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from .comm_hooks import HookFn, check_hook
+from .ddp_options import buffer_sync, group_from_mesh, refuse_unsupported
+from .join import DDPJoinHook, sync_flag
+from .reducer import Reducer
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -268,7 +267,7 @@ def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -
         return dist.get_world_size(group), dist.get_rank(group)
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
-    env = runtime.get_runtime().env if runtime.is_initialized() else envmod.detect()
+    env = runtime.coords()
     if env.world_size > 1 and strict:
         raise NoProcessGroupError(
             f"DistributedDataParallel needs a process group: this process is rank {env.rank} "

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from ..diagnose import fingerprints
 from . import compression as comp
-from .state import broadcast_tensors
+from .agreement import broadcast_tensors
 
 if TYPE_CHECKING:
     from .distributed import DistributedDataParallel

@@ -34,12 +34,12 @@ from torch.autograd import Variable
 from ..diagnose import fingerprints
 from ..errors import ConfigError
 from . import sharded_optim
+from .agreement import broadcast_tensors, trainable_parameters, verify_same_model
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from .distributed import _check_no_sparse, _group_size_and_rank
 from .flat import layout, module_units
 from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks
-from .state import broadcast_tensors, trainable_parameters, verify_same_model
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

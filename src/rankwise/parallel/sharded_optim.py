@@ -21,7 +21,7 @@ from torch import nn
 
 from ..diagnose import fingerprints
 from ..errors import ConfigError
-from ..state import strip_prefixes
+from ..state_dict import strip_prefixes
 
 if TYPE_CHECKING:
     from .shard_unit import FlatUnit

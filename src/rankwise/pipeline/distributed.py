@@ -26,7 +26,8 @@ from torch import nn
 
 from .. import comm, runtime
 from ..devices import resolve_device
-from ..errors import ConfigError, DistributedError
+from ..errors import ConfigError
+from ..flat import FlatParams
 from . import p2p, partition
 from .pipe import _check_chunks
 
@@ -213,28 +214,23 @@ class DistributedPipeline(nn.Module):
         return loss_fn(out, target[offset : offset + out.shape[0]].to(out.device))
 
     def _average_gradients(self) -> None:
-        """Mean of this stage's gradients over ``data_parallel_group``, in one flat buffer."""
+        """Mean of this stage's gradients over ``data_parallel_group``, in one flat buffer.
+
+        Sync point: the ranks of ``data_parallel_group``.
+        """
         group = self.data_parallel_group
         if group is None or dist.get_world_size(group) == 1:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        try:
-            work.wait(timeout=self._link.timeout)
-        except RuntimeError as exc:
-            raise DistributedError(
-                f"averaging stage {self.stage_index} gradients over the data-parallel group "
-                f"failed ({str(exc).splitlines()[0]})",
-                fix="every replica's rank for this stage must call train_step the same number "
-                "of times; look for a rank that died.",
-                rank=self.rank,
-            ) from exc
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        with_grads = [p for p in self.parameters() if p.grad is not None]
+        if not with_grads:
+            comm.all_reduce_(torch.zeros(0), "mean", group=group, label="no gradients")
+            return
+        flat = FlatParams(with_grads)
+        label = f"stage {self.stage_index} gradients"
+        grads = comm.all_reduce_(
+            flat.grads(), "mean", group=group, label=label, timeout=self._link.timeout
+        )
+        flat.load_grads(grads)
 
     def extra_repr(self) -> str:
         return (

@@ -1,6 +1,6 @@
 """``rw.split(model, devices, balance, chunks)``: one model, consecutive layers on several devices.
 
-Model parallelism in the seed's sense: a model too big for one device is cut into stages, each
+Model parallelism in the classic sense: a model too big for one device is cut into stages, each
 on its own device, and every stage sees the (transformed) same input. The forward moves the
 activation from one stage's device to the next with ``Tensor.to``, which autograd records, so
 ``loss.backward()`` moves the gradients back the same way; nothing here touches gradients.

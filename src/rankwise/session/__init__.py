@@ -8,7 +8,7 @@ The same training loop runs on one device, with DataParallel or with DDP by chan
         loss = F.cross_entropy(model(x), y)
         loss.backward(); opt.step(); opt.zero_grad()
 
-``prepare`` does, in the order the seed's pitfalls require: refuse a model that is already
+``prepare`` does, in the order the pitfalls require (docs/pitfalls.md): refuse a model that is already
 wrapped; move the model to its device, then wrap it (pitfall 1); move optimizer state that was
 created elsewhere; rebuild a plain ``DataLoader`` as ``rw.loader`` with our distributed sampler
 (pitfall 3), keeping its batch size with the meaning torch gives it under that strategy, said
@@ -18,40 +18,126 @@ rank-aware (pitfalls 5 and 6).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import precision, runtime
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Loader
+from ..env import DistEnv
 from ..errors import ConfigError
+from ..log import print0
+from ..training import LoopState, TrainingLoop
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrap
+from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
 from .sharded import ZERO_STAGES, prepare_sharded, warn_if_too_big
-from .strategy import STRATEGIES, Plan, check_same, plan
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
 
 __all__ = [
-    "STRATEGIES",
     "DeviceLoader",
-    "Plan",
+    "Session",
     "check_optimizer",
-    "check_same",
     "describe_batch",
+    "init",
     "move_optimizer_state",
-    "plan",
     "prepare",
     "prepare_loader",
     "prepare_model",
-    "wrap",
+    "refuse_wrapped",
 ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Session(runtime.Runtime, TrainingLoop):
+    """What ``rw.init()`` returns: the ``Runtime`` (data: env, device, backend, strategy,
+    precision) plus the one-call API: ``prepare``/``prepare_loader`` (this package's functions
+    with the runtime filled in), the loop verbs of ``rankwise.training`` (``backward``,
+    ``clip_grad_norm_``, ``accumulate``, ``log``, ...), ``print`` (an alias of ``rw.print0``)
+    and ``save``/``load`` (``rw.save_checkpoint``/``rw.load_checkpoint`` plus what ``prepare``
+    set up: the scheduler and the loss scale).
+    """
+
+    loop: LoopState = field(default_factory=LoopState, repr=False, compare=False)
+    """The training-loop verbs' state: scaler, prepared optimizers, schedulers, loaders."""
+
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loader: Any = None,
+        *,
+        global_batch_size: int | None = None,
+        scheduler: Any = None,
+    ) -> Any:
+        """``prepare(rt, ...)``: move, then wrap the model; split the loader.
+
+        Sync point: all ranks under 'ddp'.
+        """
+        return prepare(
+            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
+        )
+
+    def prepare_loader(
+        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
+    ) -> Any:
+        """``prepare_loader(rt, ...)``: a loader split over the replicas, batches on the
+        device; ``evaluation``: each sample once. No sync point."""
+        return prepare_loader(
+            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
+        )
+
+    print = staticmethod(print0)
+    """Alias of ``rw.print0``: ``print`` on rank 0 only."""
+
+    def save(self, path: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_checkpoint`` with the prepared scheduler and loss scale. Sync point: all
+        ranks (call it on every rank)."""
+        return save_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=True))
+
+    def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
+        """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale.
+        No sync point."""
+        result = load_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=False))
+        self._restore_scaler(result)
+        return result
+
+
+def init(
+    backend: str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    timeout: float | timedelta | None = None,
+    env: DistEnv | None = None,
+    strategy: str | None = None,
+    devices: Sequence[Any] | None = None,
+    precision: str | None = None,
+    debug: bool = False,
+) -> Session:
+    """``rw.init``: ``rankwise.runtime.init`` returning a ``Session`` (the one-call API).
+
+    Sync point: all ranks (the rendezvous), when world size > 1.
+    """
+    return runtime.init(
+        backend,
+        device=device,
+        timeout=timeout,
+        env=env,
+        strategy=strategy,
+        devices=devices,
+        precision=precision,
+        debug=debug,
+        kind=Session,
+    )
+
+
 def prepare(
-    rt: Runtime,
+    rt: Session,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     loader: DataLoader | Loader | None = None,
@@ -88,9 +174,7 @@ def prepare(
     return (wrapped, optimizer, prepared, *tail)
 
 
-def _with_precision(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-    from .. import precision
-
+def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     warn_if_too_big(rt, model, optimizer)

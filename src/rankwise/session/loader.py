@@ -1,10 +1,10 @@
 """The loader: a plain DataLoader rebuilt as ``rw.loader`` with an explicit batch meaning, and
-batches moved to the device (the seed's pitfalls 3 and 4)."""
+batches moved to the device (docs/pitfalls.md#pitfall-3 and #pitfall-4)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
@@ -12,10 +12,9 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
+from ..log import get_logger
 from ..parallel.scatter_gather import to_device
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
+from ..runtime import Runtime
 
 
 def _shuffle_of(dl: DataLoader) -> bool:
@@ -74,7 +73,7 @@ def _rebuild(
     rt: Runtime, dl: DataLoader, global_batch_size: int | None, evaluation: bool
 ) -> Loader:
     shuffle = _shuffle_of(dl)
-    in_process = len(rt.devices) if rt.strategy == "dp" else 1
+    in_process = rt.replicas_in_process
     batch_size = dl.batch_size if global_batch_size is None else None
     if batch_size is not None and rt.strategy == "dp":
         # torch's DataParallel meaning: the loader's batch is the global batch, split.
@@ -129,7 +128,7 @@ def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
 
 
 def _check_kept(rt: Runtime, kept: Loader, global_batch_size: int | None) -> None:
-    in_process = len(rt.devices) if rt.strategy == "dp" else 1
+    in_process = rt.replicas_in_process
     if kept.replicas_in_process != in_process:
         raise ConfigError(
             f"the rw.loader was built with replicas_in_process={kept.replicas_in_process}, but "
@@ -160,7 +159,6 @@ def prepare_loader(
     visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
     No sync point.
     """
-    from ..log import get_logger
 
     if isinstance(loader, DeviceLoader):
         loader = loader.loader

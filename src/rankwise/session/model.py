@@ -1,30 +1,26 @@
-"""The model and its optimizer: refuse wrappers, move first, then wrap (the seed's pitfall 1)."""
+"""The model and its optimizer: refuse wrappers, move first, then wrap (docs/pitfalls.md#pitfall-1)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
+from ..pipeline import DistributedPipeline, Pipe
+from ..runtime import Runtime
 
-if TYPE_CHECKING:
-    from ..runtime import Runtime
-
-
-def _wrapper_types() -> tuple[type, ...]:
-    from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
-    from ..pipeline import DistributedPipeline
-
-    return (
-        DataParallel,
-        DistributedDataParallel,
-        ShardedDataParallel,
-        DistributedPipeline,
-        nn.DataParallel,
-        nn.parallel.DistributedDataParallel,
-    )
+_WRAPPERS = (
+    DataParallel,
+    DistributedDataParallel,
+    ShardedDataParallel,
+    DistributedPipeline,
+    nn.DataParallel,
+    nn.parallel.DistributedDataParallel,
+)
+"""Models that are already wrapped: ``prepare`` wraps the model itself and refuses these."""
 
 
 def refuse_wrapped(rt: Runtime, model: Any) -> None:
@@ -33,7 +29,7 @@ def refuse_wrapped(rt: Runtime, model: Any) -> None:
             f"rt.prepare() got model={type(model).__name__}, not a torch.nn.Module",
             fix="pass the model first: rt.prepare(model, optimizer, loader).",
         )
-    if isinstance(model, _wrapper_types()):
+    if isinstance(model, _WRAPPERS):
         cls = type(model)
         raise ConfigError(
             f"rt.prepare() got a model already wrapped in {cls.__module__}.{cls.__qualname__}; "
@@ -46,8 +42,6 @@ def refuse_wrapped(rt: Runtime, model: Any) -> None:
 
 def _spans_devices(model: nn.Module) -> bool:
     """True for a model split over devices (``rw.split``, hand-placed layers): left in place."""
-    from ..pipeline import Pipe
-
     found = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     return isinstance(model, Pipe) or len(found) > 1
 
@@ -55,9 +49,11 @@ def _spans_devices(model: nn.Module) -> bool:
 def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
     """Move ``model`` to ``rt.device``, then wrap it for ``rt.strategy``.
 
+    The caller has refused wrapped models (``refuse_wrapped``): ``session.prepare`` does it
+    first, before it looks at the optimizer.
+
     Sync point: all ranks under 'ddp' (the wrapper broadcasts rank 0's parameters).
     """
-    refuse_wrapped(rt, model)
     spans = _spans_devices(model)
     if spans and rt.strategy == "dp":
         raise ConfigError(
@@ -67,14 +63,12 @@ def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
             "top of a split model, or strategy='single'.",
         )
     if not spans:
-        model.to(rt.device)  # pitfall 1: move first, then wrap
-    return wrap(rt, model, spans)
+        model.to(rt.device)  # move first, then wrap: docs/pitfalls.md#pitfall-1
+    return _wrap(rt, model, spans)
 
 
-def wrap(rt: Runtime, model: nn.Module, spans: bool = False) -> nn.Module:
+def _wrap(rt: Runtime, model: nn.Module, spans: bool) -> nn.Module:
     """The model wrapped in our engine for ``rt.strategy`` ('single': the model itself)."""
-    from ..parallel import DataParallel, DistributedDataParallel
-
     if rt.strategy == "dp":
         return DataParallel(model, device_ids=list(rt.devices))
     if rt.strategy == "ddp":

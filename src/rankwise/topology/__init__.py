@@ -1,4 +1,4 @@
-"""The rank table: which process is which, on N nodes x M devices (the seed's 3 x 4 example).
+"""The rank table: which process is which, on N nodes x M devices (e.g. 3 x 4).
 
 Global rank = node_rank * nproc_per_node + local_rank. Node 0 / rank 0 is the master: it hosts
 the rendezvous store and is the process that prints, logs and saves.

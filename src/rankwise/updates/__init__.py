@@ -1,4 +1,5 @@
-"""How replicas agree on parameters: synchronous, asynchronous (parameter server), local SGD.
+"""Update rules, how replicas agree on parameters: synchronous, asynchronous (parameter server),
+local SGD.
 
 Choose in one place, by wrapping the optimizer; the training loop stays the same::
 
@@ -18,23 +19,27 @@ import torch
 
 from ..errors import ConfigError
 from .asynchronous import AsyncUpdates, asynchronous
-from .base import UpdateStrategy
+from .base import UpdateRule
 from .gate import StalenessGate
 from .local_sgd import LocalSGD, local_sgd
 from .server import ServerStats
 from .sync import SyncUpdates, synchronous
 
-Strategy = Literal["sync", "async", "local_sgd"]
-STRATEGIES: tuple[str, ...] = ("sync", "async", "local_sgd")
+Rule = Literal["sync", "async", "local_sgd"]
+RULES: tuple[str, ...] = ("sync", "async", "local_sgd")
 
 
 def wrap(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    strategy: Strategy,
+    strategy: Rule,
     **options: Any,
-) -> UpdateStrategy:
-    """The strategy named by a string (from a flag or a config): ``wrap(m, opt, "async", staleness=2)``.
+) -> UpdateRule:
+    """The update rule named by a string (a flag, a config): ``wrap(m, opt, "async", staleness=2)``.
+
+    The parameter keeps the name ``strategy`` for compatibility; in rankwise's vocabulary a
+    *strategy* is how ``rw.init`` parallelises (single, dp, ddp) and an *update rule* is how
+    replicas agree (sync, async, local_sgd).
 
     Sync point: all ranks.
     """
@@ -45,20 +50,20 @@ def wrap(
     if strategy == "local_sgd":
         return local_sgd(model, optimizer, **options)
     raise ConfigError(
-        f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}",
+        f"strategy={strategy!r} is not one of {', '.join(RULES)}",
         fix="use 'sync' (the usual choice), 'async' (parameter server) or 'local_sgd'.",
     )
 
 
 __all__ = [
-    "STRATEGIES",
+    "RULES",
     "AsyncUpdates",
     "LocalSGD",
+    "Rule",
     "ServerStats",
     "StalenessGate",
-    "Strategy",
     "SyncUpdates",
-    "UpdateStrategy",
+    "UpdateRule",
     "asynchronous",
     "local_sgd",
     "synchronous",

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError, RuntimeStateError
-from ..parallel.state import verify_same_model
-from .base import UpdateStrategy
+from ..parallel.agreement import verify_same_model
+from .base import UpdateRule
 from .gate import StalenessGate
 from .protocol import Kind, LocalChannel, Message, WireChannel, text_message
 from .server import ParameterServer, ServerStats
 
 
-class AsyncUpdates(UpdateStrategy):
+class AsyncUpdates(UpdateRule):
     """``step()`` = push this rank's gradient to the parameter server, load what it sends back.
 
     Sync points: all ranks at construction (a process group for the server's traffic is made)

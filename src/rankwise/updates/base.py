@@ -1,9 +1,9 @@
-"""What every update strategy shares: the user's optimizer inside, the loop unchanged, a clean stop.
+"""What every update rule shares: the user's optimizer inside, the loop unchanged, a clean stop.
 
-A strategy wraps the optimizer the user already built, because ``optimizer.step()`` is exactly
+An update rule wraps the optimizer the user already built, because ``optimizer.step()`` is exactly
 the point where replicas must agree: averaged gradients (synchronous), a round trip to a
 parameter server (asynchronous), or a periodic average of parameters (local SGD). The model is
-left untouched: no hooks, no wrapper module, so the same model works with every strategy and
+left untouched: no hooks, no wrapper module, so the same model works with every rule and
 ``state_dict()`` keys stay the user's own.
 """
 
@@ -17,16 +17,34 @@ import torch
 
 from .. import runtime
 from ..errors import ConfigError, RuntimeStateError
-from ._flat import FlatParams
+from ..flat import FlatParams
 
 
-class UpdateStrategy:
-    """Base of the strategies: ``step()``, ``zero_grad()``, ``close()``, a context manager."""
+def _joined_runtime(name: str) -> runtime.Runtime:
+    """The runtime ``rw.init()`` made; alone (world size 1) one is made here, which joins
+    nothing. A launched process must call ``rw.init()`` itself: joining the job is a sync
+    point, and hiding it inside an optimizer wrapper would hide where ranks meet."""
+    if runtime.is_initialized():
+        return runtime.get_runtime()
+    where = runtime.coords()
+    if where.world_size > 1:
+        raise RuntimeStateError(
+            f"rw.updates ({name}) needs the process group, but this process is rank "
+            f"{where.rank} of {where.world_size} ({where.source}) and rankwise is not initialised",
+            fix="call `rt = rw.init()` at the start of the program, on every rank, before "
+            "wrapping the optimizer.",
+            rank=where.rank,
+        )
+    return runtime.init()
+
+
+class UpdateRule:
+    """Base of the update rules: ``step()``, ``zero_grad()``, ``close()``, a context manager."""
 
     name = "base"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.runtime = runtime.init()
+        self.runtime = _joined_runtime(self.name)
         self.model = model
         self.optimizer = optimizer
         self.flat = FlatParams(model.parameters())
@@ -67,7 +85,7 @@ class UpdateStrategy:
 
     # ---- stopping ----------------------------------------------------------------------------
     def close(self) -> None:
-        """End of training. Sync point: all ranks (for strategies that communicate)."""
+        """End of training. Sync point: all ranks (for rules that communicate)."""
         self._closed()
 
     def abort(self, exc: BaseException) -> None:
@@ -86,12 +104,12 @@ class UpdateStrategy:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeStateError(
-                f"step() after close() of the {self.name} strategy",
-                fix="create a new strategy for a new training run, or move close() after the loop.",
+                f"step() after close() of the {self.name} update rule",
+                fix="create a new update rule for a new training run, or move close() after the loop.",
                 rank=self.rank,
             )
 
-    def __enter__(self) -> UpdateStrategy:
+    def __enter__(self) -> UpdateRule:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

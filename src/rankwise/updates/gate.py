@@ -93,5 +93,5 @@ class StalenessGate:
         if worker not in self.workers:
             raise DistributedError(
                 f"rank {worker} is not one of the workers {sorted(self.workers)}",
-                fix="every rank must create the strategy with the same arguments.",
+                fix="every rank must create the update rule with the same arguments.",
             )

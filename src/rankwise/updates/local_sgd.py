@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import comm
 from ..errors import ConfigError
-from .base import UpdateStrategy
-from .sync import _all_reduce, broadcast_parameters
+from .base import UpdateRule
+from .sync import broadcast_parameters
 
 
-class LocalSGD(UpdateStrategy):
+class LocalSGD(UpdateRule):
     """``step()`` = the user's optimizer step on local gradients; every ``every`` steps, average.
 
     Sync point: all ranks, at construction, at every ``every``-th ``step()`` and at ``close()``
@@ -48,8 +49,7 @@ class LocalSGD(UpdateStrategy):
         """Replace every replica's parameters by their mean. Sync point: all ranks."""
         if self.runtime.distributed:
             flat = self.flat.values()
-            _all_reduce(self, flat, "parameter")
-            flat.div_(self.runtime.world_size)
+            comm.all_reduce_(flat, "mean", label=f"local_sgd: parameters, step {self.steps}")
             self.flat.load_values(flat)
         self.averages += 1
 

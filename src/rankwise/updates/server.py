@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._flat import FlatParams
+from ..flat import FlatParams
 from .gate import Applied, StalenessGate
 from .protocol import TO_SERVER, Kind, Message, ProtocolError, WireChannel, text_message
 

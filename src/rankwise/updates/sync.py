@@ -2,19 +2,18 @@
 
 The baseline the others are measured against: a step costs the slowest worker's time plus one
 all-reduce. (rankwise.DistributedDataParallel does the same averaging overlapped with backward;
-this strategy is the plain per-step version, with no hooks on the model.)
+this update rule is the plain per-step version, with no hooks on the model.)
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..errors import DistributedError
-from .base import UpdateStrategy
+from .. import comm
+from .base import UpdateRule
 
 
-class SyncUpdates(UpdateStrategy):
+class SyncUpdates(UpdateRule):
     """``step()`` = all-reduce the mean gradient (one flat buffer), then the user's optimizer step.
 
     Construction broadcasts rank 0's parameters so that every replica starts equal.
@@ -32,8 +31,7 @@ class SyncUpdates(UpdateStrategy):
         self._check_open()
         if self.runtime.distributed:
             flat = self.flat.grads()
-            _all_reduce(self, flat, "gradient")
-            flat.div_(self.runtime.world_size)
+            comm.all_reduce_(flat, "mean", label=f"{self.name}: gradients, step {self.steps}")
             self.flat.load_grads(flat)
         self.optimizer.step()
         self.steps += 1
@@ -47,29 +45,9 @@ def synchronous(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Syn
     return SyncUpdates(model, optimizer)
 
 
-def broadcast_parameters(strategy: UpdateStrategy) -> None:
+def broadcast_parameters(rule: UpdateRule) -> None:
     """Rank 0's parameter values on every rank. Sync point: all ranks."""
-    if strategy.runtime.distributed:
-        flat = strategy.flat.values()
-        try:
-            dist.broadcast(flat, src=0)
-        except RuntimeError as exc:
-            raise _failed(strategy, "parameter broadcast", exc) from exc
-        strategy.flat.load_values(flat)
-
-
-def _all_reduce(strategy: UpdateStrategy, flat: torch.Tensor, what: str) -> None:
-    try:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    except RuntimeError as exc:
-        raise _failed(strategy, f"{what} all-reduce", exc) from exc
-
-
-def _failed(strategy: UpdateStrategy, what: str, exc: RuntimeError) -> DistributedError:
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return DistributedError(
-        f"{strategy.name}: {what} failed after step {strategy.steps} ({first})",
-        fix="another rank probably failed or stopped early: read the other ranks' errors; "
-        "every rank must call step() the same number of times.",
-        rank=strategy.rank,
-    )
+    if rule.runtime.distributed:
+        flat = rule.flat.values()
+        comm.broadcast_(flat, src=0, label=f"{rule.name}: rank 0's parameters")
+        rule.flat.load_values(flat)

@@ -1,4 +1,4 @@
-"""Single-process DataParallel (the seed's DP example): prints are fine, the batch is global."""
+"""Single-process DataParallel (the classic DP example): prints are fine, the batch is global."""
 
 import torch
 import torch.nn as nn

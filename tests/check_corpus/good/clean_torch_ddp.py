@@ -1,4 +1,4 @@
-"""A correct torchrun DDP script: every pitfall of the seed avoided the torch way."""
+"""A correct torchrun DDP script: every pitfall of docs/pitfalls.md avoided the torch way."""
 
 import argparse
 import os

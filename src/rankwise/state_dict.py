@@ -1,4 +1,4 @@
-"""Model state without wrapper prefixes: the seed's pitfall 5 (``module.``) made impossible.
+"""Model state without wrapper prefixes: pitfall 5 (``module.``, docs/pitfalls.md#pitfall-5) made impossible.
 
 Wrappers add a level to parameter names: torch's DDP and DP as ``module.``, ``torch.compile`` as
 ``_orig_mod.``. A state dict saved through a wrapper then fails to load into the bare model
@@ -54,7 +54,7 @@ PREFIX = "module."
 def strip_module_prefix(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    """state_dict post-hook: ``module.fc.weight`` -> ``fc.weight`` (the seed's pitfall 5)."""
+    """state_dict post-hook: ``module.fc.weight`` -> ``fc.weight`` (docs/pitfalls.md#pitfall-5)."""
     head = prefix + PREFIX
     for key in [k for k in state_dict if k.startswith(head)]:
         state_dict[prefix + key[len(head) :]] = state_dict.pop(key)

@@ -1,4 +1,4 @@
-# Seed pitfall 2: "RuntimeError: trying to initialize the default process group twice!"
+# Pitfall 2 (docs/pitfalls.md#pitfall-2): "RuntimeError: trying to initialize the default process group twice!"
 import os
 
 import torch

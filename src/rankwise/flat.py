@@ -1,6 +1,7 @@
 """A model's trainable parameters seen as one flat vector: one message, one collective.
 
-Every strategy moves whole models (parameters or gradients) between ranks. Packing them into a
+Update rules (``rankwise.updates``) and pipeline stages move whole models (parameters or
+gradients) between ranks. Packing them into a
 single contiguous buffer turns N small transfers into one, and gives the wire protocol a fixed
 shape: ``numel`` elements of one dtype.
 """
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 
 class FlatParams:

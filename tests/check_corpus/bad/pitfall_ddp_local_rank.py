@@ -1,4 +1,4 @@
-# The seed's own DDP example (section 2), line breaks restored. Its only pitfall: the local rank
+# A classic published DDP example (docs/pitfalls.md#pitfall-local-rank). Its only pitfall: the local rank
 # comes from `--local_rank` alone, which torchrun never passes.
 import argparse
 

@@ -1,4 +1,4 @@
-# Seed pitfall 4: with DP, batch_size is the total; dividing it by the device count (a DDP habit)
+# Pitfall 4 (docs/pitfalls.md#pitfall-4): with DP, batch_size is the total; dividing it by the device count (a DDP habit)
 # makes each GPU see batch/N² samples.
 import torch
 import torch.nn as nn

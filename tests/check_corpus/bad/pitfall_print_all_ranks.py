@@ -1,4 +1,4 @@
-# Seed pitfall 6: printing on every process ("很多快慢不一的信息").
+# Pitfall 6 (docs/pitfalls.md#pitfall-6): printing on every process ("很多快慢不一的信息").
 import torch
 import torch.distributed as dist
 

@@ -1,18 +1,24 @@
-"""Which strategy this process runs: 'auto' resolved, refused combinations named with the fix."""
+"""Which strategy this process runs: 'auto' resolved, refused combinations named with the fix.
+
+Part of the ground floor: ``rw.init`` settles the plan before it joins the job, so a refused
+strategy fails every rank at once, before the rendezvous. Imports nothing above ``runtime``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..env import DistEnv
-from ..errors import ConfigError, RuntimeStateError
+from .devices import resolve_device
+from .env import DistEnv
+from .errors import ConfigError, RuntimeStateError
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime
+    from .runtime import Runtime
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3")
 _LAUNCHER_FIX = (
@@ -79,8 +85,6 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
 
 
 def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:
-    from ..devices import resolve_device
-
     if devices is None:
         count = _accelerator_count()
         if count == 0:
@@ -131,3 +135,54 @@ def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | 
 
 def _names(devices: Sequence[torch.device]) -> str:
     return "[" + ", ".join(f"'{d}'" for d in devices) + "]"
+
+
+# ---- precision: how the prepared model computes (applied by rankwise.precision) ----
+
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+_ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "16-mixed": "fp16-mixed"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """How the forward computes and whether the loss is scaled."""
+
+    name: str = "32"
+    """One of ``PRECISIONS``: '32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true'."""
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.name!r} is not one of {', '.join(map(repr, PRECISIONS))}",
+                fix="pass precision='bf16-mixed' (CPU and recent GPUs), 'fp16-mixed' (GPUs, "
+                "with a loss scaler), 'bf16-true' (bf16 weights) or '32' (the default).",
+            )
+
+    @property
+    def mixed(self) -> bool:
+        return self.name.endswith("-mixed")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the forward."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name[:4], torch.float32)
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.name == "fp16-mixed"
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` for a mixed policy, a no-op context otherwise."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.dtype)
+
+
+def parse(precision: str | int | Precision | None) -> Precision:
+    """``Precision`` from a name ('bf16-mixed', ...), a few common aliases, or 32/None."""
+    if isinstance(precision, Precision):
+        return precision
+    if precision is None:
+        return Precision()
+    name = str(precision)
+    return Precision(name=_ALIASES.get(name, name))

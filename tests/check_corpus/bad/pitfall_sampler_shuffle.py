@@ -1,4 +1,4 @@
-# Seed pitfall 3: a DistributedSampler and shuffle=True ("sampler option is mutually exclusive with shuffle").
+# Pitfall 3 (docs/pitfalls.md#pitfall-3): a DistributedSampler and shuffle=True ("sampler option is mutually exclusive with shuffle").
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset

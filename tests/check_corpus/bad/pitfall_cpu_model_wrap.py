@@ -1,4 +1,4 @@
-# Seed pitfall 1: the model is wrapped while still on the CPU ("AssertionError: DistributedDataParallel
+# Pitfall 1 (docs/pitfalls.md#pitfall-1): the model is wrapped while still on the CPU ("AssertionError: DistributedDataParallel
 # device_ids and output_device arguments only work with single-device GPU modules ... {device(type='cpu')}").
 import os
 

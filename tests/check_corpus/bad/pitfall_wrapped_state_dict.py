@@ -1,4 +1,4 @@
-# Seed pitfall 5: saving net.state_dict() of a wrapped net prefixes every key with "module.".
+# Pitfall 5 (docs/pitfalls.md#pitfall-5): saving net.state_dict() of a wrapped net prefixes every key with "module.".
 import os
 
 import torch

@@ -1,0 +1,103 @@
+"""The watched world group: its side channel and the watchdog thread that publishes heartbeats
+and reports collectives that outlive the timeout on backends that never raise (NCCL)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ... import runtime
+from .. import gather, sidechannel, stall
+from .entry import completed, failure
+from .state import STATE, Group
+
+SKIP = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    + os.sep,  # rankwise
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # torch (autograd, c10d)
+    os.path.abspath(threading.__file__),
+    "<frozen",
+)
+"""Frames skipped when looking for the user's call site."""
+
+
+def group_for(group: Any) -> Group | None:
+    """The record of ``group`` (None: the default group), made on first use; None when there
+    is nothing to record (no group, not a member, a group of one)."""
+    pg = c10d._world.default_pg if group is None else group
+    if pg is None or pg is c10d.GroupMember.NON_GROUP_MEMBER:
+        return None
+    g = STATE.groups.get(id(pg))
+    if g is not None and g.pg is pg:
+        return g
+    world = c10d._world.default_pg
+    if world is not STATE.world:
+        _start_world(world)
+    if pg.size() < 2:
+        return None
+    name = "world" if pg is world else str(getattr(pg, "group_name", "") or f"pg{id(pg)}")
+    g = STATE.groups[id(pg)] = Group(pg, name, STATE.channel, STATE.settings.history)
+    return g
+
+
+def _start_world(world: Any) -> None:
+    STATE.reset()
+    if not STATE.hooks_registered:
+        atexit.register(STATE.reset)
+        runtime.on_shutdown(STATE.reset)  # the watchdog talks to the store the group drops
+        STATE.hooks_registered = True
+    try:
+        store = c10d._get_default_store()
+    except Exception:
+        store = None
+    channel = sidechannel.Channel(store)
+    wd = sidechannel.Watchdog(
+        channel,
+        dist.get_rank(),
+        STATE.interval(),
+        snapshot=_snapshot,
+        overdue=_overdue,
+        skip=SKIP,
+        keep_going=lambda: c10d._world.default_pg is world,
+    )
+    STATE.world, STATE.channel, STATE.watchdog = world, channel, wd
+    wd.beat(channel)
+    wd.start()
+
+
+def _snapshot() -> dict[str, Any] | None:
+    """Entry states for the heartbeat (None: disabled, skip it); notices completed async works."""
+    if not STATE.settings.enabled:
+        return None
+    groups = {}
+    for g in list(STATE.groups.values()):
+        tail = list(g.ring)[-8:]
+        for e in tail:
+            work = e.work
+            if work is not None and e.state == "waiting" and completed(work):
+                e.finish()
+        groups[g.name] = [e.to_dict() for e in tail]
+    return {"groups": groups}
+
+
+def _overdue() -> None:
+    """Report collectives pending for all but two heartbeats of the timeout (backends that
+    never raise, such as NCCL, which aborts the process at the timeout)."""
+    stall.check(list(STATE.groups.values()), STATE.watchdog, STATE.interval(), STATE.timeout_s())
+    limit = STATE.timeout_s() - 2 * STATE.interval()
+    now = time.time()
+    for g in list(STATE.groups.values()):
+        if g.gloo:  # gloo raises at the timeout; the exception carries the diagnosis
+            continue
+        for e in list(g.ring)[-8:]:
+            if e.state in ("entered", "waiting") and not e.reported and now - e.t0 > limit:
+                e.reported = True
+                note = f"the timeout of {STATE.timeout_s():.0f}s is near"
+                gather.log_overdue(failure(e, TimeoutError(note), mark=False))
