@@ -216,11 +216,6 @@ def init(
 ) -> R:
     """Join the distributed job described by the environment, or run as a single process.
 
-    ``debug=True`` makes torch check every collective of the process group (ours and the
-    user's own ``torch.distributed`` calls) across ranks before it runs, so a mismatch fails
-    at once naming both ops (``TORCH_DISTRIBUTED_DEBUG=DETAIL``; slower, docs/diagnose.md).
-    It must be given to the call that creates the process group.
-
     Idempotent: a second call returns the same runtime. Works unlaunched (``python train.py``)
     as world size 1, where no process group is created and every collective is a no-op.
     ``strategy`` ('auto', 'single', 'dp', 'ddp') and ``devices`` (DataParallel's) decide what
@@ -228,6 +223,8 @@ def init(
     when unlaunched with several, else 'single'. ``precision`` ('32', 'bf16-mixed',
     'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
     ``kind``: the class of the runtime made (``rw.init`` asks for ``rankwise.session.Session``).
+    ``debug=True``: torch checks every collective across ranks before it runs (slower;
+    docs/diagnose.md).
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
@@ -251,13 +248,18 @@ def init(
         rt = kind(env=env, device=dev, backend=None, timeout=timeout_td)
         _current = _with_plan(rt, the_plan, policy)
         return _current
-    chosen = choose_backend(dev, backend)
-    process_group.create(env, chosen, timeout_td, exported=explicit_env, debug=debug)
-    if "gloo" in chosen:
-        atexit.register(_shutdown_at_exit)
+    chosen = _join(env, choose_backend(dev, backend), timeout_td, explicit_env, debug)
     rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
     _current = _with_plan(rt, the_plan, policy)
     return _current
+
+
+def _join(env: DistEnv, backend: str, timeout: timedelta, exported: bool, debug: bool) -> str:
+    """Create the process group. Sync point: all ranks (the rendezvous)."""
+    process_group.create(env, backend, timeout, exported=exported, debug=debug)
+    if "gloo" in backend:
+        atexit.register(_shutdown_at_exit)
+    return backend
 
 
 def _again(kind: type[R], backend, device, timeout, strategy, devices, precision) -> R:

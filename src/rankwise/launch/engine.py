@@ -87,6 +87,18 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
     )
 
 
+def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
+    """What the workers learn from their environment; returns the diagnoses folder."""
+    # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
+    diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
+    envmod.set_diag_dir_for_workers(diag)
+    # The rank-aware logger leaves out its own prefix when the launcher adds one.
+    envmod.set_rank_prefix_for_workers(opts.prefix_output)
+    # The agent runs in this process and starts the workers: they die with it (bootstrap).
+    envmod.set_launcher_pid_for_workers(os.getpid())
+    return diag
+
+
 def launch(opts: LaunchOptions) -> None:
     """Run ``opts.script`` on this node's workers; return when all of them succeeded.
 
@@ -109,13 +121,7 @@ def launch(opts: LaunchOptions) -> None:
     cmd, args = worker_command(opts)
     with tempfile.TemporaryDirectory(prefix="rankwise-run-") as tmp:
         config = _config(opts, rdzv, opts.log_dir or tmp)
-        # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
-        diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
-        envmod.set_diag_dir_for_workers(diag)
-        # The rank-aware logger leaves out its own prefix when the launcher adds one.
-        envmod.set_rank_prefix_for_workers(opts.prefix_output)
-        # The agent runs in this process and starts the workers: they die with it (bootstrap).
-        envmod.set_launcher_pid_for_workers(os.getpid())
+        diag = _tell_workers(opts, tmp)
         waiting = waiting_message(opts, rdzv)
         if waiting:
             print(waiting, file=sys.stderr, flush=True)

@@ -82,42 +82,36 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        refuse_unsupported(
-            delay_all_reduce_named_params,
-            param_to_hook_all_reduce,
-            mixed_precision,
-            bucket_cap_mb_list,
-            check_reduction,
-        )
-        process_group = group_from_mesh(process_group, device_mesh)
+        unsupported = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
+        refuse_unsupported(*unsupported, bucket_cap_mb_list, check_reduction)
         self.module = module
-        self.process_group = process_group
+        self.process_group = process_group = group_from_mesh(process_group, device_mesh)
         self.world_size, self.rank = _group_size_and_rank(process_group)
         self.device_ids, self.output_device = _check_devices(
             module, device_ids, output_device, self.rank
         )
-        _check_no_sparse(module, self.rank)
-        comp.wire_dtype(compression)  # validate before any collective
-        self.dim = dim
-        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        _check_no_sparse(module, self.rank, compression)  # before any collective
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        self.dim, self.bucket_cap_mb = dim, cap
         sync_in_forward, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.broadcast_buffers = sync_in_forward
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view = True  # always: .grad is a view of its bucket
-        self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        self.batched_grad_copy = batched_grad_copy
-        self.compression = compression
-        self.require_backward_grad_sync = True
-        self._forward_sync = True
+        self.batched_grad_copy, self.compression = batched_grad_copy, compression
+        self.require_backward_grad_sync = self._forward_sync = True
         if self.world_size > 1 and init_sync:
-            verify_same_model(module, process_group, self.rank)
-            state = [p.detach() for p in _unique(module.parameters())]
-            buffers = [b.detach() for b in module.buffers()] if sync_at_init else []
-            broadcast_tensors(state + buffers, process_group)
+            self._agree(sync_at_init)
         self._build_reducer()
         self.register_state_dict_post_hook(strip_module_prefix)
         self.register_load_state_dict_pre_hook(add_module_prefix)
+
+    def _agree(self, with_buffers: bool) -> None:
+        """Same model on every rank, then rank 0's parameters (and buffers). Sync point."""
+        verify_same_model(self.module, self.process_group, self.rank)
+        state = [p.detach() for p in _unique(self.module.parameters())]
+        buffers = [b.detach() for b in self.module.buffers()] if with_buffers else []
+        broadcast_tensors(state + buffers, self.process_group)
 
     def _build_reducer(self) -> None:
         names, params = trainable_parameters(self.module, self.rank)
@@ -331,7 +325,10 @@ def _as_device(d: int | str | torch.device) -> torch.device:
     return dev
 
 
-def _check_no_sparse(module: nn.Module, rank: int) -> None:
+def _check_no_sparse(
+    module: nn.Module, rank: int, compression: str | torch.dtype | None = None
+) -> None:
+    comp.wire_dtype(compression)  # a bad compression name is refused here too
     for name, mod in module.named_modules():
         if getattr(mod, "sparse", False) is True and isinstance(
             mod, (nn.Embedding, nn.EmbeddingBag)
