@@ -39,6 +39,7 @@ from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from .comm_hooks import HookFn, check_hook
 from .ddp_options import buffer_sync, group_from_mesh, refuse_unsupported
 from .join import DDPJoinHook, sync_flag
+from .no_sync import gradient_sync_off
 from .reducer import Reducer
 
 
@@ -163,20 +164,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         with torch.no_grad():
             broadcast_tensors([b for b in bufs if b is not None], self.process_group)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally: backward passes inside this block communicate nothing.
 
         Checked when backward runs (and, as in torch, when the forward ran), so it may wrap the
         forward and backward, or the backward alone. The next backward outside it averages the
         accumulated gradients.
         """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        return gradient_sync_off(self)
 
     # -- torch's public methods beyond forward ------------------------------------------------
 

@@ -23,7 +23,7 @@ Sync point: all ranks, at construction, in every synchronised backward pass, in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from .agreement import broadcast_tensors, trainable_parameters, verify_same_mode
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from .distributed import _check_no_sparse, _group_size_and_rank
 from .flat import layout, module_units
+from .no_sync import gradient_sync_off
 from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks
 
@@ -248,15 +249,9 @@ class ShardedDataParallel(nn.Module):
             return self.module(*inputs, **kwargs)
         return self.stage3.run_root(self.module, inputs, kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (full size); the next backward outside reduces them."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        return gradient_sync_off(self)
 
     def _after_step(self) -> None:
         """Stages 1/2: every rank's updated slice to every rank. Sync point: all ranks."""

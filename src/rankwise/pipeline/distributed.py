@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -28,6 +28,7 @@ from .. import comm, runtime
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..flat import FlatParams
+from ..parallel.no_sync import gradient_sync_off
 from . import p2p, partition
 from .pipe import _check_chunks
 
@@ -139,17 +140,11 @@ class DistributedPipeline(nn.Module):
         weights = [s / sum(sizes) if self.loss_reduction == "mean" else 1.0 for s in sizes]
         return sum(w * loss.detach() for w, loss in zip(weights, losses, strict=True))
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally: ``train_step`` inside does not average them over
         ``data_parallel_group`` (activations still flow between stages); the next one outside
         averages the sum. What ``rt.accumulate`` uses."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        return gradient_sync_off(self)
 
     def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Pipelined forward only (evaluation): the output on the last stage, None elsewhere.
