@@ -128,7 +128,7 @@ def test_json_schema(run):
     assert doc["recommendation"]["strategy"] in ("single", "threads", "dp", "ddp", "torch-ddp")
 
 
-def test_projection_matches_world_2_within_tolerance(run):
+def test_projection_validation_row_is_consistent(run):
     _, doc, _ = run
     (check,) = doc["projection"]["validation"]["rows"]
     assert check["world"] == 2
