@@ -244,8 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         "loop_orders_ms": res["loop_orders"],
     }
     if args.part == "orders":
-        print(json.dumps(orders, indent=2))
-        return orders
+        return _emit(orders, args.out)
     result: dict = {
         "benchmark": "ddp",
         "world_size": args.world_size,
@@ -271,10 +270,15 @@ def main(argv: list[str] | None = None) -> dict:
         "compression_mlp_ms": res["compression_mlp"],
         **orders,
     }
+    return _emit(result, args.out)
+
+
+def _emit(result: dict, out: Path | None) -> dict:
+    """Print the JSON, and write it to ``out`` too when given (--out)."""
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
     return result
 
 
