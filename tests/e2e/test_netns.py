@@ -68,7 +68,8 @@ def test_two_namespaces_as_two_hosts(two_hosts, tmp_path: Path):
             "report_env.py",
             str(tmp_path),
             cwd=tmp_path,
-            prefix=("ip", "netns", "exec", names[i]),
+            # c10's warnings (e.g. no hostname) go to a file there, named on stderr.
+            prefix=("ip", "netns", "exec", names[i], "env", f"TMPDIR={tmp_path}"),
         )
         for i in (1, 0)
     ]

@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
+from .native_log import NativeStderr, workers_unfiltered
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
 from .output import console, tee_to_files, waiting_message
 from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
@@ -126,12 +127,16 @@ def launch(opts: LaunchOptions) -> None:
         if waiting:
             print(waiting, file=sys.stderr, flush=True)
         restarts = RestartLog(opts.max_restarts)
+        # c10's C++ log lines and stack frames go to a file, named below (native_log.py).
+        native = NativeStderr(opts.log_dir)
         try:
-            with console(opts), reporting_restarts(restarts):
+            with native, workers_unfiltered(native), console(opts), reporting_restarts(restarts):
                 elastic_launch(config, cmd)(*args)
             if restarts.summary():
                 restarts.emit(restarts.summary())
+            _tell_native_log(native)
         except ChildFailedError as exc:
+            _tell_native_log(native)
             failures = [
                 _with_stderr(f, config.logs_specs.root_log_dir) for f in from_elastic(exc.failures)
             ]
@@ -143,9 +148,25 @@ def launch(opts: LaunchOptions) -> None:
                 culprits=read_culprits(diag),
             ) from None
         except SignalException as exc:
+            _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
-            raise _rendezvous_error(opts, rdzv, exc) from exc
+            raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
+
+
+def _native_note(native: NativeStderr) -> str:
+    if not native.kept:
+        return ""
+    return (
+        f"torch's native log ({native.kept} line{'s' if native.kept > 1 else ''}: c10d "
+        "warnings, C++ stack frames) "
+        f"is kept in {native.path}"
+    )
+
+
+def _tell_native_log(native: NativeStderr) -> None:
+    if native.kept:
+        print(f"rankwise run: {_native_note(native)}", file=sys.stderr, flush=True)
 
 
 def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
@@ -168,14 +189,17 @@ def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
     return dataclasses.replace(f, stderr_tail=tail)
 
 
-def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> DistributedError:
+def _rendezvous_error(
+    opts: LaunchOptions, rdzv: Rendezvous, exc: Exception, note: str = ""
+) -> DistributedError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    note = f"\n{note}" if note else ""
     where = f"{rdzv.backend} rendezvous at {rdzv.endpoint}"
     if "EADDRINUSE" in first or "address already in use" in first.lower():
         port = rdzv.endpoint.rsplit(":", 1)[-1]
         return DistributedError(
             f"port {port} is already in use on this machine, so node {opts.node_rank} cannot "
-            f"host the {where} ({type(exc).__name__}: {first})",
+            f"host the {where} ({type(exc).__name__}: {first}){note}",
             fix="pass another --master-port (another job, or a previous run still exiting, "
             "holds this one), or leave --master-port out on one node so a free port is picked.",
         )
@@ -191,6 +215,6 @@ def _rendezvous_error(opts: LaunchOptions, rdzv: Rendezvous, exc: Exception) -> 
         )
     return DistributedError(
         f"node {opts.node_rank} of {opts.nnodes} could not complete the {where} "
-        f"within --rdzv-timeout={opts.rdzv_timeout}s ({type(exc).__name__}: {first})",
+        f"within --rdzv-timeout={opts.rdzv_timeout}s ({type(exc).__name__}: {first}){note}",
         fix=fix,
     )
