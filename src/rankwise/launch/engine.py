@@ -137,21 +137,22 @@ def launch(opts: LaunchOptions) -> None:
             _tell_native_log(native)
         except ChildFailedError as exc:
             _tell_native_log(native)
-            failures = [
-                _with_stderr(f, config.logs_specs.root_log_dir) for f in from_elastic(exc.failures)
-            ]
-            raise JobFailed(
-                failures,
-                world_size=opts.world_size,
-                node_rank=opts.node_rank,
-                diagnoses=read_diagnoses(diag),
-                culprits=read_culprits(diag),
-            ) from None
+            raise _job_failed(opts, exc, config.logs_specs.root_log_dir, diag) from None
         except SignalException as exc:
             _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
             raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
+
+
+def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) -> JobFailed:
+    return JobFailed(
+        [_with_stderr(f, log_dir) for f in from_elastic(exc.failures)],
+        world_size=opts.world_size,
+        node_rank=opts.node_rank,
+        diagnoses=read_diagnoses(diag),
+        culprits=read_culprits(diag),
+    )
 
 
 def _native_note(native: NativeStderr) -> str:
