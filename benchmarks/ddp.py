@@ -19,7 +19,15 @@ SGD step, zero_grad) of:
   forward; ``after_forward``: the PyTorch tutorials' ``out = model(x); opt.zero_grad();
   loss.backward()``; ``last``: after ``opt.step()``), each with ``set_to_none`` True and False,
   on two MLP shapes (the reference MLP and a smaller, deeper-than-wide ``mlp_small``) and the
-  CNN, rankwise vs torch side by side (``--part orders`` runs only this).
+  CNN, rankwise vs torch side by side (``--part orders`` runs only this). Beside them, per
+  order, ``independent`` (no communication) and, per model, ``all_reduce`` (the gradient
+  buckets alone): their CPU times added, over torch's step time, are the floor
+  (``loop_orders_floor_ratio_any_ddp_over_torch``) no implementation sending the same bytes can
+  go below when the ranks' processes fill the machine's cores, however well it overlaps.
+
+On a shared machine, ``chrt -r 10 python benchmarks/ddp.py ...`` (real-time priority, Linux,
+root) keeps other jobs from delaying the ranks' wake-ups, which otherwise dominate wall-clock
+ratios; CPU-time ratios are steadier either way.
 
 Prints one JSON object (and writes it to ``--out``). Times are medians over repeats, in ms.
 """
@@ -42,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import rankwise as rw
 from rankwise.bench import models
+from rankwise.parallel.buckets import assign_buckets
 from rankwise.testing import run_distributed
 
 ORDERS = ("first", "after_forward", "last")
@@ -63,6 +72,9 @@ def _batch(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 def _make(kind: str, name: str, **kw):
     torch.manual_seed(0)
     net = _build(name)
+    if kind == "all_reduce":  # the model's gradient buckets, as rankwise lays them out
+        params = [p for p in net.parameters() if p.requires_grad]
+        return [torch.zeros(b.numel) for b in assign_buckets(params)]
     if kind == "rankwise":
         return rw.DistributedDataParallel(net, **kw)
     if kind == "torch":
@@ -91,6 +103,15 @@ def _steps(model, opt, x, y, steps: int, order: str = "last", to_none: bool = Tr
     return (time.perf_counter() - start) * 1000 / steps
 
 
+def _all_reduce_steps(buffers: list[torch.Tensor], steps: int) -> float:
+    """One step's worth of communication alone: every gradient bucket all-reduced, async."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for work in [dist.all_reduce(b, async_op=True) for b in buffers]:
+            work.wait()
+    return (time.perf_counter() - start) * 1000 / steps
+
+
 def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=True) -> float:
     """Mean step time (ms) over ``steps`` steps; the slowest rank's for DDP.
 
@@ -102,6 +123,8 @@ def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=
     cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if kind == "single":
         elapsed = _steps(model, opt, x, y, steps, order, to_none) if dist.get_rank() == 0 else 0.0
+    elif kind == "all_reduce":
+        elapsed = _all_reduce_steps(model, steps)
     else:
         elapsed = _steps(model, opt, x, y, steps, order, to_none)
     # CPU time (all threads of the process, Gloo's included) and page faults per step: less
@@ -133,7 +156,7 @@ def _compare(
     for label, (kind, name, kw) in configs.items():
         loop = {k: kw.pop(k) for k in ("order", "to_none") if k in kw}
         model = _make(kind, name, **kw)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = None if kind == "all_reduce" else torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = _batch(name, batch, seed=rank)
         loop_args = (loop.get("order", "last"), loop.get("to_none", True))
         _time(kind, model, opt, x, y, 2, *loop_args)  # warm-up (and torch's bucket rebuild)
@@ -170,8 +193,9 @@ def _orders_part(batch: int, steps: int, repeats: int) -> dict:
             )
             for order in ORDERS
             for to_none in (True, False)
-            for kind in ("rankwise", "torch")
+            for kind in ("rankwise", "torch", "independent")
         }
+        configs["all_reduce"] = ("all_reduce", name, {})
         out[name] = _compare(configs, batch, steps, repeats, with_cpu=True)
     return out
 
@@ -180,9 +204,31 @@ def _orders_table(res: dict, field: str = "wall_ms") -> dict:
     """{model: {order/none|zero: rankwise/torch ratio of ``field``}}."""
     table = {}
     for name, times in res.items():
-        keys = sorted({k.split("/", 1)[1] for k in times})
+        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
         table[name] = {
             k: round(times[f"rankwise/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
+        }
+    return table
+
+
+def _floor_table(res: dict) -> dict:
+    """{model: {order/none|zero: the lowest step-time ratio to torch any DDP could reach}}.
+
+    Two processes share two cores, so a step cannot take less wall-clock time than the CPU
+    time each process must spend: its own forward, backward and optimizer step (the
+    ``independent`` row, no communication) plus all-reducing its gradients (the
+    ``all_reduce`` row, the same buckets alone). That sum over torch's step time bounds the
+    ratio of any implementation that sends the same bytes, however well it overlaps.
+    """
+    table = {}
+    for name, times in res.items():
+        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+        comm = times["all_reduce"]["cpu_ms"]
+        table[name] = {
+            k: round(
+                (times[f"independent/{k}"]["cpu_ms"] + comm) / times[f"torch/{k}"]["wall_ms"], 3
+            )
+            for k in keys
         }
     return table
 
@@ -241,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     orders = {
         "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
         "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
+        "loop_orders_floor_ratio_any_ddp_over_torch": _floor_table(res["loop_orders"]),
         "loop_orders_ms": res["loop_orders"],
     }
     if args.part == "orders":

@@ -90,7 +90,7 @@ def _make(name: str, cfg: dict):
     if kind == "torch-ddp":
         opt = _TorchDDP(model, base)
         return model, opt.ddp, opt
-    return model, model, rw.updates.wrap(model, base, kind, **options)
+    return model, model, rw.updates.wrap(model, base, rule=kind, **options)
 
 
 def _train_for(name: str, cfg: dict, model, forward, opt) -> tuple[float, list]:

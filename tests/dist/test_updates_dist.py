@@ -1,7 +1,7 @@
 """Sync, async (parameter server) and local SGD on real processes, on a least-squares problem.
 
-Oracles: the closed-form least-squares solution (torch.linalg.lstsq) for where every strategy
-must end, and the synchronous strategy itself for the claim "staleness=0 is synchronous".
+Oracles: the closed-form least-squares solution (torch.linalg.lstsq) for where every update rule
+must end, and the synchronous rule itself for the claim "staleness=0 is synchronous".
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _lstsq() -> torch.Tensor:
 
 
 def _model_on(rank: int) -> torch.nn.Linear:
-    torch.manual_seed(rank + 100)  # different on each rank: the strategy makes them agree
+    torch.manual_seed(rank + 100)  # different on each rank: the update rule makes them agree
     return torch.nn.Linear(DIM, 1)
 
 
@@ -66,7 +66,7 @@ def _params(model: torch.nn.Module) -> list[float]:
 
 
 def _train(
-    strategy: str,
+    rule: str,
     options: dict,
     *,
     steps: int,
@@ -79,7 +79,7 @@ def _train(
     x, y = _problem()
     model = _model()
     opt = rw.updates.wrap(
-        model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), strategy, **options
+        model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), rule=rule, **options
     )
     trajectory = []
     with opt:
@@ -93,7 +93,7 @@ def _train(
                 opt.zero_grad()
                 trajectory.append(_params(model))
     out = {"final": _params(model), "trajectory": trajectory}
-    if strategy == "async":
+    if rule == "async":
         out["staleness"] = list(opt.staleness)
         out["server"] = opt.server_stats()
     return out
@@ -236,16 +236,16 @@ def _cuda_sync_and_async_s0() -> dict:
     rw.init("gloo", device="cuda:0")
     x, y = (t.cuda() for t in _problem())
     out = {}
-    for strategy, options in (("sync", {}), ("async", {"staleness": 0})):
+    for rule, options in (("sync", {}), ("async", {"staleness": 0})):
         model = _model().cuda()
-        opt = rw.updates.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy, **options)
+        opt = rw.updates.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rule=rule, **options)
         rank = rw.get_runtime().rank
         with opt:
             for _ in range(10):
                 torch.nn.functional.mse_loss(model(x[rank::2]), y[rank::2]).backward()
                 opt.step()
                 opt.zero_grad()
-        out[strategy] = _params(model)
+        out[rule] = _params(model)
     return out
 
 

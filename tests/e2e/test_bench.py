@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ["single", "threads", "dp", "ddp", "torch-ddp", "async", "local-sgd"]
+STRATEGIES = ["single", "threads", "dp", "ddp", "torch-ddp", "async", "local_sgd"]
 
 USER_MODULE = textwrap.dedent(
     """
@@ -80,7 +80,7 @@ def test_every_strategy_has_a_row(run):
     have_updates = importlib.util.find_spec("rankwise.updates") is not None
     for name in STRATEGIES:
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"{name} "))
-        if name in ("async", "local-sgd") and not have_updates:
+        if name in ("async", "local_sgd") and not have_updates:
             assert rows[name]["available"] is False
             assert rows[name]["reason"].startswith("not available in this build")
             assert "not available in this build" in line

@@ -108,14 +108,14 @@ def test_recommendation_is_the_fastest_exact_strategy_with_numbers():
         _row("single", 80.0),
         _row("threads", 42.0),
         _row("ddp", 160.0, comm=75.0),
-        _row("local-sgd", 30.0, exact=False, loss=2.5),
+        _row("local_sgd", 30.0, exact=False, loss=2.5),
         {"name": "async", "available": False, "reason": "not available in this build"},
     ]
     rec = recommend(rows)
     assert rec["strategy"] == "threads"
     assert "threads (threads): 1.90x one process (efficiency 0.95" in rec["text"]
     assert "ddp 0.50x (efficiency 0.25, 75.0 ms/step exposed in communication)" in rec["text"]
-    assert "local-sgd is 1.40x faster still but does not compute the same update" in rec["text"]
+    assert "local_sgd is 1.40x faster still but does not compute the same update" in rec["text"]
 
 
 def test_recommendation_notes_when_the_fastest_repeat_disagrees_with_the_median():
@@ -159,5 +159,8 @@ def test_register_adds_bench_and_bench_comm():
     assert args.func is cli.run_bench
     cfg = cli.config_from(args)
     assert (cfg.model, cfg.strategies, cfg.validate_worlds) == ("cnn", ("single", "ddp"), (2, 3, 4))
+    # The older spelling local-sgd is still accepted, and means local_sgd.
+    args = parser.parse_args(["bench", "--strategies", "ddp, local-sgd"])
+    assert cli.config_from(args).strategies == ("ddp", "local_sgd")
     args = parser.parse_args(["bench", "comm", "--nproc", "3"])
     assert (args.func, args.nproc) == (cli.run_comm, 3)

@@ -1,6 +1,8 @@
-"""The pure parts of rankwise.updates, and every strategy at world size 1 (no process group)."""
+"""The pure parts of rankwise.updates, and every update rule at world size 1 (no process group)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -102,7 +104,7 @@ def _steps(model, opt, n: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "options"),
+    ("rule", "options"),
     [
         ("sync", {}),
         ("async", {"staleness": 0}),
@@ -110,7 +112,7 @@ def _steps(model, opt, n: int, seed: int) -> list[torch.Tensor]:
         ("local_sgd", {"every": 3}),
     ],
 )
-def test_at_world_size_one_every_strategy_is_the_plain_optimizer(strategy, options):
+def test_at_world_size_one_every_strategy_is_the_plain_optimizer(rule, options):
     """Adam, with state built before wrapping: the server's optimizer copy must carry it over."""
     torch.manual_seed(0)
     ours, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
@@ -118,13 +120,32 @@ def test_at_world_size_one_every_strategy_is_the_plain_optimizer(strategy, optio
     opt_ours = torch.optim.Adam(ours.parameters(), lr=0.05)
     opt_ref = torch.optim.Adam(ref.parameters(), lr=0.05)
     _steps(ours, opt_ours, 2, seed=1), _steps(ref, opt_ref, 2, seed=1)
-    with rw.updates.wrap(ours, opt_ours, strategy, **options) as wrapped:
+    with rw.updates.wrap(ours, opt_ours, rule=rule, **options) as wrapped:
         got = _steps(ours, wrapped, 5, seed=2)
     want = _steps(ref, opt_ref, 5, seed=2)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     with pytest.raises(RuntimeStateError, match="step\\(\\) after close\\(\\)"):
         wrapped.step()
+
+
+def test_strategy_is_the_deprecated_name_of_rule():
+    """``strategy=`` still picks the rule (with a warning naming ``rule=``); both at once is
+    refused with both values."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(DeprecationWarning, match=r"wrap\(strategy=\.\.\.\) is deprecated: pass rule="):
+        wrapped = rw.updates.wrap(model, opt, strategy="local_sgd", every=3)
+    assert isinstance(wrapped, rw.updates.LocalSGD) and wrapped.every == 3
+    wrapped.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rule= itself does not warn
+        wrapped = rw.updates.wrap(model, opt, rule="sync")
+    assert isinstance(wrapped, rw.updates.SyncUpdates)
+    wrapped.close()
+    with pytest.raises(ConfigError, match="got both rule='sync' and strategy='async'") as info:
+        rw.updates.wrap(model, opt, "sync", strategy="async")
+    assert "pass only rule=" in str(info.value)
 
 
 def test_async_at_world_one_records_staleness_and_server_stats():
@@ -144,8 +165,15 @@ def test_async_at_world_one_records_staleness_and_server_stats():
 def test_bad_arguments_are_refused_with_the_value_and_the_fix():
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="strategy='ps' is not one of sync, async, local_sgd"):
+    with pytest.raises(ConfigError, match="rule='ps' is not one of sync, async, local_sgd"):
         rw.updates.wrap(model, opt, "ps")
+    with pytest.raises(ConfigError, match="rule='ps' is not one of sync, async, local_sgd"):
+        rw.updates.wrap(model, opt, rule="ps")
+    with (
+        pytest.warns(DeprecationWarning, match="pass rule="),
+        pytest.raises(ConfigError, match="strategy='ps' is not one of sync, async, local_sgd"),
+    ):
+        rw.updates.wrap(model, opt, strategy="ps")
     with pytest.raises(ConfigError, match="local_sgd: every=0 must be an integer >= 1"):
         rw.updates.local_sgd(model, opt, every=0)
     with pytest.raises(

@@ -26,7 +26,7 @@ DESCRIPTION = (
     "throughput, scaling efficiency, communication, memory and loss, a projection to 8-256 "
     "ranks, and a recommendation. Writes bench.json and bench.png to --out."
 )
-STRATEGIES = "single,threads,dp,ddp,torch-ddp,async,local-sgd"
+STRATEGIES = "single,threads,dp,ddp,torch-ddp,async,local_sgd"
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def config_from(args: argparse.Namespace):
     return BenchConfig(
         model=args.model,
         data=args.data,
-        strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+        strategies=_strategies(args.strategies),
         nproc=args.nproc,
         steps=args.steps,
         batch=args.batch,
@@ -65,6 +65,14 @@ def config_from(args: argparse.Namespace):
         network=args.network,
         comm_sizes=_sizes(args.comm_max_bytes, "--comm-max-bytes"),
     )
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    """The names in ``--strategies``, older spellings (``local-sgd``) as today's."""
+    from .strategies import ALIASES
+
+    names = (s.strip() for s in text.split(","))
+    return tuple(ALIASES.get(name, name) for name in names if name)
 
 
 def _sizes(max_bytes: int | None, flag: str) -> tuple[int, ...]:
@@ -140,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats (default 5)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    p.add_argument("--local-sgd-every", type=int, default=4, help="local-sgd averaging period")
+    p.add_argument("--local-sgd-every", type=int, default=4, help="local_sgd averaging period")
     p.add_argument("--async-staleness", type=int, default=None, help="async staleness bound")
     p.add_argument(
         "--device",

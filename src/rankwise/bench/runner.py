@@ -56,7 +56,7 @@ class BenchConfig:
     lr: float = 0.01
     """SGD learning rate (no momentum)."""
     local_sgd_every: int = 4
-    """local-sgd averages parameters every this many steps."""
+    """local_sgd averages parameters every this many steps."""
     async_staleness: int | None = None
     """async: staleness bound (None: fully asynchronous)."""
     device: str = "auto"

@@ -13,7 +13,7 @@ ddp             every rank   ``rw.DistributedDataParallel``, each rank its share
 torch-ddp       every rank   torch's own ``DistributedDataParallel``, the reference
 zero1/2/3       every rank   ``rw.ShardedDataParallel`` at ZeRO stage 1, 2 or 3 (docs/zero.md)
 async           every rank   ``rw.updates.asynchronous``: a parameter server on rank 0
-local-sgd       every rank   ``rw.updates.local_sgd``: parameters averaged every H steps
+local_sgd       every rank   ``rw.updates.local_sgd``: parameters averaged every H steps
 independent     every rank   the bare model on each rank's share, no communication at all:
                              the bound for any multi-process strategy on this machine
 ==============  ===========  =============================================================
@@ -34,9 +34,12 @@ from torch import nn
 from .workload import Batch, Workload, evaluate, loss_fn, shard
 
 ALL = (
-    "single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3", "async", "local-sgd",
+    "single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3", "async", "local_sgd",
 )  # fmt: skip
 """Every strategy ``--strategies`` accepts, in table order."""
+
+ALIASES = {"local-sgd": "local_sgd"}
+"""Older spellings ``--strategies`` still accepts, and the name each stands for."""
 
 REFERENCE = "independent"
 """The no-communication baseline, run whenever a multi-process strategy is."""
@@ -98,7 +101,7 @@ class Trainer:
 
 def unavailable(name: str, device: torch.device, world: int) -> str | None:
     """Why ``name`` cannot run here (a short reason for the table), or None when it can."""
-    if name in ("async", "local-sgd") and importlib.util.find_spec("rankwise.updates") is None:
+    if name in ("async", "local_sgd") and importlib.util.find_spec("rankwise.updates") is None:
         return "not available in this build (rankwise.updates is missing)"
     if name == "threads" and device.type != "cpu":
         return "CPU only (intra-op threads do not speed up a GPU)"
@@ -122,7 +125,7 @@ def build(name: str, s: Setup) -> Trainer:
         forward = DistributedDataParallel(model, device_ids=_ids(s.device))
     elif name == "torch-ddp":
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=_ids(s.device))
-    elif name in ("async", "local-sgd"):
+    elif name in ("async", "local_sgd"):
         from .. import updates  # type: ignore[attr-defined]
 
         if name == "async":

@@ -177,13 +177,30 @@ def prepare_loader(
     return DeviceLoader(built, rt.device)
 
 
+def _loaders(name: str, doc: str) -> property:
+    """``DeviceLoader.<name>``: the wrapped ``rw.Loader``'s attribute, read-only."""
+    return property(lambda self: getattr(self.loader, name), doc=doc)
+
+
 class DeviceLoader:
     """An ``rw.Loader`` whose batches are moved to ``device`` (DataParallel: its output device).
 
     Keeps the loader's ``len``, ``set_epoch``, ``state_dict``/``load_state_dict`` (so
-    checkpoints and exact resume work) and its batch attributes (``batch_size``,
-    ``global_batch_size``, ``sampler``, ...). No sync point.
+    checkpoints and exact resume work) and offers its batch contract and position as the
+    read-only attributes below; anything else is on ``.loader`` (the ``rw.Loader``) or
+    ``.dataloader`` (torch's). No sync point.
     """
+
+    dataloader = _loaders("dataloader", "torch's DataLoader under the ``rw.Loader``.")
+    dataset = _loaders("dataset", "The dataset (this rank's share of a stream, if iterable).")
+    sampler = _loaders("sampler", "The sampler that splits the data over the ranks.")
+    batch_size = _loaders("batch_size", "Samples per batch this process receives.")
+    global_batch_size = _loaders("global_batch_size", "Samples per optimizer step, whole job.")
+    per_device_batch_size = _loaders("per_device_batch_size", "Samples per device per step.")
+    num_replicas = _loaders("num_replicas", "Processes in the job, each with its own share.")
+    replicas_in_process = _loaders("replicas_in_process", "Devices each batch is split over.")
+    epoch = _loaders("epoch", "The epoch of the pass under way, or of the next pass.")
+    finished_epoch = _loaders("finished_epoch", "After a resume: the epoch the run had finished.")
 
     def __init__(self, loader: Loader, device: torch.device) -> None:
         self.loader = loader
@@ -212,8 +229,3 @@ class DeviceLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.loader, name)

@@ -13,6 +13,7 @@ Choose in one place, by wrapping the optimizer; the training loop stays the same
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -32,27 +33,48 @@ RULES: tuple[str, ...] = ("sync", "async", "local_sgd")
 def wrap(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    strategy: Rule,
+    rule: Rule | None = None,
+    *,
+    strategy: Rule | None = None,
     **options: Any,
 ) -> UpdateRule:
     """The update rule named by a string (a flag, a config): ``wrap(m, opt, "async", staleness=2)``.
 
-    The parameter keeps the name ``strategy`` for compatibility; in rankwise's vocabulary a
-    *strategy* is how ``rw.init`` parallelises (single, dp, ddp) and an *update rule* is how
-    replicas agree (sync, async, local_sgd).
+    ``rule`` is one of ``RULES``; ``options`` go to that rule's function. ``strategy=`` is the
+    deprecated name of ``rule=`` (in rankwise a *strategy* is how ``rw.init`` parallelises:
+    single, dp, ddp; an *update rule* is how replicas agree: sync, async, local_sgd).
 
     Sync point: all ranks.
     """
-    if strategy == "sync":
+    keyword, name = _rule_argument(rule, strategy)
+    if name == "sync":
         return synchronous(model, optimizer, **options)
-    if strategy == "async":
+    if name == "async":
         return asynchronous(model, optimizer, **options)
-    if strategy == "local_sgd":
+    if name == "local_sgd":
         return local_sgd(model, optimizer, **options)
     raise ConfigError(
-        f"strategy={strategy!r} is not one of {', '.join(RULES)}",
+        f"{keyword}={name!r} is not one of {', '.join(RULES)}",
         fix="use 'sync' (the usual choice), 'async' (parameter server) or 'local_sgd'.",
     )
+
+
+def _rule_argument(rule: str | None, strategy: str | None) -> tuple[str, str | None]:
+    """(the keyword the caller used, its value); ``strategy=`` warns, both at once is refused."""
+    if strategy is None:
+        return "rule", rule
+    if rule is not None:
+        raise ConfigError(
+            f"rw.updates.wrap got both rule={rule!r} and strategy={strategy!r}",
+            fix="pass only rule= (strategy= is its deprecated name).",
+        )
+    warnings.warn(
+        "rw.updates.wrap(strategy=...) is deprecated: pass rule=... (the update rule: "
+        f"{', '.join(RULES)})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return "strategy", strategy
 
 
 __all__ = [
