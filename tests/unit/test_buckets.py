@@ -54,6 +54,19 @@ def test_a_parameter_larger_than_the_cap_gets_its_own_bucket():
     assert buckets[0].numel == 3 * MB + 10
 
 
+def test_large_parameters_travel_alone_and_small_ones_keep_filling_their_bucket():
+    # Reverse order: 10, 5 MB, 20, 5 MB, 30. The 5 MB ones go alone, in the order they become
+    # ready; the small ones share one bucket, complete when its last member (index 0) is.
+    params = _meta([30, 5 * MB // 4, 20, 5 * MB // 4, 10])
+    buckets = assign_buckets(params, bucket_cap_mb=25, solo_bytes=4 * MB)
+    assert [b.indices for b in buckets] == [(3,), (1,), (4, 2, 0)]
+    assert [b.numel for b in buckets] == [5 * MB // 4, 5 * MB // 4, 60]
+    # Without solo_bytes, torch's assignment: everything up to the cap together.
+    assert [b.indices for b in assign_buckets(params, 25)] == _torch_assignment(
+        params, [MB, 25 * MB]
+    )
+
+
 def test_dtypes_never_share_a_bucket():
     params = [
         torch.empty(300_000, dtype=torch.float16, device="meta"),

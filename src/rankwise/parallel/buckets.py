@@ -25,6 +25,9 @@ MB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_BYTES = 1 * MB
 """Cap of the first bucket of each dtype/device (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``)."""
+SOLO_BYTES = 4 * MB
+"""A gradient at least this large travels alone: the reducer all-reduces it where autograd put
+it instead of copying it into a flat buffer (copying 4 MiB costs more than one more message)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,14 +54,17 @@ def assign_buckets(
     params: Sequence[torch.Tensor],
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     first_bucket_bytes: int | None = FIRST_BUCKET_BYTES,
+    solo_bytes: int | None = None,
 ) -> list[Bucket]:
     """Group ``params`` into buckets in the order their gradients are expected to be ready.
 
     Parameters are taken in reverse registration order; a bucket is closed as soon as it holds
     at least its cap in bytes (``first_bucket_bytes`` for the first bucket of each dtype/device,
     ``bucket_cap_mb`` MiB afterwards), so a parameter larger than the cap gets a bucket of its
-    own. ``first_bucket_bytes=None`` uses the normal cap for the first bucket too. Returned
-    buckets are ordered by when they should complete: bucket 0 holds the last parameters.
+    own. ``first_bucket_bytes=None`` uses the normal cap for the first bucket too. A parameter of
+    at least ``solo_bytes`` gets a bucket of its own and leaves the open bucket open for the
+    smaller ones around it. Returned buckets are ordered by when they should complete: bucket 0
+    holds the last parameters.
     """
     if not bucket_cap_mb > 0:
         raise ConfigError(
@@ -78,6 +84,10 @@ def assign_buckets(
     for step, index in enumerate(reversed(range(len(params)))):
         p = params[index]
         key = (p.dtype, p.device)
+        if solo_bytes is not None and p.numel() * p.element_size() >= solo_bytes:
+            done.append((step, [index]))
+            closed_before.add(key)
+            continue
         if key not in open_buckets:
             open_buckets[key], open_bytes[key] = [], 0
         open_buckets[key].append(index)

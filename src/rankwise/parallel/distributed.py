@@ -28,6 +28,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from .. import runtime
 from ..errors import ConfigError, ModelError, NoProcessGroupError
 from ..state_dict import add_module_prefix, strip_module_prefix
+from . import buckets as bucketing
 from . import compression as comp
 from .agreement import (
     broadcast_tensors,
@@ -116,7 +117,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _build_reducer(self) -> None:
         names, params = trainable_parameters(self.module, self.rank)
-        buckets = assign_buckets(params, self.bucket_cap_mb)
+        buckets = assign_buckets(params, self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES)
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)

@@ -116,6 +116,8 @@ class Reducer:
         self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
         self._used = [False] * len(self.params)  # since the last synchronised pass
         self._spare: list[torch.Tensor | None] = [None] * len(self.params)  # see _make_hook
+        # bucket -> the gradient all-reduced where autograd left it (see _make_hook), this pass
+        self._in_place: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.started = False  # a backward pass has run (static graph must be set before)
         self._reset()
         self._handles: list[Any] = []
@@ -159,6 +161,15 @@ class Reducer:
         scale = self._scale
         mul = torch.mul
         used = self._used
+        # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
+        # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
+        solo = (
+            view is not None
+            and self._sizes[b] == 1
+            and self._comm_hook is None
+            and self._wire[b] is None
+        )
+        in_place = self._in_place
         # CPU only: when .grad was None, autograd's fresh gradient is freed as soon as .grad
         # points at the bucket, inside backward; glibc then hands large blocks back to the OS
         # and the next step page-faults them in again (~3k faults, 12 MB per step on the
@@ -183,6 +194,10 @@ class Reducer:
                 if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
                     if scale != 1.0:
                         view.mul_(scale)
+                elif solo and _reducible_in_place(g, view):
+                    if scale != 1.0:
+                        g.mul_(scale)
+                    in_place[b] = g.view(-1)
                 else:  # copy and average in one pass, then let .grad alias the bucket
                     try:
                         mul(g, scale, out=view)
@@ -193,6 +208,7 @@ class Reducer:
                             raise
                         _copy_higher_order(g, scale, view)
                     p.grad = view
+                    in_place[b] = None
             pending = self._pending
             pending[b] -= 1
             if pending[b] == 0 and b == self._next:
@@ -217,7 +233,9 @@ class Reducer:
                 self._works[b] = comm_hook(state, GradBucket(self, b))
             elif self.communicates:
                 wire = self._wire[b]
-                tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
+                tensor = self._in_place[b]
+                if tensor is None:
+                    tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
                 # Fingerprinted: a rank that diverges or stops is explained, not just timed out.
                 entry = fingerprints.record(
                     "all_reduce",
@@ -303,6 +321,7 @@ class Reducer:
         self._pending = list(self._sizes)
         self._next = 0
         self._works: list[Any] = [None] * len(self.buckets)
+        self._in_place[:] = [None] * len(self.buckets)
 
     def prepare_for_forward(self) -> None:
         """Forget a backward pass that died half-way (an exception inside autograd)."""
@@ -364,6 +383,17 @@ def _copy_higher_order(g: torch.Tensor, scale: float, view: torch.Tensor) -> Non
         )
     with torch.no_grad():
         torch.mul(g.detach(), scale, out=view)
+
+
+def _reducible_in_place(g: torch.Tensor, view: torch.Tensor) -> bool:
+    """``g`` can be all-reduced where it is: dense, same dtype and device as its bucket."""
+    return (
+        g.is_contiguous()
+        and not g.requires_grad
+        and g.dtype == view.dtype
+        and g.device == view.device
+        and g.layout == torch.strided
+    )
 
 
 def _take_hook_result(result: Any, flat: torch.Tensor, b: int) -> None:
