@@ -6,7 +6,8 @@ World size 2 on gloo, one thread per process. For the reference MLP (10.5M param
 the small CNN (``rankwise.bench.models``) it measures the step time (forward, loss, backward,
 SGD step, zero_grad) of:
 
-- ``rankwise`` and ``torch`` DDP, alternating which goes first in every repeat;
+- ``rankwise`` and ``torch`` DDP, alternating which goes first in every repeat, and torch's
+  with ``gradient_as_bucket_view=True`` (``torch_bucket_view``: no copy back into ``.grad``);
 - ``single``: the bare model in one process (rank 0, the other rank idle) on the same per-rank
   batch, interleaved with the others, for scaling efficiency ``single / ddp`` (weak scaling:
   1.0 means two processes do twice the work in the same time);
@@ -78,7 +79,11 @@ def _make(kind: str, name: str, **kw):
     if kind == "rankwise":
         return rw.DistributedDataParallel(net, **kw)
     if kind == "torch":
-        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=kw.get("bucket_cap_mb"))
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            net,
+            bucket_cap_mb=kw.get("bucket_cap_mb"),
+            gradient_as_bucket_view=kw.get("gradient_as_bucket_view", False),
+        )
         if kw.get("compression") == "fp16":
             # torch's bf16_compress_hook refuses gloo (it needs NCCL); its fp16 hook runs.
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -246,6 +251,7 @@ def _distributed_part(
             {
                 "rankwise": ("rankwise", name, {}),
                 "torch": ("torch", name, {}),
+                "torch_bucket_view": ("torch", name, {"gradient_as_bucket_view": True}),
                 "single": ("single", name, {}),
                 "independent": ("independent", name, {}),
             },
@@ -305,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
         "step_ms": {n: res[n] for n in models.MODELS},
         "ratio_rankwise_over_torch": {
             n: round(res[n]["rankwise"] / res[n]["torch"], 3) for n in models.MODELS
+        },
+        "ratio_rankwise_over_torch_bucket_view": {
+            n: round(res[n]["rankwise"] / res[n]["torch_bucket_view"], 3) for n in models.MODELS
         },
         "scaling_efficiency": {
             n: {

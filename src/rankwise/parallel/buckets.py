@@ -62,9 +62,8 @@ def assign_buckets(
     at least its cap in bytes (``first_bucket_bytes`` for the first bucket of each dtype/device,
     ``bucket_cap_mb`` MiB afterwards), so a parameter larger than the cap gets a bucket of its
     own. ``first_bucket_bytes=None`` uses the normal cap for the first bucket too. A parameter of
-    at least ``solo_bytes`` gets a bucket of its own and leaves the open bucket open for the
-    smaller ones around it. Returned buckets are ordered by when they should complete: bucket 0
-    holds the last parameters.
+    ``solo_bytes`` or more gets a bucket of its own; the open one stays open for smaller ones.
+    Buckets are ordered by when they should complete: bucket 0 holds the last parameters.
     """
     if not bucket_cap_mb > 0:
         raise ConfigError(

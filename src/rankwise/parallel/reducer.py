@@ -43,6 +43,7 @@ from ..errors import ConfigError, ModelError
 from . import compression as comp
 from .buckets import Bucket
 from .comm_hooks import GradBucket
+from .grad_views import grad_view, reducible_in_place
 
 _MAX_NAMES = 10
 """How many parameter names an error lists before '... and N more'."""
@@ -51,30 +52,6 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """parameter -> the hook handle of the reducer that averages it. Wrapping a module again (say
 after freezing a layer) hands its parameters to the new wrapper; the old hook is removed so
 that two reducers never fight over one gradient."""
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s elements fill its storage without gaps or overlap (in some order)."""
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """The slot of ``flat`` that holds ``param``'s gradient, with ``param``'s strides.
-
-    Gradients follow their parameter's memory layout (autograd's layout contract; e.g. a
-    channels_last convolution weight), so the view takes the parameter's strides when they
-    are dense, and plain contiguous strides otherwise.
-    """
-    n = param.numel()
-    if param.is_contiguous() or not _is_dense(param):
-        return flat[offset : offset + n].view(param.shape)
-    return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + offset)
 
 
 class Reducer:
@@ -136,7 +113,7 @@ class Reducer:
         """Let ``hook(state, bucket)`` reduce each bucket (gradients summed, not averaged)."""
         self._comm_hook = (state, hook)
         self._scale = 1.0
-        self._install_hooks()  # the hooks capture the scale
+        self._install_hooks()  # each hook decides once whether its bucket reduces in place
 
     def _allocate(self, wire: torch.dtype | None) -> None:
         """Flat buffers (and gradient views into them), only when there is someone to talk to."""
@@ -158,9 +135,6 @@ class Reducer:
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         b = self._bucket_of[i]
         view = self._views[i]
-        scale = self._scale
-        mul = torch.mul
-        used = self._used
         # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
         # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
         solo = (
@@ -169,15 +143,7 @@ class Reducer:
             and self._comm_hook is None
             and self._wire[b] is None
         )
-        in_place = self._in_place
-        # CPU only: when .grad was None, autograd's fresh gradient is freed as soon as .grad
-        # points at the bucket, inside backward; glibc then hands large blocks back to the OS
-        # and the next step page-faults them in again (~3k faults, 12 MB per step on the
-        # reference MLP). Keeping each one until the next step's replaces it lets the
-        # allocator recycle warm memory, the same footprint as torch's DDP (its .grad beside
-        # its buckets). CUDA's caching allocator has no such cost, so nothing is kept there.
-        keep = view is not None and view.device.type == "cpu"
-        spare = self._spare
+        used = self._used
 
         def hook(p: torch.Tensor) -> None:
             if not self._active:
@@ -190,31 +156,40 @@ class Reducer:
                 self._fired_twice(i)
             seen[i] = True
             if view is not None:
-                g = p.grad
-                if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
-                    if scale != 1.0:
-                        view.mul_(scale)
-                elif solo and _reducible_in_place(g, view):
-                    if scale != 1.0:
-                        g.mul_(scale)
-                    in_place[b] = g.view(-1)
-                else:  # copy and average in one pass, then let .grad alias the bucket
-                    try:
-                        mul(g, scale, out=view)
-                        if keep:
-                            spare[i] = g  # freed when the next step's gradient replaces it
-                    except RuntimeError:
-                        if not g.requires_grad:
-                            raise
-                        _copy_higher_order(g, scale, view)
-                    p.grad = view
-                    in_place[b] = None
+                self._place(i, b, p, view, solo)
             pending = self._pending
             pending[b] -= 1
             if pending[b] == 0 and b == self._next:
                 self._launch_ready()
 
         return hook
+
+    def _place(self, i: int, b: int, p: torch.Tensor, view: torch.Tensor, solo: bool) -> None:
+        """Leave ``p``'s gradient, divided by the world size, where bucket ``b`` reduces it."""
+        g, scale = p.grad, self._scale
+        if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
+            if scale != 1.0:
+                view.mul_(scale)
+        elif solo and reducible_in_place(g, view):
+            if scale != 1.0:
+                g.mul_(scale)
+            self._in_place[b] = g.view(-1)
+        else:  # copy and average in one pass, then let .grad alias the bucket
+            try:
+                torch.mul(g, scale, out=view)
+                # CPU only: freeing autograd's fresh gradient here, inside backward, let glibc
+                # hand large blocks back to the OS, to be page-faulted in again next step
+                # (~3k faults, 12 MB per step on the reference MLP). Kept until the next
+                # step's replaces it, the allocator recycles warm memory (torch's DDP keeps
+                # .grad beside its buckets too). CUDA's caching allocator has no such cost.
+                if view.device.type == "cpu":
+                    self._spare[i] = g
+            except RuntimeError:
+                if not g.requires_grad:
+                    raise
+                _copy_higher_order(g, scale, view)
+            p.grad = view
+            self._in_place[b] = None
 
     def _begin(self) -> None:
         self._active = True
@@ -383,17 +358,6 @@ def _copy_higher_order(g: torch.Tensor, scale: float, view: torch.Tensor) -> Non
         )
     with torch.no_grad():
         torch.mul(g.detach(), scale, out=view)
-
-
-def _reducible_in_place(g: torch.Tensor, view: torch.Tensor) -> bool:
-    """``g`` can be all-reduced where it is: dense, same dtype and device as its bucket."""
-    return (
-        g.is_contiguous()
-        and not g.requires_grad
-        and g.dtype == view.dtype
-        and g.device == view.device
-        and g.layout == torch.strided
-    )
 
 
 def _take_hook_result(result: Any, flat: torch.Tensor, b: int) -> None:
