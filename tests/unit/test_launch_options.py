@@ -124,6 +124,37 @@ def test_bootstrap_records_the_users_traceback(tmp_path):
     assert "line 4, in step" in rec.traceback
 
 
+FINISHING = textwrap.dedent("""
+    import atexit, sys, threading, time
+    left_open = open("left_open.txt", "w")
+    left_open.write("kept")  # never closed or flushed by the script
+    atexit.register(lambda: open("atexit.txt", "w").write("ran"))
+    def late():
+        time.sleep(0.3)
+        open("thread.txt", "w").write("joined")
+    threading.Thread(target=late).start()
+    print("bye")
+    if sys.argv[1] != "end":
+        sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
+""")
+
+
+@pytest.mark.parametrize("how", ["end", "0", "3", "bad config"])
+def test_a_finished_script_exits_as_python_would(tmp_path, how):
+    # The bootstrap skips the interpreter's native teardown (an occasional SIGABRT after a
+    # finished run), so it must first do all a script can see of Python's exit itself; the
+    # file left open lost its text under the bootstrap before (runpy's module in a cycle).
+    (tmp_path / "finish.py").write_text(FINISHING)
+    proc = subprocess.run([sys.executable, BOOTSTRAP, "finish.py", how], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == {"3": 3, "bad config": 1}.get(how, 0), proc.stderr
+    assert proc.stdout == "bye\n"
+    assert ("bad config" in proc.stderr) == (how == "bad config")
+    assert (tmp_path / "left_open.txt").read_text() == "kept"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert (tmp_path / "thread.txt").read_text() == "joined"
+
+
 def test_summary_names_failed_rank_cause_and_separates_stopped_ranks():
     tb = (
         "Traceback (most recent call last):\n"

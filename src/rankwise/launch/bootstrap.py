@@ -13,6 +13,11 @@ orphan training unsupervised. SIGKILL, not SIGTERM: a user's SIGTERM handler (a 
 preemption) would enter collectives with peers that are dying too, and hang with no one left
 to stop it.
 
+A run that finishes (normally or with exit code 0) ends with ``finish_cleanly``: everything the
+script can observe of Python's shutdown happens (threads joined, ``atexit`` handlers run, open
+files flushed), then the process leaves without the interpreter's teardown of native libraries,
+which under load occasionally ended a finished run with SIGABRT.
+
 This file is executed by path and imports only the standard library: it must not pay for
 importing torch (or rankwise) before the user's script does. For the same reason it reads the
 variables it needs from ``os.environ`` itself instead of through ``rankwise.env``.
@@ -20,6 +25,10 @@ variables it needs from ``os.environ`` itself instead of through ``rankwise.env`
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
+import io
 import json
 import os
 import runpy
@@ -128,6 +137,36 @@ def _warn_if_alone(watch: _GroupWatch) -> None:
     sys.stderr.flush()
 
 
+def finish_cleanly(code: object = 0) -> None:
+    """Do what Python's own exit does for the script, then leave with ``code`` at once.
+
+    The interpreter's teardown frees torch's and Gloo's native objects after Python's state is
+    gone; now and then (more often on a loaded machine) one of their threads then ends the
+    process with SIGABRT ("terminate called without an active exception"), and
+    a finished run is reported as a failed rank. Everything a script can observe happens
+    first, in Python's order: non-daemon threads are joined, ``atexit`` handlers run (our
+    ``rw.shutdown``, logging, multiprocessing's children), and open files are flushed (which
+    ``runpy`` alone does not guarantee: a file the script left open could lose its buffer).
+    """
+    if not isinstance(code, int):  # sys.exit("message"): Python prints it and returns 1
+        if code is not None:
+            sys.stderr.write(f"{code}\n")
+        code = 0 if code is None else 1
+    joiner = getattr(threading, "_shutdown", None)  # what Py_Finalize calls first
+    if joiner is not None:
+        joiner()
+    atexit._run_exitfuncs()
+    # Files the script left open, unreachable ones too (still tracked until collected; a
+    # collection could close a text file after its buffer and lose the text).
+    files = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)]
+    for f in [*files, sys.stdout, sys.stderr]:
+        # A broken pipe or a file closed underneath has nothing left to save.
+        with contextlib.suppress(Exception):
+            if not f.closed and f.writable():
+                f.flush()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> None:
     launcher = os.environ.get(LAUNCHER_PID, "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
@@ -147,9 +186,8 @@ def main(argv: list[str]) -> None:
             sys.argv = [target, *args]
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            _warn_if_alone(watch)
-        raise
+        if exc.code not in (None, 0):
+            finish_cleanly(exc.code)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
@@ -159,6 +197,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.flush()
         sys.exit(1)  # what Python itself returns for an uncaught exception
     _warn_if_alone(watch)
+    finish_cleanly()
 
 
 if __name__ == "__main__":
