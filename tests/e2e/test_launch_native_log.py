@@ -10,19 +10,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
 from .test_launch import REPORT_ENV, finish, start
+from .test_netns import _ip
 
 UNROUTED = "192.0.2.1"
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
