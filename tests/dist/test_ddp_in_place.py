@@ -2,7 +2,7 @@
 
 Copying a large gradient into a flat bucket and reading it back costs more than sending it on its
 own, so a gradient of at least ``buckets.SOLO_BYTES`` travels alone and is averaged in place
-(docs/ddp.md, Performance). The parameters must still equal torch's DistributedDataParallel's
+(docs/ddp.md, Performance), with no flat buffer allocated for it. The parameters must equal torch's DistributedDataParallel's
 bit for bit at world size 2 (scaling by 1/2 is exact and a sum of two is order-free), whichever
 of the usual places ``zero_grad`` takes in the step.
 """
@@ -61,7 +61,9 @@ def _order(order: str, to_none: bool) -> dict:
         torch.equal(a, b)
         for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True)
     )
-    return {"alone": any(alone), "equal": same, "kept": kept}
+    # Its bucket never needed a flat buffer: the 4 MiB a copy would have taken are not allocated.
+    b = alone.index(True)
+    return {"alone": any(alone), "equal": same, "kept": kept, "buffer": ours.reducer._flat[b]}
 
 
 def _all_orders() -> dict:
@@ -75,3 +77,4 @@ def test_large_gradients_are_averaged_in_place_and_equal_torchs():
             assert r["equal"], f"rank {rank}, {order}: parameters differ from torch's DDP"
             if order.endswith("/none"):  # .grad was None: autograd's tensor is the result
                 assert all(r["kept"]), f"rank {rank}, {order}: the gradient was copied {r}"
+            assert r["buffer"] is None, f"rank {rank}, {order}: an unused flat buffer was made"

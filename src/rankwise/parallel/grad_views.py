@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .buckets import Bucket
+
 
 def _is_dense(t: torch.Tensor) -> bool:
     """True when ``t``'s elements fill its storage without gaps or overlap (in some order)."""
@@ -33,12 +35,12 @@ def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
     return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + offset)
 
 
-def reducible_in_place(g: torch.Tensor, view: torch.Tensor) -> bool:
+def reducible_in_place(g: torch.Tensor, bucket: Bucket) -> bool:
     """``g`` can be all-reduced where it is: dense, same dtype and device as its bucket."""
     return (
         g.is_contiguous()
         and not g.requires_grad
-        and g.dtype == view.dtype
-        and g.device == view.device
+        and g.dtype == bucket.dtype
+        and g.device == bucket.device
         and g.layout == torch.strided
     )

@@ -58,9 +58,9 @@ class DDPJoinHook(JoinHook):
             ddp._sync_buffers()  # matches the training ranks' forward broadcast
         reducer = ddp.reducer
         wire = comp.wire_dtype(ddp.compression)
-        for b, flat in enumerate(reducer._flat):
-            dtype = wire if comp.compresses(flat.dtype, wire) else flat.dtype
-            zeros = torch.zeros(flat.numel(), dtype=dtype, device=flat.device)
+        for b, bucket in enumerate(reducer.buckets):
+            dtype = wire if comp.compresses(bucket.dtype, wire) else bucket.dtype
+            zeros = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
             with fingerprints.collective(
                 "all_reduce", zeros, label=f"gradient bucket {b}", group=ddp.process_group, extra="sum"
             ):

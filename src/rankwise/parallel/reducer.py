@@ -113,32 +113,54 @@ class Reducer:
         """Let ``hook(state, bucket)`` reduce each bucket (gradients summed, not averaged)."""
         self._comm_hook = (state, hook)
         self._scale = 1.0
+        for b in range(len(self._flat)):  # a hook's GradBucket reads every flat buffer
+            self._flat_of(b)
         self._install_hooks()  # each hook decides once whether its bucket reduces in place
 
     def _allocate(self, wire: torch.dtype | None) -> None:
-        """Flat buffers (and gradient views into them), only when there is someone to talk to."""
-        self._flat: list[torch.Tensor] = []
+        """Flat buffers (and gradient views into them), only when there is someone to talk to.
+
+        A bucket of one gradient gets its buffer only when it needs one (``_flat_of``): its
+        gradient is usually reduced where autograd left it, and the buffer would sit unused.
+        """
+        self._flat: list[torch.Tensor | None] = []
         self._wire: list[torch.Tensor | None] = []
         self._views: list[torch.Tensor | None] = [None] * len(self.params)
         if not self.communicates:
             return
-        for bucket in self.buckets:
-            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-            self._flat.append(flat)
+        for b, bucket in enumerate(self.buckets):
             use_wire = comp.compresses(bucket.dtype, wire)
-            self._wire.append(comp.wire_buffer(flat, wire) if use_wire else None)
+            self._flat.append(None)
+            if len(bucket.indices) > 1 or use_wire:
+                self._flat_of(b)
+            self._wire.append(comp.wire_buffer(self._flat_of(b), wire) if use_wire else None)
+
+    def _flat_of(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s flat buffer, made (with its gradient views) on first use."""
+        flat = self._flat[b]
+        if flat is None:
+            bucket = self.buckets[b]
+            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self._flat[b] = flat
             for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
                 self._views[i] = grad_view(flat, offset, self.params[i])
+        return flat
+
+    def _slot(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot in its bucket's flat buffer."""
+        if self._views[i] is None:
+            self._flat_of(self._bucket_of[i])
+        return self._views[i]  # type: ignore[return-value]
 
     # -- the hot path: one call per parameter per backward pass; keep it short ----------------
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         b = self._bucket_of[i]
-        view = self._views[i]
+        communicates = self.communicates
         # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
         # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
         solo = (
-            view is not None
+            communicates
             and self._sizes[b] == 1
             and self._comm_hook is None
             and self._wire[b] is None
@@ -155,8 +177,8 @@ class Reducer:
             if seen[i]:
                 self._fired_twice(i)
             seen[i] = True
-            if view is not None:
-                self._place(i, b, p, view, solo)
+            if communicates:
+                self._place(i, b, p, solo)
             pending = self._pending
             pending[b] -= 1
             if pending[b] == 0 and b == self._next:
@@ -164,17 +186,18 @@ class Reducer:
 
         return hook
 
-    def _place(self, i: int, b: int, p: torch.Tensor, view: torch.Tensor, solo: bool) -> None:
+    def _place(self, i: int, b: int, p: torch.Tensor, solo: bool) -> None:
         """Leave ``p``'s gradient, divided by the world size, where bucket ``b`` reduces it."""
-        g, scale = p.grad, self._scale
-        if g is view:  # zero_grad(set_to_none=False) kept our view: scale in place
+        g, scale, view = p.grad, self._scale, self._views[i]
+        if view is not None and g is view:  # zero_grad(set_to_none=False) kept our view
             if scale != 1.0:
                 view.mul_(scale)
-        elif solo and reducible_in_place(g, view):
+        elif solo and reducible_in_place(g, self.buckets[b]):
             if scale != 1.0:
                 g.mul_(scale)
             self._in_place[b] = g.view(-1)
         else:  # copy and average in one pass, then let .grad alias the bucket
+            view = self._slot(i)
             try:
                 torch.mul(g, scale, out=view)
                 # CPU only: freeing autograd's fresh gradient here, inside backward, let glibc
@@ -210,7 +233,8 @@ class Reducer:
                 wire = self._wire[b]
                 tensor = self._in_place[b]
                 if tensor is None:
-                    tensor = self._flat[b] if wire is None else comp.compress(self._flat[b], wire)
+                    flat = self._flat_of(b)
+                    tensor = flat if wire is None else comp.compress(flat, wire)
                 # Fingerprinted: a rank that diverges or stops is explained, not just timed out.
                 entry = fingerprints.record(
                     "all_reduce",
@@ -251,10 +275,8 @@ class Reducer:
     def _fill_unused(self, missing: list[int]) -> None:
         """Put what each locally unused parameter has (its .grad or zeros) into its slot."""
         scale = self._scale
-        for i in missing:
-            view, g = self._views[i], self.params[i].grad
-            if view is None:
-                continue
+        for i in missing if self.communicates else ():
+            view, g = self._slot(i), self.params[i].grad
             if g is None:
                 view.zero_()
             elif g is view:
@@ -282,12 +304,12 @@ class Reducer:
             if entry is None:
                 continue
             if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
-                _take_hook_result(entry.wait(), self._flat[b], b)
+                _take_hook_result(entry.wait(), self._flat_of(b), b)
                 continue
             entry.wait()  # a failure raises the diagnosis: every rank's last collective
             wire = self._wire[b]
             if wire is not None:
-                comp.decompress(wire, self._flat[b])
+                comp.decompress(wire, self._flat_of(b))
 
     def _reset(self) -> None:
         self._active = False
