@@ -36,7 +36,6 @@ Prints one JSON object (and writes it to ``--out``). Times are medians over repe
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -48,6 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _report import emit
 
 import rankwise as rw
 from rankwise.bench import models
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         "loop_orders_ms": res["loop_orders"],
     }
     if args.part == "orders":
-        return _emit(orders, args.out)
+        return emit(orders, args.out)
     result: dict = {
         "benchmark": "ddp",
         "world_size": args.world_size,
@@ -326,16 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compression_mlp_ms": res["compression_mlp"],
         **orders,
     }
-    return _emit(result, args.out)
-
-
-def _emit(result: dict, out: Path | None) -> dict:
-    """Print the JSON, and write it to ``out`` too when given (--out)."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if out is not None:
-        out.write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

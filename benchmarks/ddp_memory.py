@@ -13,7 +13,6 @@ largest over the ranks. torch is run with its default and with ``gradient_as_buc
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _report import emit
 
 import rankwise as rw
 from rankwise.bench import models
@@ -75,11 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "per_rank_mib": table,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

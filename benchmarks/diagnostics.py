@@ -18,12 +18,12 @@ Run: ``flock /tmp/rankwise-bench.lock python benchmarks/diagnostics.py [--out fi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _report import emit
 from torch import nn
 
 MODES = ("off", "on", "strict", "torch_detail")
@@ -205,12 +205,7 @@ def main(argv=None) -> dict:
         "rank1_micro": per_rank[1]["micro"],
         "wall_s": round(time.time() - t0, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ the time until the launcher has exited. Prints JSON; --out also writes it to a f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,6 +19,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from _report import emit
 
 WORKER = textwrap.dedent("""
     import os, sys, time
@@ -92,10 +93,7 @@ def main() -> None:
         result[f"ratio_{key}_median"] = round(
             result["rankwise"][key]["median"] / result["torchrun"][key]["median"], 3
         )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import time
 import unittest
 from pathlib import Path
 
+from _report import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 IMPL = os.environ.get("RANKWISE_PARITY_IMPL", "")
 
@@ -174,10 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["of_those_pass_with_rankwise"] = sum(
             runs["rankwise"][n] == "passed" for n in torch_pass
         )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

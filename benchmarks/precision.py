@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _report import emit
 
 import rankwise as rw
 from rankwise import session
@@ -197,11 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         **res,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

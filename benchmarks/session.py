@@ -22,7 +22,6 @@ median ms per step, and the median over repeats of the paired ratio prepare / ma
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data import DistributedSampler as TorchSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _report import emit
 
 import rankwise as rw
 from rankwise.bench import models
@@ -150,11 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "models": res,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
