@@ -126,12 +126,14 @@ class Reducer:
         self._flat: list[torch.Tensor | None] = []
         self._wire: list[torch.Tensor | None] = []
         self._views: list[torch.Tensor | None] = [None] * len(self.params)
+        self._solo: list[bool] = []  # one gradient, sent as it is: reducible in place
         if not self.communicates:
             return
         for b, bucket in enumerate(self.buckets):
             use_wire = comp.compresses(bucket.dtype, wire)
+            self._solo.append(len(bucket.indices) == 1 and not use_wire)
             self._flat.append(None)
-            if len(bucket.indices) > 1 or use_wire:
+            if not self._solo[b]:
                 self._flat_of(b)
             self._wire.append(comp.wire_buffer(self._flat_of(b), wire) if use_wire else None)
 
@@ -159,12 +161,7 @@ class Reducer:
         communicates = self.communicates
         # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
         # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
-        solo = (
-            communicates
-            and self._sizes[b] == 1
-            and self._comm_hook is None
-            and self._wire[b] is None
-        )
+        solo = communicates and self._solo[b] and self._comm_hook is None
         used = self._used
 
         def hook(p: torch.Tensor) -> None:
@@ -212,7 +209,6 @@ class Reducer:
                     raise
                 _copy_higher_order(g, scale, view)
             p.grad = view
-            self._in_place[b] = None
 
     def _begin(self) -> None:
         self._active = True
