@@ -8,6 +8,8 @@ SGD step, zero_grad) of:
 
 - ``rankwise`` and ``torch`` DDP, alternating which goes first in every repeat, and torch's
   with ``gradient_as_bucket_view=True`` (``torch_bucket_view``: no copy back into ``.grad``);
+- ``rankwise_gloo``: rankwise with ``shared_memory_reduce=False``, every bucket through Gloo's
+  all-reduce (what ranks on several machines, or without room in /dev/shm, get);
 - ``single``: the bare model in one process (rank 0, the other rank idle) on the same per-rank
   batch, interleaved with the others, for scaling efficiency ``single / ddp`` (weak scaling:
   1.0 means two processes do twice the work in the same time);
@@ -20,11 +22,13 @@ SGD step, zero_grad) of:
   forward; ``after_forward``: the PyTorch tutorials' ``out = model(x); opt.zero_grad();
   loss.backward()``; ``last``: after ``opt.step()``), each with ``set_to_none`` True and False,
   on two MLP shapes (the reference MLP and a smaller, deeper-than-wide ``mlp_small``) and the
-  CNN, rankwise vs torch side by side (``--part orders`` runs only this). Beside them, per
-  order, ``independent`` (no communication) and, per model, ``all_reduce`` (the gradient
-  buckets alone): their CPU times added, over torch's step time, are the floor
-  (``loop_orders_floor_ratio_any_ddp_over_torch``) no implementation sending the same bytes can
-  go below when the ranks' processes fill the machine's cores, however well it overlaps.
+  CNN, rankwise (also ``rankwise_gloo``) vs torch side by side (``--part orders`` runs only
+  this). Beside them, per order, ``independent`` (no communication) and, per model,
+  ``all_reduce`` (the gradient buckets alone, through Gloo): their CPU times added, over
+  torch's step time, are the floor (``loop_orders_floor_ratio_gloo_ddp_over_torch``) no
+  implementation that sends the same bytes through Gloo can go below when the ranks' processes
+  fill the machine's cores, however well it overlaps. Shared memory is below it: it sends
+  nothing.
 
 On a shared machine, ``chrt -r 10 python benchmarks/ddp.py ...`` (real-time priority, Linux,
 root) keeps other jobs from delaying the ranks' wake-ups, which otherwise dominate wall-clock
@@ -79,6 +83,8 @@ def _make(kind: str, name: str, **kw):
         return [torch.zeros(b.numel) for b in assign_buckets(params)]
     if kind == "rankwise":
         return rw.DistributedDataParallel(net, **kw)
+    if kind == "rankwise_gloo":  # every bucket through Gloo's all-reduce, none shared
+        return rw.DistributedDataParallel(net, shared_memory_reduce=False, **kw)
     if kind == "torch":
         ddp = torch.nn.parallel.DistributedDataParallel(
             net,
@@ -199,20 +205,20 @@ def _orders_part(batch: int, steps: int, repeats: int) -> dict:
             )
             for order in ORDERS
             for to_none in (True, False)
-            for kind in ("rankwise", "torch", "independent")
+            for kind in ("rankwise", "rankwise_gloo", "torch", "independent")
         }
         configs["all_reduce"] = ("all_reduce", name, {})
         out[name] = _compare(configs, batch, steps, repeats, with_cpu=True)
     return out
 
 
-def _orders_table(res: dict, field: str = "wall_ms") -> dict:
-    """{model: {order/none|zero: rankwise/torch ratio of ``field``}}."""
+def _orders_table(res: dict, field: str = "wall_ms", kind: str = "rankwise") -> dict:
+    """{model: {order/none|zero: ``kind``/torch ratio of ``field``}}."""
     table = {}
     for name, times in res.items():
         keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
         table[name] = {
-            k: round(times[f"rankwise/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
+            k: round(times[f"{kind}/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
         }
     return table
 
@@ -251,6 +257,7 @@ def _distributed_part(
         out[name] = _compare(
             {
                 "rankwise": ("rankwise", name, {}),
+                "rankwise_gloo": ("rankwise_gloo", name, {}),
                 "torch": ("torch", name, {}),
                 "torch_bucket_view": ("torch", name, {"gradient_as_bucket_view": True}),
                 "single": ("single", name, {}),
@@ -294,7 +301,10 @@ def main(argv: list[str] | None = None) -> dict:
     orders = {
         "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
         "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
-        "loop_orders_floor_ratio_any_ddp_over_torch": _floor_table(res["loop_orders"]),
+        "loop_orders_ratio_rankwise_gloo_over_torch": _orders_table(
+            res["loop_orders"], kind="rankwise_gloo"
+        ),
+        "loop_orders_floor_ratio_gloo_ddp_over_torch": _floor_table(res["loop_orders"]),
         "loop_orders_ms": res["loop_orders"],
     }
     if args.part == "orders":
@@ -312,6 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
         "step_ms": {n: res[n] for n in models.MODELS},
         "ratio_rankwise_over_torch": {
             n: round(res[n]["rankwise"] / res[n]["torch"], 3) for n in models.MODELS
+        },
+        "ratio_rankwise_gloo_over_torch": {
+            n: round(res[n]["rankwise_gloo"] / res[n]["torch"], 3) for n in models.MODELS
         },
         "ratio_rankwise_over_torch_bucket_view": {
             n: round(res[n]["rankwise"] / res[n]["torch_bucket_view"], 3) for n in models.MODELS

@@ -2,7 +2,9 @@
 
 Copying a large gradient into a flat bucket and reading it back costs more than sending it on its
 own, so a gradient of at least ``buckets.SOLO_BYTES`` travels alone and is averaged in place
-(docs/ddp.md, Performance), with no flat buffer allocated for it. The parameters must equal torch's DistributedDataParallel's
+(docs/ddp.md, Performance), with no flat buffer allocated for it. This is the path of GPU
+buckets and of ranks on several machines; ranks on one machine over Gloo use shared memory
+instead (tests/dist/test_ddp_shared_memory.py), so it is switched off here. The parameters must equal torch's DistributedDataParallel's
 bit for bit at world size 2 (scaling by 1/2 is exact and a sum of two is order-free), whichever
 of the usual places ``zero_grad`` takes in the step.
 """
@@ -38,7 +40,7 @@ def _backward(model, opt, x, y, order: str, to_none: bool) -> None:
 
 def _order(order: str, to_none: bool) -> dict:
     torch.manual_seed(0)
-    ours = rw.DistributedDataParallel(_net())
+    ours = rw.DistributedDataParallel(_net(), shared_memory_reduce=False)
     torch.manual_seed(0)
     theirs = nn.parallel.DistributedDataParallel(_net())
     big = ours.module[0].weight

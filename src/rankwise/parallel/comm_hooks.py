@@ -95,3 +95,19 @@ def check_hook(hook: Any, already: bool, compression: object) -> None:
 
 
 HookFn = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+def take_result(result: Any, flat: torch.Tensor, b: int) -> None:
+    """Copy what a communication hook's future returned into bucket ``b``'s flat buffer."""
+    if isinstance(result, (list, tuple)) and len(result) == 1:
+        result = result[0]
+    if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+        got = type(result).__name__ if not isinstance(result, torch.Tensor) else result.shape
+        raise ConfigError(
+            f"the communication hook's future for bucket {b} returned {got}, expected a tensor "
+            f"of {flat.numel()} elements (the bucket's buffer)",
+            fix="return a torch.futures.Future whose value is the reduced bucket.buffer().",
+        )
+    if result.data_ptr() != flat.data_ptr():
+        with torch.no_grad():
+            flat.copy_(result.view(-1))

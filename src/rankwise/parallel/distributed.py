@@ -30,6 +30,7 @@ from ..errors import ConfigError, ModelError, NoProcessGroupError
 from ..state_dict import add_module_prefix, strip_module_prefix
 from . import buckets as bucketing
 from . import compression as comp
+from . import shared_reduce
 from .agreement import (
     broadcast_tensors,
     move_to_device,
@@ -50,8 +51,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     Accepts every argument of torch 2.13's ``DistributedDataParallel`` with the same meaning
     (docs/ddp.md lists the few that are accepted without effect or refused, and why).
     ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
-    ``rankwise.parallel.compression``). At world size 1 (no process group, not launched) the
-    wrapper communicates nothing and behaves like the bare module.
+    ``rankwise.parallel.compression``). ``shared_memory_reduce``: ranks on one machine over
+    Gloo average large CPU buckets through shared memory (``rankwise.parallel.shared_reduce``);
+    None uses it whenever every rank can, False never, True insists. At world size 1 (no
+    process group, not launched) the wrapper communicates nothing and behaves like the bare
+    module.
 
     Sync point: all ranks, at construction and in every synchronised backward pass (and in
     every forward when ``broadcast_buffers`` applies).
@@ -81,6 +85,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         compression: str | torch.dtype | None = None,
+        shared_memory_reduce: bool | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -95,8 +100,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         _check_no_sparse(module, self.rank, compression)  # before any collective
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.dim, self.bucket_cap_mb = dim, cap
-        sync_in_forward, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
-        self.broadcast_buffers = sync_in_forward
+        self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view = True  # always: .grad is a view of its bucket
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
@@ -104,7 +108,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = self._forward_sync = True
         if self.world_size > 1 and init_sync:
             self._agree(sync_at_init)
-        self._build_reducer()
+        self._build_reducer(shared_memory_reduce)
         self.register_state_dict_post_hook(strip_module_prefix)
         self.register_load_state_dict_pre_hook(add_module_prefix)
 
@@ -115,9 +119,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffers = [b.detach() for b in self.module.buffers()] if with_buffers else []
         broadcast_tensors(state + buffers, self.process_group)
 
-    def _build_reducer(self) -> None:
+    def _build_reducer(self, shared_memory_reduce: bool | None = False) -> None:
         names, params = trainable_parameters(self.module, self.rank)
         buckets = assign_buckets(params, self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES)
+        # Collective: only from __init__, where every rank is (not when one rank unpickles).
+        shared = None
+        if self.compression is not None and shared_memory_reduce:
+            raise ConfigError(
+                f"shared_memory_reduce=True with compression={self.compression!r}: compressed "
+                "buckets go through the process group's all-reduce",
+                fix="drop one of them: shared memory already avoids the copy compression saves.",
+            )
+        if self.world_size > 1 and self.compression is None:
+            shared = shared_reduce.attach(buckets, self.process_group, shared_memory_reduce)
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
@@ -135,6 +149,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             compression=self.compression,
             should_sync=self._should_sync,
+            shared=shared,
         )
 
     def _should_sync(self) -> bool:

@@ -6,6 +6,8 @@ reduced where autograd left it only if it is dense and matches its bucket's dtyp
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .buckets import Bucket
@@ -44,3 +46,24 @@ def reducible_in_place(g: torch.Tensor, bucket: Bucket) -> bool:
         and g.device == bucket.device
         and g.layout == torch.strided
     )
+
+
+_warned_create_graph = False
+
+
+def copy_higher_order(g: torch.Tensor, scale: float, view: torch.Tensor) -> None:
+    """``view = g * scale`` for a gradient that requires grad (``backward(create_graph=True)``).
+
+    The averaged gradient is a plain tensor, as in torch's DDP: the higher-order graph of a
+    gradient does not survive the all-reduce, which is why torch warns, and so do we.
+    """
+    global _warned_create_graph
+    if g.requires_grad and not _warned_create_graph:
+        _warned_create_graph = True
+        warnings.warn(
+            "Using DistributedDataParallel with create_graph=True is not recommended: the "
+            "averaged gradients carry no autograd graph (as in torch's DistributedDataParallel)",
+            stacklevel=3,
+        )
+    with torch.no_grad():
+        torch.mul(g.detach(), scale, out=view)

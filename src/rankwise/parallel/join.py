@@ -56,15 +56,8 @@ class DDPJoinHook(JoinHook):
             return  # the training ranks are inside no_sync(): no collective to shadow
         if ddp.broadcast_buffers and ddp._buffer_slots:
             ddp._sync_buffers()  # matches the training ranks' forward broadcast
+        _shadow_buckets(ddp)
         reducer = ddp.reducer
-        wire = comp.wire_dtype(ddp.compression)
-        for b, bucket in enumerate(reducer.buckets):
-            dtype = wire if comp.compresses(bucket.dtype, wire) else bucket.dtype
-            zeros = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
-            with fingerprints.collective(
-                "all_reduce", zeros, label=f"gradient bucket {b}", group=ddp.process_group, extra="sum"
-            ):
-                dist.all_reduce(zeros, group=ddp.process_group)
         if ddp.find_unused_parameters:
             device = reducer.buckets[0].device
             used = torch.zeros(len(reducer.params), dtype=torch.int32, device=device)
@@ -81,6 +74,30 @@ class DDPJoinHook(JoinHook):
         module = ddp.module
         state = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
         broadcast_tensors(state, ddp.process_group, src=int(mine.item()))
+
+
+def _shadow_buckets(ddp: DistributedDataParallel) -> None:
+    """All-reduce zeros in place of each bucket, in order, by the bucket's own transport."""
+    reducer, group = ddp.reducer, ddp.process_group
+    wire = comp.wire_dtype(ddp.compression)
+    fence = False
+    for b, bucket in enumerate(reducer.buckets):
+        shared = reducer.shares(b)
+        if shared is not None:
+            zeros = shared.flat(b)  # the slot other ranks read (this rank's .grad: unused now)
+            zeros.zero_()
+        else:
+            dtype = wire if comp.compresses(bucket.dtype, wire) else bucket.dtype
+            zeros = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
+        label = f"gradient bucket {b}"
+        with fingerprints.collective("all_reduce", zeros, label=label, group=group, extra="sum"):
+            if shared is not None:
+                fence = True
+                shared.all_reduce(b).wait()
+            else:
+                dist.all_reduce(zeros, group=group)
+    if fence:
+        reducer.shared.fence().wait()  # type: ignore[union-attr]
 
 
 def join_context(ddp: DistributedDataParallel, **kwargs: Any) -> Join:

@@ -29,7 +29,6 @@ never gets a gradient is reported on a laptop just as it would be on 64 GPUs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,11 +38,12 @@ from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..diagnose import fingerprints
-from ..errors import ConfigError, ModelError
+from ..errors import ModelError
 from . import compression as comp
 from .buckets import Bucket
-from .comm_hooks import GradBucket
-from .grad_views import grad_view, reducible_in_place
+from .comm_hooks import GradBucket, take_result
+from .grad_views import copy_higher_order, grad_view, reducible_in_place
+from .shared_reduce import SharedBuckets
 
 _MAX_NAMES = 10
 """How many parameter names an error lists before '... and N more'."""
@@ -73,6 +73,7 @@ class Reducer:
         find_unused_parameters: bool,
         compression: str | torch.dtype | None,
         should_sync: Callable[[], bool],
+        shared: SharedBuckets | None = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -88,6 +89,7 @@ class Reducer:
             for i in bucket.indices:
                 self._bucket_of[i] = b
         self._sizes = [len(b.indices) for b in self.buckets]
+        self.shared = shared  # buckets in shared memory (shared_reduce.py), or None
         self._allocate(comp.wire_dtype(compression))
         self._scale = 1.0 / world_size
         self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
@@ -131,7 +133,9 @@ class Reducer:
             return
         for b, bucket in enumerate(self.buckets):
             use_wire = comp.compresses(bucket.dtype, wire)
-            self._solo.append(len(bucket.indices) == 1 and not use_wire)
+            # In shared memory, every gradient must be in this rank's slot for others to read.
+            alone = len(bucket.indices) == 1 and not (self.shared and self.shared.holds(b))
+            self._solo.append(alone and not use_wire)
             self._flat.append(None)
             if not self._solo[b]:
                 self._flat_of(b)
@@ -142,7 +146,10 @@ class Reducer:
         flat = self._flat[b]
         if flat is None:
             bucket = self.buckets[b]
-            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            if self.shared is not None and self.shared.holds(b):
+                flat = self.shared.flat(b)
+            else:
+                flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             self._flat[b] = flat
             for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
                 self._views[i] = grad_view(flat, offset, self.params[i])
@@ -207,7 +214,7 @@ class Reducer:
             except RuntimeError:
                 if not g.requires_grad:
                     raise
-                _copy_higher_order(g, scale, view)
+                copy_higher_order(g, scale, view)
             p.grad = view
 
     def _begin(self) -> None:
@@ -240,7 +247,22 @@ class Reducer:
                     extra="sum",
                 )
                 self._works[b] = entry
-                entry.watch(dist.all_reduce(tensor, group=self.group, async_op=True))
+                shared = self.shares(b)
+                if shared is not None:
+                    self._fence = True
+                    entry.watch(shared.all_reduce(b))
+                else:
+                    entry.watch(dist.all_reduce(tensor, group=self.group, async_op=True))
+        if self._fence is True and self._next == n:  # the pass's last shared bucket is out
+            self._fence = self.shared.fence()  # type: ignore[union-attr]
+
+    def shares(self, b: int) -> SharedBuckets | None:
+        """Where bucket ``b`` is reduced through shared memory: there, else None (Gloo or a
+        communication hook)."""
+        shared = self.shared
+        if shared is None or not shared.holds(b) or self._comm_hook is not None:
+            return None
+        return shared if self._wire[b] is None else None
 
     # -- end of backward ----------------------------------------------------------------------
 
@@ -278,7 +300,7 @@ class Reducer:
             elif g is view:
                 view.mul_(scale)
             else:
-                _copy_higher_order(g, scale, view)
+                copy_higher_order(g, scale, view)
         for b in {self._bucket_of[i] for i in missing}:
             self._pending[b] = 0
         self._launch_ready()
@@ -300,12 +322,14 @@ class Reducer:
             if entry is None:
                 continue
             if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
-                _take_hook_result(entry.wait(), self._flat_of(b), b)
+                take_result(entry.wait(), self._flat_of(b), b)
                 continue
             entry.wait()  # a failure raises the diagnosis: every rank's last collective
             wire = self._wire[b]
             if wire is not None:
                 comp.decompress(wire, self._flat_of(b))
+        if self._fence is not None:
+            self._fence.wait()  # no rank writes its slot while another still reads it
 
     def _reset(self) -> None:
         self._active = False
@@ -314,6 +338,7 @@ class Reducer:
         self._pending = list(self._sizes)
         self._next = 0
         self._works: list[Any] = [None] * len(self.buckets)
+        self._fence: Any = None  # True once a shared bucket is launched, then its Work
         self._in_place[:] = [None] * len(self.buckets)
 
     def prepare_for_forward(self) -> None:
@@ -355,40 +380,3 @@ class Reducer:
             "inner backward outside DistributedDataParallel.",
             rank=self.rank,
         )
-
-
-_warned_create_graph = False
-
-
-def _copy_higher_order(g: torch.Tensor, scale: float, view: torch.Tensor) -> None:
-    """``view = g * scale`` for a gradient that requires grad (``backward(create_graph=True)``).
-
-    The averaged gradient is a plain tensor, as in torch's DDP: the higher-order graph of a
-    gradient does not survive the all-reduce, which is why torch warns, and so do we.
-    """
-    global _warned_create_graph
-    if g.requires_grad and not _warned_create_graph:
-        _warned_create_graph = True
-        warnings.warn(
-            "Using DistributedDataParallel with create_graph=True is not recommended: the "
-            "averaged gradients carry no autograd graph (as in torch's DistributedDataParallel)",
-            stacklevel=3,
-        )
-    with torch.no_grad():
-        torch.mul(g.detach(), scale, out=view)
-
-
-def _take_hook_result(result: Any, flat: torch.Tensor, b: int) -> None:
-    """Copy what a communication hook's future returned into bucket ``b``'s flat buffer."""
-    if isinstance(result, (list, tuple)) and len(result) == 1:
-        result = result[0]
-    if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
-        got = type(result).__name__ if not isinstance(result, torch.Tensor) else result.shape
-        raise ConfigError(
-            f"the communication hook's future for bucket {b} returned {got}, expected a tensor "
-            f"of {flat.numel()} elements (the bucket's buffer)",
-            fix="return a torch.futures.Future whose value is the reduced bucket.buffer().",
-        )
-    if result.data_ptr() != flat.data_ptr():
-        with torch.no_grad():
-            flat.copy_(result.view(-1))

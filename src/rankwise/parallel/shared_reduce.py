@@ -1,0 +1,294 @@
+"""All-reduce of gradient buckets through shared memory, when every rank is on this machine.
+
+Gloo moves a CPU all-reduce through loopback TCP: every byte is copied into a socket, out of it
+on the other side, then summed. Ranks that share a machine can read each other's buckets
+instead. Every rank's flat bucket buffers live in one shared-memory file, a slot per rank,
+and ``.grad`` is a view of the rank's own slot. For each bucket:
+
+1. every rank has put its gradients (already divided by the world size) in its slot; a barrier;
+2. rank r sums chunk r of the bucket over all slots, into its own slot (a reduce-scatter by
+   reading, not sending); a barrier;
+3. every rank copies each other chunk from the slot of the rank that summed it (an all-gather),
+   so its own slot, and with it ``.grad``, holds the whole average.
+
+Each chunk is summed once and copied, so every replica holds bit-identical gradients. A last
+barrier per backward pass (``fence``) keeps a rank from writing its slot again (the next
+step's gradients, ``zero_grad``, clipping) while a slower rank still reads it.
+
+Synchronisation stays the engine's: the barriers are Gloo collectives on a process group of
+their own, run by one worker thread in the order the reducer launched the buckets, so a rank
+that dies or stalls fails them like any collective (timeouts, the stall report). The file is
+created by ``posix_fallocate`` (a full /dev/shm fails here, not later with SIGBUS) and unlinked
+as soon as every rank has mapped it: nothing is left behind in /dev/shm.
+
+Used for CPU buckets on a Gloo group whose ranks all see the same /dev/shm file; otherwise
+(NCCL, ranks on several machines, no room) buckets go through the group's all-reduce. The
+ranks agree on the choice with one all-reduce, so they never mix the two.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..diagnose import fingerprints
+from ..errors import ConfigError
+from .buckets import Bucket
+
+SHM_DIR = "/dev/shm"
+MIN_BYTES = 1024 * 1024
+"""Smaller buckets go through the group's all-reduce: one Gloo round trip beats the two
+barriers of a shared bucket below about 1 MiB (benchmarks/ddp.py, 2 ranks)."""
+_ALIGN = 64  # each bucket starts on its own cache line
+_TOKEN = 16  # header bytes: rank 0's random token, proof that a rank mapped the same file
+
+
+class Work:
+    """What ``all_reduce`` and ``fence`` return: a ``Work``-like handle (``wait``,
+    ``is_completed``) that the fingerprint watchdog polls like Gloo's own."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done; raise what the worker raised. False when ``timeout`` passed."""
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+class _Channel:
+    """One Gloo group for the barriers and one worker thread that runs the jobs in order.
+
+    One per process group, shared by every wrapper on it: creating a group costs sockets that
+    torch does not give back, and one queue keeps the barriers in launch order across wrappers
+    (as the process group itself does for their all-reduces).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        ranks = dist.get_process_group_ranks(group)
+        self.barriers = dist.new_group(
+            ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(
+            target=_serve, args=(self.jobs,), name="rankwise-shared-reduce", daemon=True
+        ).start()
+
+    def submit(self, job: Callable[[], None]) -> Work:
+        work = Work()
+        self.jobs.put((job, work))
+        return work
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.barriers)
+
+
+_CHANNELS: dict[int, tuple[dist.ProcessGroup, _Channel]] = {}
+"""id(group) -> (group, its channel). The group is kept so that its id is never reused."""
+
+
+def _channel(group: dist.ProcessGroup) -> _Channel:
+    """The group's channel, made on first use. Sync point (first use): the group's ranks."""
+    found = _CHANNELS.get(id(group))
+    if found is None:
+        found = _CHANNELS[id(group)] = (group, _Channel(group))
+    return found[1]
+
+
+class SharedBuckets:
+    """The shared-memory slots of a reducer's buckets, reduced by its group's channel."""
+
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        layout: dict[int, tuple[Bucket, int]],
+        slot_bytes: int,
+        rank: int,
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.rank, self.world = rank, group.size()
+        self._channel = _channel(group)
+        # views[b][r]: bucket b's flat buffer in rank r's slot
+        self._views = {
+            b: [
+                arena[start : start + bucket.nbytes].view(bucket.dtype)
+                for start in (_TOKEN + r * slot_bytes + off for r in range(self.world))
+            ]
+            for b, (bucket, off) in layout.items()
+        }
+        self._bounds = {
+            b: [bucket.numel * r // self.world for r in range(self.world + 1)]
+            for b, (bucket, _) in layout.items()
+        }
+
+    def holds(self, b: int) -> bool:
+        """Bucket ``b`` is reduced here (large enough to gain from it)."""
+        return b in self._views
+
+    def flat(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s flat buffer in this rank's slot."""
+        return self._views[b][self.rank]
+
+    def all_reduce(self, b: int) -> Work:
+        """Start summing bucket ``b`` over the ranks, in place. Sync point: all ranks."""
+        return self._channel.submit(lambda: self._reduce(b))
+
+    def fence(self) -> Work:
+        """Start the end-of-pass barrier (see the module docstring). Sync point: all ranks."""
+        return self._channel.submit(self._channel.barrier)
+
+    def _reduce(self, b: int) -> None:
+        views, bounds, me = self._views[b], self._bounds[b], self.rank
+        lo, hi = bounds[me], bounds[me + 1]
+        self._channel.barrier()  # every slot holds its rank's gradients
+        acc = views[me][lo:hi]
+        for r, view in enumerate(views):
+            if r != me:
+                acc.add_(view[lo:hi])
+        self._channel.barrier()  # every chunk is summed
+        mine = views[me]
+        for r, view in enumerate(views):
+            if r != me:
+                mine[bounds[r] : bounds[r + 1]].copy_(view[bounds[r] : bounds[r + 1]])
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (item := jobs.get()) is not None:
+        job, work = item
+        try:
+            job()
+        except BaseException as exc:  # handed to whoever waits on the work
+            work._finish(exc)
+        else:
+            work._finish()
+
+
+def attach(
+    buckets: Sequence[Bucket],
+    group: dist.ProcessGroup | None,
+    enabled: bool | None,
+) -> SharedBuckets | None:
+    """Shared-memory buckets for this group, or None to use its all-reduce.
+
+    ``enabled``: None decides (on when possible), False never, True insists (an error says
+    why it cannot be). Sync point: all ranks of ``group`` (unless the answer is plain locally).
+    """
+    group = group if group is not None else dist.group.WORLD
+    why_not = _locally_impossible(buckets, group) if enabled is not False else "disabled"
+    if why_not is not None:
+        if enabled:
+            raise ConfigError(
+                f"shared_memory_reduce=True, but {why_not}",
+                fix="leave shared_memory_reduce unset: it is used whenever it can be.",
+            )
+        return None
+    layout, slot_bytes = _layout(buckets)
+    if not layout:
+        return None  # every bucket is small: the same answer on every rank, no need to agree
+    ranks = dist.get_process_group_ranks(group)
+    me = group.rank()
+    total = _TOKEN + group.size() * slot_bytes
+    made = _create(total) if me == 0 else None
+    arena = _agree(made, total, ranks, group)
+    if arena is None:
+        if enabled:
+            raise ConfigError(
+                f"shared_memory_reduce=True, but not every rank could map a {total} byte file "
+                f"in {SHM_DIR} (ranks on different machines, or {SHM_DIR} too small)",
+                fix="leave shared_memory_reduce unset, or give the container more shared "
+                "memory (docker run --shm-size=...).",
+            )
+        return None
+    return SharedBuckets(arena, layout, slot_bytes, me, group)
+
+
+def _locally_impossible(buckets: Sequence[Bucket], group: dist.ProcessGroup) -> str | None:
+    """Why this rank can tell by itself that shared memory is out (same on every rank)."""
+    if group.size() < 2 or not buckets:
+        return "there is no other rank to reduce with"
+    if any(b.device.type != "cpu" for b in buckets):
+        return "the gradients are not on the CPU"
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return "the process group has no CPU backend"
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return f"the process group's CPU backend is {type(backend).__name__}, not Gloo"
+    return None
+
+
+def _layout(buckets: Sequence[Bucket]) -> tuple[dict[int, tuple[Bucket, int]], int]:
+    """{bucket index: (bucket, byte offset in a slot)} for the buckets worth sharing, and the
+    slot's size (offsets and size cache-line aligned)."""
+    layout, end = {}, 0
+    for b, bucket in enumerate(buckets):
+        if bucket.nbytes >= MIN_BYTES:
+            layout[b] = (bucket, end)
+            end += -(-bucket.nbytes // _ALIGN) * _ALIGN
+    return layout, end
+
+
+def _create(nbytes: int) -> tuple[str, bytes] | None:
+    """Rank 0: a /dev/shm file of ``nbytes``, reserved now, with a random token at its start."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="rankwise-grads-", dir=SHM_DIR)
+    except OSError:
+        return None
+    token = secrets.token_bytes(_TOKEN)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # tmpfs out of room fails here, not with SIGBUS
+        os.pwrite(fd, token, 0)
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    return path, token
+
+
+def _agree(
+    made: tuple[str, bytes] | None, nbytes: int, ranks: list[int], group: dist.ProcessGroup
+) -> torch.Tensor | None:
+    """Every rank maps rank 0's file, or none uses it. Rank 0 then unlinks it."""
+    shared = [made]
+    with fingerprints.collective("broadcast", label="shared-memory buckets", group=group):
+        dist.broadcast_object_list(shared, src=ranks[0], group=group)
+    arena = _map(*shared[0], nbytes) if shared[0] is not None else None
+    ok = torch.tensor([0 if arena is None else 1], dtype=torch.int32)
+    with fingerprints.collective("all_reduce", ok, label="shared-memory buckets", group=group):
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if made is not None:
+        os.unlink(made[0])  # every rank has mapped it (or given up): the mapping outlives it
+    return arena if ok.item() == 1 else None
+
+
+def _map(path: str, token: bytes, nbytes: int) -> torch.Tensor | None:
+    """Map ``path`` if it is rank 0's file (same token): a rank elsewhere has no such file."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(_TOKEN) != token:
+                return None
+    except OSError:
+        return None
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
