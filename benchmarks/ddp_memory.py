@@ -7,7 +7,9 @@ process cannot be reset), on the reference MLP (10.5M parameters: 42 MB of param
 much of gradients): 6 steps of forward, backward and SGD, with ``zero_grad`` first
 (``set_to_none=True``) or last (``set_to_none=False``). Reported: each rank's peak resident set
 (``ru_maxrss``) and its growth over the process before the model was built, in MiB, the
-largest over the ranks. torch is run with its default and with ``gradient_as_bucket_view=True``.
+largest over the ranks. torch is run with its default and with ``gradient_as_bucket_view=True``;
+rankwise with its default (large buckets in shared memory: their pages count in the resident
+set of every rank that touches them) and with ``shared_memory_reduce=False`` (``rankwise_gloo``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import rankwise as rw
 from rankwise.bench import models
 from rankwise.testing import run_distributed
 
-KINDS = ("rankwise", "torch", "torch_bucket_view")
+KINDS = ("rankwise", "rankwise_gloo", "torch", "torch_bucket_view")
 ORDERS = ("first/none", "last/zero")
 
 
@@ -41,8 +43,8 @@ def _one(kind: str, order: str) -> dict:
     before = _peak_mib()
     torch.manual_seed(0)
     net = models.build("mlp")
-    if kind == "rankwise":
-        model = rw.DistributedDataParallel(net)
+    if kind.startswith("rankwise"):  # rankwise_gloo: no shared memory, every bucket via Gloo
+        model = rw.DistributedDataParallel(net, shared_memory_reduce=kind == "rankwise")
     else:
         view = kind == "torch_bucket_view"
         model = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view)

@@ -77,10 +77,14 @@ class DDPJoinHook(JoinHook):
 
 
 def _shadow_buckets(ddp: DistributedDataParallel) -> None:
-    """All-reduce zeros in place of each bucket, in order, by the bucket's own transport."""
+    """All-reduce zeros in place of each bucket, in order, by the bucket's own transport.
+
+    All are started before any is waited for, as the training ranks' reducer does: a shared
+    bucket completes only when the next one (or the fence) starts.
+    """
     reducer, group = ddp.reducer, ddp.process_group
     wire = comp.wire_dtype(ddp.compression)
-    fence = False
+    entries, fence = [], None
     for b, bucket in enumerate(reducer.buckets):
         shared = reducer.shares(b)
         if shared is not None:
@@ -90,14 +94,18 @@ def _shadow_buckets(ddp: DistributedDataParallel) -> None:
             dtype = wire if comp.compresses(bucket.dtype, wire) else bucket.dtype
             zeros = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
         label = f"gradient bucket {b}"
-        with fingerprints.collective("all_reduce", zeros, label=label, group=group, extra="sum"):
-            if shared is not None:
-                fence = True
-                shared.all_reduce(b).wait()
-            else:
-                dist.all_reduce(zeros, group=group)
-    if fence:
-        reducer.shared.fence().wait()  # type: ignore[union-attr]
+        entry = fingerprints.record("all_reduce", zeros, label=label, group=group, extra="sum")
+        if shared is not None:
+            fence = shared
+            entry.watch(shared.all_reduce(b))
+        else:
+            entry.watch(dist.all_reduce(zeros, group=group, async_op=True))
+        entries.append(entry)
+    last = fence.fence() if fence is not None else None
+    for entry in entries:
+        entry.wait()
+    if last is not None:
+        last.wait()
 
 
 def join_context(ddp: DistributedDataParallel, **kwargs: Any) -> Join:

@@ -13,7 +13,8 @@ and ``.grad`` is a view of the rank's own slot. For each bucket:
 
 Each chunk is summed once and copied, so every replica holds bit-identical gradients. A last
 barrier per backward pass (``fence``) keeps a rank from writing its slot again (the next
-step's gradients, ``zero_grad``, clipping) while a slower rank still reads it.
+step's gradients, ``zero_grad``, clipping) while a slower rank still reads it. The barrier of
+step 2 is the next bucket's barrier of step 1 (``_Channel``): n buckets, n + 2 barriers.
 
 Synchronisation stays the engine's: the barriers are Gloo collectives on a process group of
 their own, run by one worker thread in the order the reducer launched the buckets, so a rank
@@ -81,6 +82,11 @@ class _Channel:
     One per process group, shared by every wrapper on it: creating a group costs sockets that
     torch does not give back, and one queue keeps the barriers in launch order across wrappers
     (as the process group itself does for their all-reduces).
+
+    Barriers are pipelined: the barrier that says bucket k+1 is in every slot also says that
+    bucket k's chunks are summed, so bucket k is gathered (and its ``Work`` completes) when the
+    next job starts. A pass of n shared buckets costs n + 2 barriers (the last bucket's, and
+    the fence), not 2n + 1. Every rank runs the same jobs, so all pipeline alike.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -90,17 +96,43 @@ class _Channel:
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(
-            target=_serve, args=(self.jobs,), name="rankwise-shared-reduce", daemon=True
-        ).start()
+        self.pending: tuple[Callable[[], None], Work] | None = None  # a summed, ungathered bucket
+        threading.Thread(target=self._serve, name="rankwise-shared-reduce", daemon=True).start()
 
-    def submit(self, job: Callable[[], None]) -> Work:
+    def submit(self, reduce: Callable[[], Callable[[], None]] | None) -> Work:
+        """Queue a bucket (``reduce`` sums this rank's chunk and returns the gather), or with
+        None the fence."""
         work = Work()
-        self.jobs.put((job, work))
+        self.jobs.put((reduce, work))
         return work
 
     def barrier(self) -> None:
         dist.barrier(group=self.barriers)
+
+    def _serve(self) -> None:
+        while True:
+            reduce, work = self.jobs.get()
+            try:
+                self._run(reduce, work)
+            except BaseException as exc:  # handed to whoever waits on the work(s)
+                if self.pending is not None:
+                    self.pending[1]._finish(exc)
+                    self.pending = None
+                work._finish(exc)
+
+    def _run(self, reduce: Callable[[], Callable[[], None]] | None, work: Work) -> None:
+        if reduce is not None or self.pending is not None:
+            self.barrier()  # this bucket is in every slot; the pending one is summed
+        if self.pending is not None:
+            gather, done = self.pending
+            self.pending = None
+            gather()
+            done._finish()
+        if reduce is not None:
+            self.pending = (reduce(), work)
+        else:
+            self.barrier()  # the fence: every rank has gathered, no one reads a slot any more
+            work._finish()
 
 
 _CHANNELS: dict[int, tuple[dist.ProcessGroup, _Channel]] = {}
@@ -155,32 +187,25 @@ class SharedBuckets:
 
     def fence(self) -> Work:
         """Start the end-of-pass barrier (see the module docstring). Sync point: all ranks."""
-        return self._channel.submit(self._channel.barrier)
+        return self._channel.submit(None)
 
-    def _reduce(self, b: int) -> None:
+    def _reduce(self, b: int) -> Callable[[], None]:
+        """Sum this rank's chunk of bucket ``b`` over all slots (every slot is filled); return
+        the gather, to run once every chunk is summed."""
         views, bounds, me = self._views[b], self._bounds[b], self.rank
         lo, hi = bounds[me], bounds[me + 1]
-        self._channel.barrier()  # every slot holds its rank's gradients
         acc = views[me][lo:hi]
         for r, view in enumerate(views):
             if r != me:
                 acc.add_(view[lo:hi])
-        self._channel.barrier()  # every chunk is summed
-        mine = views[me]
-        for r, view in enumerate(views):
-            if r != me:
-                mine[bounds[r] : bounds[r + 1]].copy_(view[bounds[r] : bounds[r + 1]])
 
+        def gather() -> None:
+            mine = views[me]
+            for r, view in enumerate(views):
+                if r != me:
+                    mine[bounds[r] : bounds[r + 1]].copy_(view[bounds[r] : bounds[r + 1]])
 
-def _serve(jobs: queue.SimpleQueue) -> None:
-    while (item := jobs.get()) is not None:
-        job, work = item
-        try:
-            job()
-        except BaseException as exc:  # handed to whoever waits on the work
-            work._finish(exc)
-        else:
-            work._finish()
+        return gather
 
 
 def attach(
@@ -258,7 +283,7 @@ def _create(nbytes: int) -> tuple[str, bytes] | None:
     try:
         os.posix_fallocate(fd, 0, nbytes)  # tmpfs out of room fails here, not with SIGBUS
         os.pwrite(fd, token, 0)
-    except OSError:
+    except (OSError, AttributeError):  # AttributeError: no posix_fallocate (macOS)
         os.unlink(path)
         return None
     finally:
