@@ -7,7 +7,9 @@ process cannot be reset), on the reference MLP (10.5M parameters: 42 MB of param
 much of gradients): 6 steps of forward, backward and SGD, with ``zero_grad`` first
 (``set_to_none=True``) or last (``set_to_none=False``). Reported: each rank's peak resident set
 (``ru_maxrss``) and its growth over the process before the model was built, in MiB, the
-largest over the ranks. torch is run with its default and with ``gradient_as_bucket_view=True``;
+largest over the ranks, and the growth of its proportional set size after the last step
+(``pss_growth_mib``: shared pages split between the processes that map them, so the shared
+gradient file is not counted once per rank). torch is run with its default and with ``gradient_as_bucket_view=True``;
 rankwise with its default (large buckets in shared memory: their pages count in the resident
 set of every rank that touches them) and with ``shared_memory_reduce=False`` (``rankwise_gloo``).
 """
@@ -38,9 +40,19 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _pss_mib() -> float:
+    """Proportional set size now: a page shared by k processes counts 1/k in each (Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return float("nan")
+    return kib / 1024
+
+
 def _one(kind: str, order: str) -> dict:
     torch.set_num_threads(1)
-    before = _peak_mib()
+    before, pss_before = _peak_mib(), _pss_mib()
     torch.manual_seed(0)
     net = models.build("mlp")
     if kind.startswith("rankwise"):  # rankwise_gloo: no shared memory, every bucket via Gloo
@@ -57,7 +69,11 @@ def _one(kind: str, order: str) -> dict:
         opt.step()
         if order == "last/zero":
             opt.zero_grad(set_to_none=False)
-    return {"peak_mib": round(_peak_mib(), 1), "growth_mib": round(_peak_mib() - before, 1)}
+    return {
+        "peak_mib": round(_peak_mib(), 1),
+        "growth_mib": round(_peak_mib() - before, 1),
+        "pss_growth_mib": round(_pss_mib() - pss_before, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         for order in ORDERS:
             ranks = run_distributed(_one, 2, args=(kind, order), timeout=300)
             table[f"{kind}/{order}"] = {
-                k: max(r[k] for r in ranks) for k in ("peak_mib", "growth_mib")
+                k: max(r[k] for r in ranks) for k in ("peak_mib", "growth_mib", "pss_growth_mib")
             }
     result = {
         "benchmark": "ddp_memory",

@@ -194,6 +194,7 @@ class Reducer:
         """Leave ``p``'s gradient, divided by the world size, where bucket ``b`` reduces it."""
         g, scale, view = p.grad, self._scale, self._views[i]
         if view is not None and g is view:  # zero_grad(set_to_none=False) kept our view
+            self._spare[i] = None  # autograd accumulates into the slot now: nothing to recycle
             if scale != 1.0:
                 view.mul_(scale)
         elif solo and reducible_in_place(g, self.buckets[b]):
