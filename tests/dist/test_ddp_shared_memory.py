@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -28,6 +29,12 @@ import rankwise as rw
 from rankwise.errors import ConfigError, DistributedError
 from rankwise.parallel import shared_reduce
 from rankwise.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(shared_reduce.SHM_DIR)
+    or shutil.disk_usage(shared_reduce.SHM_DIR).free < 256 * 2**20,
+    reason=f"needs 256 MiB free in {shared_reduce.SHM_DIR} (docker run --shm-size=...)",
+)
 
 ORDERS = [
     ("first", True),
@@ -163,6 +170,11 @@ def _fallback(rank: int) -> dict:
             out["insisted"] = None
         except ConfigError as exc:
             out["insisted"] = str(exc)
+        try:
+            rw.DistributedDataParallel(_small(), compression="bf16", shared_memory_reduce=True)
+            out["with_compression"] = None
+        except ConfigError as exc:
+            out["with_compression"] = str(exc)
     finally:
         shared_reduce._map = real_map
     dist.barrier()
@@ -220,6 +232,7 @@ def test_one_rank_that_cannot_map_makes_every_rank_fall_back(world2):
         assert "shared_memory_reduce=True" in fb["insisted"]
         assert shared_reduce.SHM_DIR in fb["insisted"] and "--shm-size" in fb["insisted"]
         assert fb["leftovers"] == [], "a shared-memory file was left behind"
+        assert "compression='bf16'" in fb["with_compression"]
 
 
 def _world3() -> dict:

@@ -29,11 +29,14 @@ ranks agree on the choice with one all-reduce, so they never mix the two.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import secrets
+import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -283,12 +286,27 @@ def _create(nbytes: int) -> tuple[str, bytes] | None:
     try:
         os.posix_fallocate(fd, 0, nbytes)  # tmpfs out of room fails here, not with SIGBUS
         os.pwrite(fd, token, 0)
-    except (OSError, AttributeError):  # AttributeError: no posix_fallocate (macOS)
+    except (OSError, AttributeError) as exc:  # AttributeError: no posix_fallocate (macOS)
         os.unlink(path)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            _warn_no_room(nbytes)
         return None
     finally:
         os.close(fd)
     return path, token
+
+
+def _warn_no_room(nbytes: int) -> None:
+    """Say once why a job on one machine is slower than it could be (Docker's 64 MiB)."""
+    free = shutil.disk_usage(SHM_DIR).free
+    warnings.warn(
+        f"{SHM_DIR} has {free / 2**20:.0f} MiB free, and averaging gradients through shared "
+        f"memory needs {nbytes / 2**20:.0f} MiB: they go through Gloo's all-reduce instead "
+        "(slower on one machine). Fix: give the container more shared memory "
+        "(docker run --shm-size=1g ...), or pass shared_memory_reduce=False to silence this.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _agree(
