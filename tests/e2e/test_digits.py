@@ -16,16 +16,19 @@ FINAL = re.compile(
 )
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
+def _run(cmd: list[str], cwd: Path, stderr: list[str] | None = None) -> str:
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
+    if stderr is not None:
+        stderr.append(done.stderr)
     return done.stdout
 
 
 def test_readme_command_trains_to_95_percent_with_two_processes(tmp_path):
     # The README's first command, minus the install: two processes, default settings.
     cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", DIGITS]
-    out = _run([*cmd, "--ckpt", str(tmp_path / "ckpt")], tmp_path)
+    err: list[str] = []
+    out = _run([*cmd, "--ckpt", str(tmp_path / "ckpt")], tmp_path, err)
     found = FINAL.findall(out)
     assert len(found) == 1, out  # printed once, by rank 0
     acc, correct, throughput, strategy, replicas, first, last = found[0]
@@ -33,6 +36,7 @@ def test_readme_command_trains_to_95_percent_with_two_processes(tmp_path):
     assert int(throughput.replace(",", "")) > 0
     assert (strategy, replicas, first, last) == ("ddp", "2", "0", "7")
     assert "[rank0]: " in out and "[rank1]: test accuracy" not in out
+    assert "[rank1]: " not in out + err[0], err  # rank 1 says nothing, not even at exit
     # The README's sample: each epoch's progress lines end at 100% before its result line.
     mine = [line for line in out.splitlines() if line.startswith("[rank0]: epoch")]
     epochs = [int(line.split()[2].rstrip(":")) for line in mine]

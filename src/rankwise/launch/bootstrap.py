@@ -158,7 +158,9 @@ def finish_cleanly(code: object = 0) -> None:
     atexit._run_exitfuncs()
     # Files the script left open, unreachable ones too (still tracked until collected; a
     # collection could close a text file after its buffer and lose the text).
-    files = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)]
+    # By type, not isinstance(): that reads __class__, and some module proxies warn on any
+    # attribute (torch.distributed.reduce_op printed a FutureWarning on every rank).
+    files = [obj for obj in gc.get_objects() if issubclass(type(obj), io.IOBase)]
     for f in [*files, sys.stdout, sys.stderr]:
         # A broken pipe or a file closed underneath has nothing left to save.
         with contextlib.suppress(Exception):
