@@ -8,6 +8,7 @@ Against torch's DistributedDataParallel in the same ranks:
 - uneven inputs (``join()``) and torch's communication hooks work over shared buckets;
 - a rank that cannot map the file makes every rank fall back to Gloo's all-reduce (one rank
   alone must never switch), and ``shared_memory_reduce=True`` then says why and how to fix it;
+- two wrappers in one backward (a GAN) share one barrier queue without deadlock;
 - nothing is left in /dev/shm, and a rank that dies mid-run fails its peer instead of hanging.
 """
 
@@ -182,6 +183,24 @@ def _fallback(rank: int) -> dict:
     return out
 
 
+def _two_models(rank: int) -> dict:
+    """Two wrappers in one backward (a GAN's generator and critic): one barrier queue serves
+    both, so their buckets interleave; still torch's parameters, and no deadlock."""
+    out = {}
+    for name, make in (("ours", rw.DistributedDataParallel), ("torch", _torch_ddp)):
+        torch.manual_seed(1)
+        gen, critic = make(nn.Linear(256, 1024)), make(nn.Linear(1024, 1024))  # 1 MiB, 4 MiB
+        opt = torch.optim.SGD([*gen.parameters(), *critic.parameters()], lr=0.1)
+        for x, _ in _batches(rank, 3, features=256):
+            opt.zero_grad()
+            critic(torch.relu(gen(x))).pow(2).mean().backward()
+            opt.step()
+        out[name] = _params(gen) + _params(critic)
+        if name == "ours":
+            out["shared"] = gen.reducer.shared is not None and critic.reducer.shared is not None
+    return out
+
+
 def _world2() -> dict:
     rank = dist.get_rank()
     return {
@@ -189,6 +208,7 @@ def _world2() -> dict:
         "join": _join(rank),
         "hooks": _hooks(rank),
         "fallback": _fallback(rank),
+        "two_models": _two_models(rank),
     }
 
 
@@ -233,6 +253,12 @@ def test_one_rank_that_cannot_map_makes_every_rank_fall_back(world2):
         assert shared_reduce.SHM_DIR in fb["insisted"] and "--shm-size" in fb["insisted"]
         assert fb["leftovers"] == [], "a shared-memory file was left behind"
         assert "compression='bf16'" in fb["with_compression"]
+
+
+def test_two_wrappers_in_one_backward_share_the_queue_without_deadlock(world2):
+    for res in world2:
+        assert res["two_models"]["shared"]
+        assert _equal(res["two_models"]["ours"], res["two_models"]["torch"])
 
 
 def _world3() -> dict:
