@@ -9,7 +9,8 @@ Against torch's DistributedDataParallel in the same ranks:
 - a rank that cannot map the file makes every rank fall back to Gloo's all-reduce (one rank
   alone must never switch), and ``shared_memory_reduce=True`` then says why and how to fix it;
 - two wrappers in one backward (a GAN) share one barrier queue without deadlock;
-- nothing is left in /dev/shm, and a rank that dies mid-run fails its peer instead of hanging.
+- nothing is left in /dev/shm, and a rank that dies mid-run fails its peer instead of hanging;
+  one that stalls is named, with where it is, by the diagnosis of the shared bucket's barrier.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import rankwise as rw
+from rankwise.diagnose import fingerprints
 from rankwise.errors import ConfigError, DistributedError
 from rankwise.parallel import shared_reduce
 from rankwise.testing import run_distributed
@@ -299,3 +302,27 @@ def test_a_dead_peer_fails_the_backward_instead_of_hanging():
     assert "rank 1" in report and "code 3" in report
     # rank 0 reported an error of its own (it did not hang until the harness's timeout)
     assert "timed out" not in report.lower()
+
+
+def _stalls() -> None:
+    rw.init("gloo", timeout=5.0)  # the barriers take the group's timeout
+    fingerprints.configure(checks=False)  # no pre-flight check: the barrier itself times out
+    shared_reduce.MIN_BYTES = 0  # bucket 0 (the last layer's, 16 KiB) is shared too
+    rank = dist.get_rank()
+    model = rw.DistributedDataParallel(_net())
+    assert model.reducer.shares(0) is not None
+    x, y = _batches(rank, 1)[0]
+    if rank == 1:
+        time.sleep(3600)  # stall-site
+    F.cross_entropy(model(x), y).backward()
+
+
+def test_a_stalled_peer_is_named_by_the_diagnosis_of_the_shared_bucket():
+    with pytest.raises(DistributedError) as info:
+        run_distributed(_stalls, 2, init=False, timeout=90)
+    text = str(info.value)
+    assert "waiting in all_reduce #5 (gradient bucket 0" in text and "timed out" in text
+    with open(__file__) as f:
+        line = next(n for n, t in enumerate(f, 1) if t.rstrip().endswith("# stall-site"))
+    assert f"is running user code at {os.path.basename(__file__)}:{line}" in text  # rank 1
+
