@@ -129,11 +129,13 @@ def test_json_schema(run):
 
 
 def test_projection_validation_row_is_consistent(run):
-    _, doc, _ = run
+    proc, doc, _ = run
     (check,) = doc["projection"]["validation"]["rows"]
     assert check["world"] == 2
-    ddp = next(r for r in doc["strategies"] if r["name"] == "ddp")
-    assert check["measured_ms"] == pytest.approx(ddp["step_ms"]["median"])
+    # The user's 4 MiB weight goes through shared memory in the ddp row, which no network model
+    # describes: the check times Gloo-only ddp in a job of its own, and says so.
+    assert doc["projection"]["validation"]["strategy"] == "ddp-gloo"
+    assert "model check here (ddp-gloo step" in proc.stdout + proc.stderr
     # How close the projection lands is a measurement (docs/bench.md quotes it from a quiet
     # machine), not a test: on two shared cores it swings with load. Here: the row is computed
     # from the two numbers it names.

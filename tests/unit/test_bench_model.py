@@ -164,3 +164,12 @@ def test_register_adds_bench_and_bench_comm():
     assert cli.config_from(args).strategies == ("ddp", "local_sgd")
     args = parser.parse_args(["bench", "comm", "--nproc", "3"])
     assert (args.func, args.nproc) == (cli.run_comm, 3)
+
+
+def test_validation_times_gloo_only_ddp_when_ddp_would_share_memory():
+    # The reference MLP has 16 MiB buckets: on one machine ddp averages them through shared
+    # memory, which a network model fitted on Gloo does not describe; the CNN's 98 KB do not.
+    from rankwise.bench.runner import BenchConfig, _ddp_shares_memory
+
+    assert _ddp_shares_memory(BenchConfig(model="mlp"))
+    assert not _ddp_shares_memory(BenchConfig(model="cnn"))

@@ -105,6 +105,7 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
         "rows": project(per_sample, cfg.batch, grad_bytes, net, copy),
         "curve": project(per_sample, cfg.batch, grad_bytes, net, copy, CURVE_WORLDS),
         "validation": {
+            "strategy": next(iter(raw["validation"].values()), {}).get("strategy", "ddp"),
             "network": measured.to_dict(),
             "rows": checks,
             "max_abs_error": max((abs(c["error"]) for c in checks), default=None),
@@ -249,6 +250,7 @@ def _projection_lines(p: dict) -> list[str]:
             for r in v["rows"]
         )
         lines.append(
-            f"  model check here (ddp step = independent + modelled copies + all-reduce): {checks}"
+            f"  model check here ({v.get('strategy', 'ddp')} step = independent + modelled "
+            f"copies + all-reduce): {checks}"
         )
     return lines

@@ -271,21 +271,34 @@ def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dic
     from ..testing import run_distributed
 
     out = {}
+    # On one machine over Gloo, ddp averages large buckets through shared memory and beats a
+    # network model fitted on Gloo's all-reduce: validate the model with Gloo-only ddp then.
+    ddp = st.GLOO_DDP if backend == "gloo" and _ddp_shares_memory(cfg) else "ddp"
     for world in sorted(set(cfg.validate_worlds)):
         if backend == "nccl" and world > torch.cuda.device_count():
             log(f"rankwise bench: no validation at world size {world}: not enough GPUs")
             continue
         here = times
-        if world != cfg.nproc or "ddp" not in times:
+        if world != cfg.nproc or ddp not in times:
             log(f"rankwise bench: validation run at world size {world}")
-            args = (replace(cfg, nproc=world), ["ddp", st.REFERENCE], False, f"world {world}")
+            args = (replace(cfg, nproc=world), [ddp, st.REFERENCE], False, f"world {world}")
             job = run_distributed(_worker, world, args=args, backend=backend, timeout=cfg.timeout)
             here = job[0]["times"]
         out[world] = {
             "independent_ms": statistics.median(here[st.REFERENCE]),
-            "ddp_ms": statistics.median(here["ddp"]),
+            "ddp_ms": statistics.median(here[ddp]),
+            "strategy": ddp,
         }
     return out
+
+
+def _ddp_shares_memory(cfg: BenchConfig) -> bool:
+    """Whether ``ddp`` has a bucket large enough for shared memory (on one CPU machine)."""
+    from ..parallel import buckets, shared_reduce
+
+    model = resolve(cfg.model, cfg.data).build(torch.device("cpu"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return shared_reduce.worth_sharing(buckets.assign_buckets(params))
 
 
 def _load() -> float | None:

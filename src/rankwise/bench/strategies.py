@@ -50,6 +50,10 @@ EXACT = ("single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3
 ON_RANK0 = ("single", "threads", "dp")
 """Strategies that run in one process (rank 0)."""
 
+GLOO_DDP = "ddp-gloo"
+"""``ddp`` with ``shared_memory_reduce=False``: every bucket through the backend's all-reduce,
+what the network model describes. Only the projection's validation runs it."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Setup:
@@ -119,10 +123,13 @@ def build(name: str, s: Setup) -> Trainer:
     forward: Callable = model
     close: Callable[[], None] = lambda: None  # noqa: E731
     parts, index = s.world, s.rank
-    if name == "ddp":
+    if name in ("ddp", GLOO_DDP):
         from ..parallel import DistributedDataParallel
 
-        forward = DistributedDataParallel(model, device_ids=_ids(s.device))
+        shared = False if name == GLOO_DDP else None
+        forward = DistributedDataParallel(
+            model, device_ids=_ids(s.device), shared_memory_reduce=shared
+        )
     elif name == "torch-ddp":
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=_ids(s.device))
     elif name in ("async", "local_sgd"):

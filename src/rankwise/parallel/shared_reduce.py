@@ -265,6 +265,11 @@ def _locally_impossible(buckets: Sequence[Bucket], group: dist.ProcessGroup) -> 
     return None
 
 
+def worth_sharing(buckets: Sequence[Bucket]) -> bool:
+    """Some bucket is large enough to go through shared memory where ranks share a machine."""
+    return any(b.nbytes >= MIN_BYTES for b in buckets)
+
+
 def _layout(buckets: Sequence[Bucket]) -> tuple[dict[int, tuple[Bucket, int]], int]:
     """{bucket index: (bucket, byte offset in a slot)} for the buckets worth sharing, and the
     slot's size (offsets and size cache-line aligned)."""
