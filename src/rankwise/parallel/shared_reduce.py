@@ -49,8 +49,10 @@ from .buckets import Bucket
 
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 1024 * 1024
-"""Smaller buckets go through the group's all-reduce: one Gloo round trip beats the two
-barriers of a shared bucket below about 1 MiB (benchmarks/ddp.py, 2 ranks)."""
+"""Smaller buckets go through the group's all-reduce: below about 1 MiB one Gloo round trip
+costs less than a shared bucket's barriers and the worker thread's wake-ups (measured at 2
+ranks, one bucket and its fence: 0.85 ms against 2.0 ms for 1 KiB, about even at 1 MiB, 5.7
+against 3.3 ms at 4 MiB)."""
 _ALIGN = 64  # each bucket starts on its own cache line
 _TOKEN = 16  # header bytes: rank 0's random token, proof that a rank mapped the same file
 
