@@ -214,3 +214,21 @@ def train_oracle(case: Case, world: int, device: str = "cpu") -> nn.Module:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+LOOP_ORDERS = [
+    ("first", True), ("after_forward", True), ("last", True), ("first", False), ("last", False),
+]  # fmt: skip
+"""Where ``zero_grad(set_to_none=...)`` goes in a step: before the forward, after it (the
+PyTorch tutorials' order), or after ``opt.step()``."""
+
+
+def backward_in_order(model, opt, x, y, order: str, to_none: bool) -> None:
+    """A step up to ``backward()``, with ``zero_grad`` before or after the forward as ``order``
+    says (for ``last`` the caller zeroes after ``opt.step()``)."""
+    if order == "first":
+        opt.zero_grad(set_to_none=to_none)
+    out = model(x)
+    if order == "after_forward":
+        opt.zero_grad(set_to_none=to_none)
+    F.cross_entropy(out, y).backward()

@@ -13,29 +13,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from ddp_cases import LOOP_ORDERS, backward_in_order
 from torch import nn
 
 import rankwise as rw
 from rankwise.parallel import buckets
 from rankwise.testing import run_distributed
 
-ORDERS = [("first", True), ("after_forward", True), ("last", True), ("first", False), ("last", False)]
-
 
 def _net() -> nn.Module:
     assert buckets.SOLO_BYTES <= 1024 * 1024 * 4  # the first weight must travel alone
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 4))
-
-
-def _backward(model, opt, x, y, order: str, to_none: bool) -> None:
-    """The step up to ``backward()``, with ``zero_grad`` before or after the forward."""
-    if order == "first":
-        opt.zero_grad(set_to_none=to_none)
-    out = model(x)
-    if order == "after_forward":
-        opt.zero_grad(set_to_none=to_none)
-    F.cross_entropy(out, y).backward()
 
 
 def _order(order: str, to_none: bool) -> dict:
@@ -53,7 +41,7 @@ def _order(order: str, to_none: bool) -> dict:
     for _ in range(3):
         x, y = torch.randn(8, 1024, generator=gen), torch.randint(0, 4, (8,), generator=gen)
         for model, opt in zip((ours, theirs), opts, strict=True):
-            _backward(model, opt, x, y, order, to_none)
+            backward_in_order(model, opt, x, y, order, to_none)
             if model is ours:
                 kept.append(big.grad is not None and big.grad.data_ptr() == made[-1])
             opt.step()
@@ -69,7 +57,7 @@ def _order(order: str, to_none: bool) -> dict:
 
 
 def _all_orders() -> dict:
-    return {f"{o}/{'none' if n else 'zero'}": _order(o, n) for o, n in ORDERS}
+    return {f"{o}/{'none' if n else 'zero'}": _order(o, n) for o, n in LOOP_ORDERS}
 
 
 def test_large_gradients_are_averaged_in_place_and_equal_torchs():

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_cases import LOOP_ORDERS, backward_in_order
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -40,13 +41,6 @@ pytestmark = pytest.mark.skipif(
     reason=f"needs 256 MiB free in {shared_reduce.SHM_DIR} (docker run --shm-size=...)",
 )
 
-ORDERS = [
-    ("first", True),
-    ("after_forward", True),
-    ("last", True),
-    ("first", False),
-    ("last", False),
-]
 LEFTOVERS = os.path.join(shared_reduce.SHM_DIR, "rankwise-grads-*")
 
 
@@ -76,12 +70,7 @@ def _params(model: nn.Module) -> list[np.ndarray]:
 def _train(model: nn.Module, batches: list, order: str = "last", to_none: bool = True) -> list:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches:
-        if order == "first":
-            opt.zero_grad(set_to_none=to_none)
-        out = model(x)
-        if order == "after_forward":
-            opt.zero_grad(set_to_none=to_none)
-        F.cross_entropy(out, y).backward()
+        backward_in_order(model, opt, x, y, order, to_none)
         opt.step()
         if order == "last":
             opt.zero_grad(set_to_none=to_none)
@@ -103,7 +92,7 @@ def _aliases_slot(model: rw.DistributedDataParallel) -> bool:
 
 def _orders(rank: int) -> dict:
     out = {}
-    for order, to_none in ORDERS:
+    for order, to_none in LOOP_ORDERS:
         ours = rw.DistributedDataParallel(_net())
         theirs = nn.parallel.DistributedDataParallel(_net())
         batches = _batches(rank, 3)
