@@ -84,7 +84,7 @@ def _shadow_buckets(ddp: DistributedDataParallel) -> None:
     """
     reducer, group = ddp.reducer, ddp.process_group
     wire = comp.wire_dtype(ddp.compression)
-    entries, fence = [], None
+    entries, shared_used = [], None
     for b, bucket in enumerate(reducer.buckets):
         shared = reducer.shares(b)
         if shared is not None:
@@ -96,12 +96,12 @@ def _shadow_buckets(ddp: DistributedDataParallel) -> None:
         label = f"gradient bucket {b}"
         entry = fingerprints.record("all_reduce", zeros, label=label, group=group, extra="sum")
         if shared is not None:
-            fence = shared
+            shared_used = shared
             entry.watch(shared.all_reduce(b))
         else:
             entry.watch(dist.all_reduce(zeros, group=group, async_op=True))
         entries.append(entry)
-    last = fence.fence() if fence is not None else None
+    last = shared_used.fence() if shared_used is not None else None
     for entry in entries:
         entry.wait()
     if last is not None:

@@ -134,7 +134,7 @@ class Reducer:
         for b, bucket in enumerate(self.buckets):
             use_wire = comp.compresses(bucket.dtype, wire)
             # In shared memory, every gradient must be in this rank's slot for others to read.
-            alone = len(bucket.indices) == 1 and not (self.shared and self.shared.holds(b))
+            alone = len(bucket.indices) == 1 and not self._held(b)
             self._solo.append(alone and not use_wire)
             self._flat.append(None)
             if not self._solo[b]:
@@ -146,8 +146,8 @@ class Reducer:
         flat = self._flat[b]
         if flat is None:
             bucket = self.buckets[b]
-            if self.shared is not None and self.shared.holds(b):
-                flat = self.shared.flat(b)
+            if self._held(b):
+                flat = self.shared.flat(b)  # type: ignore[union-attr]
             else:
                 flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             self._flat[b] = flat
@@ -257,13 +257,16 @@ class Reducer:
         if self._fence is True and self._next == n:  # the pass's last shared bucket is out
             self._fence = self.shared.fence()  # type: ignore[union-attr]
 
+    def _held(self, b: int) -> bool:
+        """Bucket ``b``'s buffer is this rank's slot of the shared-memory file."""
+        return self.shared is not None and self.shared.holds(b)
+
     def shares(self, b: int) -> SharedBuckets | None:
         """Where bucket ``b`` is reduced through shared memory: there, else None (Gloo or a
         communication hook)."""
-        shared = self.shared
-        if shared is None or not shared.holds(b) or self._comm_hook is not None:
+        if not self._held(b) or self._comm_hook is not None or self._wire[b] is not None:
             return None
-        return shared if self._wire[b] is None else None
+        return self.shared
 
     # -- end of backward ----------------------------------------------------------------------
 
