@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import rankwise as rw
-from rankwise.parallel.scatter_gather import chunk_sizes
+from rankwise.parallel.dp.scatter_gather import chunk_sizes
 from rankwise.testing import run_distributed
 
 

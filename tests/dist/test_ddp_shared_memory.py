@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import rankwise as rw
 from rankwise.diagnose import fingerprints
 from rankwise.errors import ConfigError, DistributedError
-from rankwise.parallel import shared_reduce
+from rankwise.parallel.ddp import shared_reduce
 from rankwise.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import rankwise as rw
-from rankwise.parallel import distributed as ddp_module
-from rankwise.parallel.reducer import Reducer
+from rankwise.parallel.ddp import distributed as ddp_module
+from rankwise.parallel.ddp.reducer import Reducer
 from rankwise.testing import run_distributed
 
 pytestmark = [

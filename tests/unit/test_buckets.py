@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rankwise as rw
-from rankwise.parallel import compression
 from rankwise.parallel.buckets import MB, assign_buckets
-from rankwise.parallel.reducer import grad_view
+from rankwise.parallel.ddp import compression
+from rankwise.parallel.ddp.reducer import grad_view
 
 
 def _meta(numels, dtype=torch.float32):

@@ -13,7 +13,7 @@ from torch import nn
 import rankwise as rw
 from rankwise.errors import ModelError
 from rankwise.parallel.agreement import move_to_device
-from rankwise.parallel.scatter_gather import non_blocking, to_device
+from rankwise.parallel.dp.scatter_gather import non_blocking, to_device
 
 Pair = namedtuple("Pair", ["x", "mask"])
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from rankwise.errors import ConfigError
 from rankwise.parallel import gather, parallel_apply, replicate, scatter
-from rankwise.parallel.replicate import copy_coalesced
+from rankwise.parallel.dp.replicate import copy_coalesced
 
 CPU3 = ["cpu", "cpu", "cpu"]
 Pair = namedtuple("Pair", "a b")

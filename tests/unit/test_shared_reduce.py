@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from rankwise.parallel import shared_reduce
 from rankwise.parallel.buckets import Bucket
+from rankwise.parallel.ddp import shared_reduce
 
 
 def _bucket(numel: int, dtype: torch.dtype = torch.float32) -> Bucket:

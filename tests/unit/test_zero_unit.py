@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rankwise as rw
-from rankwise.parallel.flat import layout, module_units
+from rankwise.parallel.zero.layout import layout, module_units
 
 
 def _net() -> nn.Module:
@@ -134,7 +134,7 @@ def test_strategy_zero_needs_the_optimizer():
 
 
 def test_memory_formula_and_advice_name_the_stage_that_fits():
-    from rankwise.parallel.memory_plan import advice, bytes_per_rank
+    from rankwise.parallel.zero.memory_plan import advice, bytes_per_rank
 
     p = 10**9
     assert bytes_per_rank(p, 4, "ddp") == 16 * p  # fp32 AdamW, replicated

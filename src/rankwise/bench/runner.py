@@ -294,7 +294,8 @@ def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dic
 
 def _ddp_shares_memory(cfg: BenchConfig) -> bool:
     """Whether ``ddp`` has a bucket large enough for shared memory (on one CPU machine)."""
-    from ..parallel import buckets, shared_reduce
+    from ..parallel import buckets
+    from ..parallel.ddp import shared_reduce
 
     model = resolve(cfg.model, cfg.data).build(torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]

@@ -5,12 +5,12 @@ DistributedDataParallel = buckets + reducer + a thin wrapper (one process per de
 ShardedDataParallel = flat shard layout + the same hook pattern (ZeRO stages 1-3).
 """
 
-from .data_parallel import DataParallel
-from .distributed import DistributedDataParallel
-from .parallel_apply import parallel_apply
-from .replicate import replicate
-from .scatter_gather import gather, scatter
-from .sharded import ShardedDataParallel
+from .ddp.distributed import DistributedDataParallel
+from .dp.data_parallel import DataParallel
+from .dp.parallel_apply import parallel_apply
+from .dp.replicate import replicate
+from .dp.scatter_gather import gather, scatter
+from .zero.sharded import ShardedDataParallel
 
 __all__ = [
     "DataParallel",

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..diagnose import fingerprints
 from ..errors import DistributedError, ModelError
-from .scatter_gather import to_device
+from .dp.scatter_gather import to_device
 
 _BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
 """Largest single broadcast at construction: bounds the temporary copy of the model."""

@@ -28,7 +28,7 @@ from .. import comm, runtime
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..flat import FlatParams
-from ..parallel.no_sync import gradient_sync_off
+from ..parallel.ddp.no_sync import gradient_sync_off
 from . import p2p, partition
 from .pipe import _check_chunks
 

@@ -13,7 +13,7 @@ from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
 from ..log import get_logger
-from ..parallel.scatter_gather import to_device
+from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 
 

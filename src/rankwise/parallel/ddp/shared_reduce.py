@@ -43,9 +43,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..diagnose import fingerprints
-from ..errors import ConfigError
-from .buckets import Bucket
+from ...diagnose import fingerprints
+from ...errors import ConfigError
+from ..buckets import Bucket
 
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 1024 * 1024

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..diagnose import fingerprints
+from ...diagnose import fingerprints
 from . import shard_comm
-from .flat import UnitLayout
+from .layout import UnitLayout
 
 
 class FlatUnit:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from ..diagnose import fingerprints
+from ...diagnose import fingerprints
+from ..agreement import broadcast_tensors
 from . import compression as comp
-from .agreement import broadcast_tensors
 
 if TYPE_CHECKING:
     from .distributed import DistributedDataParallel

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..errors import ConfigError, ModelError
+from ...errors import ConfigError, ModelError
 
 
 def refuse_unsupported(

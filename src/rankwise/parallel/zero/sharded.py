@@ -31,14 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from ..diagnose import fingerprints
-from ..errors import ConfigError
+from ...diagnose import fingerprints
+from ...errors import ConfigError
+from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
+from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from ..ddp.distributed import _check_no_sparse, _group_size_and_rank
+from ..ddp.no_sync import gradient_sync_off
 from . import sharded_optim
-from .agreement import broadcast_tensors, trainable_parameters, verify_same_model
-from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from .distributed import _check_no_sparse, _group_size_and_rank
-from .flat import layout, module_units
-from .no_sync import gradient_sync_off
+from .layout import layout, module_units
 from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks
 

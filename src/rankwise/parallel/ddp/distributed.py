@@ -7,7 +7,7 @@ Construction checks, then agrees, then listens:
 2. **Agree**: compare parameter names, shapes and dtypes across ranks (a mismatch names the
    first differing parameter and both ranks), then broadcast rank 0's parameters and buffers,
    once. From then on replicas stay identical because they apply identical averaged gradients.
-3. **Listen**: a :class:`~rankwise.parallel.reducer.Reducer` hooks every trainable parameter and
+3. **Listen**: a :class:`~rankwise.parallel.ddp.reducer.Reducer` hooks every trainable parameter and
    all-reduces bucketed gradients while backward runs.
 
 Before each forward (with ``broadcast_buffers``) rank 0's buffers, e.g. BatchNorm running
@@ -25,23 +25,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from .. import runtime
-from ..errors import ConfigError, ModelError, NoProcessGroupError
-from ..state_dict import add_module_prefix, strip_module_prefix
-from . import buckets as bucketing
-from . import compression as comp
-from . import shared_reduce
-from .agreement import (
+from ... import runtime
+from ...errors import ConfigError, ModelError, NoProcessGroupError
+from ...state_dict import add_module_prefix, strip_module_prefix
+from .. import buckets as bucketing
+from ..agreement import (
     broadcast_tensors,
     move_to_device,
     trainable_parameters,
     verify_same_model,
 )
-from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from . import compression as comp
+from . import shared_reduce
 from .comm_hooks import HookFn, check_hook
-from .ddp_options import buffer_sync, group_from_mesh, refuse_unsupported
 from .join import DDPJoinHook, sync_flag
 from .no_sync import gradient_sync_off
+from .options import buffer_sync, group_from_mesh, refuse_unsupported
 from .reducer import Reducer
 
 
@@ -51,8 +51,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     Accepts every argument of torch 2.13's ``DistributedDataParallel`` with the same meaning
     (docs/ddp.md lists the few that are accepted without effect or refused, and why).
     ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
-    ``rankwise.parallel.compression``). ``shared_memory_reduce``: ranks on one machine over
-    Gloo average large CPU buckets through shared memory (``rankwise.parallel.shared_reduce``);
+    ``rankwise.parallel.ddp.compression``). ``shared_memory_reduce``: ranks on one machine over
+    Gloo average large CPU buckets through shared memory (``rankwise.parallel.ddp.shared_reduce``);
     None uses it whenever every rank can, False never, True insists. At world size 1 (no
     process group, not launched) the wrapper communicates nothing and behaves like the bare
     module.
@@ -206,7 +206,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         enable: bool = True,
         throw_on_early_termination: bool = False,
     ) -> Join:
-        """Context manager for uneven inputs across ranks (torch's ``Join``); see parallel/join.py."""
+        """Context manager for uneven inputs across ranks (torch's ``Join``); see parallel/ddp/join.py."""
         if not divide_by_initial_world_size:
             raise ConfigError(
                 "join(divide_by_initial_world_size=False) is not supported: gradients are "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

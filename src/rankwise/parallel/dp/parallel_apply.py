@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager:

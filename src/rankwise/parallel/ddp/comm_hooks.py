@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, HookError, ModelError
+from ...errors import ConfigError, HookError, ModelError
 
 if TYPE_CHECKING:
     from .reducer import Reducer

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 Device = torch.device | str | int
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..diagnose import fingerprints
-from ..errors import ConfigError
-from ..state_dict import strip_prefixes
+from ...diagnose import fingerprints
+from ...errors import ConfigError
+from ...state_dict import strip_prefixes
 
 if TYPE_CHECKING:
     from .shard_unit import FlatUnit
@@ -214,7 +214,7 @@ def full_model_state(engine: ShardedDataParallel) -> dict[str, Any]:
 
 def load_full_model_state(engine: ShardedDataParallel, state: Any, strict: bool) -> Any:
     """Every rank loads the full state, then keeps its slices (no communication)."""
-    from ..checkpoint import load_model_state
+    from ...checkpoint import load_model_state
 
     for unit in engine.units:  # stage 3: storage for the full values, filled by the load
         if not unit.gathered:

@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .scatter_gather import non_blocking
 
 M = TypeVar("M", bound=nn.Module)

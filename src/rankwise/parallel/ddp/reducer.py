@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..diagnose import fingerprints
-from ..errors import ModelError
+from ...diagnose import fingerprints
+from ...errors import ModelError
+from ..buckets import Bucket
 from . import compression as comp
-from .buckets import Bucket
 from .comm_hooks import GradBucket, take_result
 from .grad_views import copy_higher_order, grad_view, reducible_in_place
 from .shared_reduce import SharedBuckets

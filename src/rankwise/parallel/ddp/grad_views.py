@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .buckets import Bucket
+from ..buckets import Bucket
 
 
 def _is_dense(t: torch.Tensor) -> bool:
