@@ -101,7 +101,7 @@ def _rebuild(
 def describe_batch(strategy: str, loader: Loader, source: str) -> str:
     """The log line that says what the batch size means (``source``: how it was given)."""
     g, b, per = loader.global_batch_size, loader.batch_size, loader.per_device_batch_size
-    if strategy == "ddp":
+    if strategy == "ddp" or strategy.startswith("zero"):
         split = f"global batch {g} = {b} per process x {loader.num_replicas} processes"
     elif strategy == "dp":
         split = f"global batch {g} = {per} per device x {loader.replicas_in_process} devices"
@@ -119,12 +119,14 @@ def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
             f" (the DataLoader's batch_size={given.batch_size} is not used)" * unused
         )
     b = given.batch_size
-    return {
+    meaning = {
         "single": f"batch_size={b} is the batch per step",
         "ddp": f"batch_size={b} is per process (torch DDP's meaning)",
         "dp": f"batch_size={b} is the global batch, split over the devices "
         "(torch DataParallel's meaning)",
-    }[rt.strategy]
+    }
+    # ZeRO stages read data as ddp does: one process per device, batch_size per process.
+    return meaning.get(rt.strategy, meaning["ddp"])
 
 
 def _check_kept(rt: Runtime, kept: Loader, global_batch_size: int | None) -> None:
