@@ -175,9 +175,7 @@ def unknown(name: object) -> ConfigError:
             "pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
             f"or name one of {others}."
         )
-    return ConfigError(
-        f"strategy={name!r} is not one of {', '.join(map(repr, NAMES))}", fix=fix
-    )
+    return ConfigError(f"strategy={name!r} is not one of {', '.join(map(repr, NAMES))}", fix=fix)
 
 
 def resolve_auto(world_size: int, *, devices_given: bool, several: bool) -> Strategy:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..parallel import ShardedDataParallel
     from ..runtime import Runtime
 
+
 def _factory(optimizer: torch.optim.Optimizer, strategy: str):
     if len(optimizer.param_groups) != 1:
         raise ConfigError(
