@@ -71,10 +71,9 @@ def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, devi
             fix=_LAUNCHER_FIX,
             rank=env.rank,
         )
-    auto = name == AUTO
-    if not spec.splits_batch_in_process:
-        return Plan(strategy=spec.name, auto=auto and spec.multi_process)
-    return Plan(strategy=spec.name, devices=_dp_devices(devices, device), auto=auto)
+    if not spec.splits_batch_in_process:  # 'auto' may still shard a multi-process run
+        return Plan(strategy=spec.name, auto=name == AUTO and spec.multi_process)
+    return Plan(strategy=spec.name, devices=_dp_devices(devices, device))
 
 
 def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:

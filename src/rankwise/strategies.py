@@ -51,7 +51,9 @@ class Strategy:
     bench_row: str
     """The row of ``rankwise bench`` that measures this strategy."""
     doc: str
-    """One line for the docs' strategy tables and ``--help``."""
+    """One line for the docs' strategy tables: what runs."""
+    use_for: str
+    """When to choose it, for the docs' strategy tables."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.zero_stage <= len(SHARDED):
@@ -90,8 +92,14 @@ _REPLICATED = "rank 0 writes the bare model's state (no 'module.' prefix)"
 _GATHERED = "every rank sends its shards, rank 0 writes one full state (any world size loads it)"
 
 
+_ZERO_USE = {
+    1: "Adam's state does not fit beside a replica",
+    2: "gradients do not fit either",
+    3: "the parameters do not fit one device (as FSDP); see docs/zero.md",
+}
+
+
 def _zero(stage: int) -> Strategy:
-    held = ", ".join(SHARDED[:stage])
     return Strategy(
         name=f"zero{stage}",
         kind="processes",
@@ -101,7 +109,8 @@ def _zero(stage: int) -> Strategy:
         batch_meaning="per_process",
         checkpoint=_GATHERED,
         bench_row=f"zero{stage}",
-        doc=f"one process per device, ZeRO stage {stage}: {held} sharded over the ranks",
+        doc=f"one process per device, ZeRO stage {stage}: each rank keeps 1/N of what is sharded",
+        use_for=_ZERO_USE[stage],
     )
 
 
@@ -117,6 +126,7 @@ STRATEGIES: dict[str, Strategy] = {
             checkpoint=_REPLICATED,
             bench_row="single",
             doc="one process, one device: the model as it is",
+            use_for="debugging, small models",
         ),
         Strategy(
             name="dp",
@@ -126,7 +136,8 @@ STRATEGIES: dict[str, Strategy] = {
             batch_meaning="split_over_devices",
             checkpoint=_REPLICATED,
             bench_row="dp",
-            doc="one process, one thread per device: each batch split over the devices",
+            doc="one process, one thread per device (`devices=[0, 1]` or `['cpu', 'cpu']`)",
+            use_for="one machine, no launcher",
         ),
         Strategy(
             name="ddp",
@@ -136,7 +147,8 @@ STRATEGIES: dict[str, Strategy] = {
             batch_meaning="per_process",
             checkpoint=_REPLICATED,
             bench_row="ddp",
-            doc="one process per device, gradients averaged: a full replica on every rank",
+            doc="one process per device, gradients all-reduced during backward",
+            use_for="the fast path when the model fits a device; one or many machines",
         ),
         _zero(1),
         _zero(2),
@@ -190,6 +202,37 @@ def resolve_auto(world_size: int, *, devices_given: bool, several: bool) -> Stra
         return multi_process()[0]
     kind: Kind = "threads" if devices_given or several else "one"
     return next(s for s in STRATEGIES.values() if s.kind == kind)
+
+
+AUTO_DOC = (
+    "`ddp` when launched (at `rt.prepare`: the smallest ZeRO stage whose state fits when a "
+    "replica does not), `dp` over every GPU when unlaunched with several, else `single`"
+)
+"""What 'auto' does, for the docs' strategy tables."""
+
+_BATCH_TABLE = {
+    "per_step": "the batch per step",
+    "split_over_devices": "the global batch, split over the devices",
+    "per_process": "per process (global: B x world size)",
+}
+
+
+def markdown_table() -> str:
+    """The strategy table of README.md and docs/session.md (a unit test keeps them equal)."""
+    lines = [
+        "| `strategy=` | runs | model wrapped in | sharded over ranks "
+        "| `DataLoader(batch_size=B)`: B is | use it for |",
+        "|---|---|---|---|---|---|",
+        f'| `"{AUTO}"` (default) | {AUTO_DOC} | | | | the default |',
+    ]
+    for s in STRATEGIES.values():
+        engine = f"`rw.{s.engine}`" if s.engine else "nothing"
+        shards = ", ".join(s.shards).replace("optimizer", "optimizer state") or "nothing"
+        lines.append(
+            f'| `"{s.name}"` | {s.doc} | {engine} | {shards} | {_BATCH_TABLE[s.batch_meaning]} '
+            f"| {s.use_for} |"
+        )
+    return "\n".join(lines)
 
 
 def multi_process() -> tuple[Strategy, ...]:

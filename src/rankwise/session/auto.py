@@ -72,20 +72,27 @@ def choose(
     k = optimizer_states(optimizer)
     order = [s.name for s in strategies.multi_process()]
     need = {s: bytes_per_rank(count, world, s, element_bytes=size, states=k) for s in order}
-    state = f"parameters+gradients+{type(optimizer).__name__} state"
     first = order[0]
+    head = (
+        f"parameters, gradients and {type(optimizer).__name__} state need "
+        f"{_size(need[first])} per rank under {first}"
+    )
     if capacity is None:
-        return first, f"{state} {_size(need[first])} per rank; device memory unknown"
-    room = f"{_size(capacity)} per rank"
+        return first, f"{head}; the device memory is unknown"
     if need[first] <= capacity:
-        return first, f"{state} {_size(need[first])} fit in {room}"
+        return first, f"{head}, within the {_size(capacity)} each rank has"
+    head += f", more than the {_size(capacity)} of the smallest rank"
     fits = next((s for s in order if need[s] <= capacity), None)
-    head = f"{state} {_size(need[first])} do not fit in {room} under {first}"
     if fits is not None:
         return fits, f"{head}; {fits} needs {_size(need[fits])}"
     least = min(order, key=need.__getitem__)
+    if least == first:
+        return first, (
+            f"{head}; no ZeRO stage needs less at world size {world}: use more ranks or a "
+            "smaller model (docs/zero.md)"
+        )
     return least, (
-        f"{head}, nor under any ZeRO stage; {least} needs least ({_size(need[least])}): "
+        f"{head}; no ZeRO stage fits either ({least} needs {_size(need[least])}, the least): "
         "use more ranks or a smaller model (docs/zero.md)"
     )
 
