@@ -134,7 +134,7 @@ def test_every_strategy_runs_the_readme_loop_and_matches_one_process(tmp_path: P
     dirs = [(name, str(tmp_path / name)) for name in launched]
     ranks = run_distributed(_ranks, WORLD, args=(dirs,), init=False, timeout=240)
     assert ranks[0] == ranks[1]  # both ranks settled 'auto' alike
-    runs.update(zip(launched, ranks[0]))
+    runs.update(zip(launched, ranks[0], strict=True))
     assert runs[strategies.AUTO][0] == "zero2", runs[strategies.AUTO]
     for name, (settled, global_batch) in runs.items():
         assert global_batch == GLOBAL_BATCH, (name, global_batch)
