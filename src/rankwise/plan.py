@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,9 +18,6 @@ from .env import DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .strategies import AUTO, resolve_auto
 from .strategies import get as get_strategy
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
 
 _LAUNCHER_FIX = (
     "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
@@ -101,14 +98,18 @@ def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.devic
     return resolved
 
 
-def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | None) -> None:
-    """A second ``rw.init`` may repeat the strategy (or say 'auto'), not ask for another one."""
+def check_same(
+    current: Plan, env: DistEnv, strategy: str | None, devices: Sequence[Any] | None
+) -> None:
+    """A second ``rw.init`` may repeat the strategy (or say 'auto'), not ask for another one.
+
+    ``current``: the runtime's strategy and devices; ``env``: its place in the job."""
     if strategy in (None, AUTO) and devices is None:
         return
     if devices is None:  # a named strategy: compare names ('dp' alone means "the same devices")
         asked = Plan(strategy=get_strategy(strategy).name)  # a bad name raises its error
     else:
-        asked = plan(strategy, devices, current.env, None)
+        asked = plan(strategy, devices, env, None)
     if asked.strategy != current.strategy:
         key, have, want = "strategy", current.strategy, asked.strategy
     elif devices is not None and asked.devices != current.devices:
@@ -119,7 +120,7 @@ def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | 
         f"rw.init() was already called with {key}={have}; this call asks for {key}={want}",
         fix="call rw.init() once at the start of the program (later calls return the same "
         "runtime), or rw.shutdown() first to start over with other settings.",
-        rank=current.rank,
+        rank=env.rank,
     )
 
 

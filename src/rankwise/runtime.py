@@ -278,7 +278,8 @@ def _again(kind: type[R], backend, device, timeout, strategy, devices, precision
     """A second ``init``: the same runtime, unless it asks for something else (refused)."""
     global _current
     _check_same(_current, backend, device, timeout)
-    check_same(_current, strategy, devices)
+    have = Plan(strategy=_current.strategy, devices=_current.devices)
+    check_same(have, _current.env, strategy, devices)
     _check_same_precision(_current, precision)
     if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
         have = dataclasses.fields(_current)
