@@ -1,8 +1,10 @@
 """Print the import graph's cycles among rankwise's modules (``python tools/import_cycles.py``).
 
-Every ``import``/``from ... import`` counts, at module level or inside a function, except
-those under ``if TYPE_CHECKING:`` (never executed) and under ``if __name__ == "__main__":``
-(executed only when the file runs as a script, as the module ``__main__``, not as itself). ``from .pkg import name`` is an edge to
+Every ``import``/``from ... import`` counts, at module level, inside a function and under
+``if TYPE_CHECKING:`` (never executed, but a type named there is a dependency all the same: a
+circle through annotations is a circle in the design), except those under
+``if __name__ == "__main__":`` (executed only when the file runs as a script, as the module
+``__main__``, not as itself). ``from .pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``. The implicit import of a parent package
 (``import a.b`` runs ``a/__init__``) is not an edge: it is what makes packages, not layering.
 Exit status 1 when there is a cycle. ``--edges`` also prints every edge.
@@ -28,12 +30,6 @@ def modules(src: Path = SRC) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _is_main_guard(test: ast.expr) -> bool:
     return (
         isinstance(test, ast.Compare)
@@ -44,11 +40,11 @@ def _is_main_guard(test: ast.expr) -> bool:
 
 
 def _imports(tree: ast.AST):
-    """Import nodes, skipping the bodies of ``if TYPE_CHECKING:`` and the script guard."""
+    """Import nodes, ``if TYPE_CHECKING:`` included, skipping the script guard's body."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and (_is_type_checking(node.test) or _is_main_guard(node.test)):
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -125,7 +121,7 @@ def main(argv: list[str]) -> int:
     found = cycles(graph)
     print(
         f"{len(graph)} modules, {sum(map(len, graph.values()))} import edges "
-        f"(TYPE_CHECKING and __main__-guard imports excluded), {len(found)} cycle(s)"
+        f"(TYPE_CHECKING imports included, __main__-guard ones excluded), {len(found)} cycle(s)"
     )
     for comp in found:
         print(f"cycle of {len(comp)}: {' '.join(comp)}")

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, comm, rng, runtime
 from . import checkpoint_files as files
+from . import comm, rng, runtime
 from .checkpoint_files import LATEST, list_checkpoints
 from .errors import ConfigError, DistributedError
 from .state_dict import model_state, strip_prefixes, unwrap_model
+from .version import __version__
 
 FORMAT = "rankwise-checkpoint"
 VERSION = 1

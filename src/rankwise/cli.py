@@ -26,8 +26,8 @@ SUBCOMMANDS: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``rankwise`` parser with every registered sub-command."""
-    from . import __version__
     from .cli_args import Parser
+    from .version import __version__
 
     # Sub-command parsers inherit the class, so an unknown flag is reported by the command
     # that got it, with its usage and the closest valid flag.

@@ -9,18 +9,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .devices import resolve_device
 from .env import DistEnv
 from .errors import ConfigError, RuntimeStateError
+from .strategies import AUTO, resolve_auto
+from .strategies import get as get_strategy
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3")
 _LAUNCHER_FIX = (
     "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
     "with plain `python train.py` for one process."
@@ -32,9 +30,12 @@ class Plan:
     """What ``rw.init`` settles before it joins the job."""
 
     strategy: str
-    """'single', 'dp', 'ddp' or 'zero1'/'zero2'/'zero3' ('auto' resolved)."""
+    """A name of ``rankwise.strategies.STRATEGIES`` ('auto' resolved)."""
     devices: tuple[torch.device, ...] = ()
     """DataParallel's devices under 'dp' (the first is the master); empty otherwise."""
+    auto: bool = False
+    """True when 'auto' chose ``strategy``: ``rt.prepare`` may still move a multi-process
+    run from 'ddp' to the ZeRO stage the model fits in (``rankwise.session.auto``)."""
 
 
 def _accelerator_count() -> int:
@@ -45,43 +46,31 @@ def _accelerator_count() -> int:
 def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, device: Any) -> Plan:
     """Resolve ``strategy`` ('auto' included) for this process; errors say the fix.
 
-    'auto': launched with world size > 1 -> 'ddp'; unlaunched with ``devices=`` or several
-    GPUs (and no explicit ``device=``) -> 'dp'; otherwise 'single'. No sync point.
+    'auto' (``rankwise.strategies.resolve_auto``): launched with world size > 1 -> 'ddp'
+    (``rt.prepare`` may move to a ZeRO stage); unlaunched with ``devices=`` or several GPUs
+    (and no explicit ``device=``) -> 'dp'; otherwise 'single'. No sync point.
     """
-    name = "auto" if strategy is None else strategy
-    if name not in STRATEGIES:
-        sharded = str(name).lower() in ("fsdp", "zero", "deepspeed")
-        raise ConfigError(
-            f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}",
-            fix="pass strategy='zero3' (parameters, gradients and optimizer state sharded, as "
-            "FSDP), or 'zero1'/'zero2' to shard less; see docs/zero.md."
-            if sharded
-            else "pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
-            "or name one of 'single', 'dp', 'ddp', 'zero1', 'zero2', 'zero3'.",
-        )
-    if devices is not None and name not in ("auto", "dp"):
+    name = AUTO if strategy is None else strategy
+    spec = None if name == AUTO else get_strategy(name)  # raises the bad-name error
+    if devices is not None and spec is not None and not spec.splits_batch_in_process:
         raise ConfigError(
             f"devices={list(devices)!r} lists DataParallel's devices, but strategy={name!r} "
             "computes on one device per process (rt.device)",
             fix="drop devices=, or use strategy='dp' to split each batch over those devices.",
         )
-    if name == "auto":
-        if env.world_size > 1:
-            name = "ddp" if devices is None else "dp"
-        elif devices is not None or (device is None and _accelerator_count() > 1):
-            name = "dp"
-        else:
-            name = "single"
-    if name in ("single", "dp") and env.world_size > 1:
+    if spec is None:
+        several = devices is not None or (device is None and _accelerator_count() > 1)
+        spec = resolve_auto(env.world_size, devices_given=devices is not None, several=several)
+    if not spec.multi_process and env.world_size > 1:
         raise ConfigError(
-            f"strategy={name!r} runs one process, but this process is rank {env.rank} of "
+            f"strategy={spec.name!r} runs one process, but this process is rank {env.rank} of "
             f"WORLD_SIZE={env.world_size} (from {env.source})",
             fix=_LAUNCHER_FIX,
             rank=env.rank,
         )
-    if name != "dp":
-        return Plan(strategy=name)
-    return Plan(strategy="dp", devices=_dp_devices(devices, device))
+    if not spec.splits_batch_in_process:  # 'auto' may still shard a multi-process run
+        return Plan(strategy=spec.name, auto=name == AUTO and spec.multi_process)
+    return Plan(strategy=spec.name, devices=_dp_devices(devices, device))
 
 
 def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.device, ...]:
@@ -109,16 +98,18 @@ def _dp_devices(devices: Sequence[Any] | None, device: Any) -> tuple[torch.devic
     return resolved
 
 
-def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | None) -> None:
-    """A second ``rw.init`` may repeat the strategy (or say 'auto'), not ask for another one."""
-    if strategy in (None, "auto") and devices is None:
+def check_same(
+    current: Plan, env: DistEnv, strategy: str | None, devices: Sequence[Any] | None
+) -> None:
+    """A second ``rw.init`` may repeat the strategy (or say 'auto'), not ask for another one.
+
+    ``current``: the runtime's strategy and devices; ``env``: its place in the job."""
+    if strategy in (None, AUTO) and devices is None:
         return
     if devices is None:  # a named strategy: compare names ('dp' alone means "the same devices")
-        if strategy not in STRATEGIES:
-            plan(strategy, None, current.env, None)  # raises the bad-name error
-        asked = Plan(strategy=strategy)
+        asked = Plan(strategy=get_strategy(strategy).name)  # a bad name raises its error
     else:
-        asked = plan(strategy, devices, current.env, None)
+        asked = plan(strategy, devices, env, None)
     if asked.strategy != current.strategy:
         key, have, want = "strategy", current.strategy, asked.strategy
     elif devices is not None and asked.devices != current.devices:
@@ -129,7 +120,7 @@ def check_same(current: Runtime, strategy: str | None, devices: Sequence[Any] | 
         f"rw.init() was already called with {key}={have}; this call asks for {key}={want}",
         fix="call rw.init() once at the start of the program (later calls return the same "
         "runtime), or rw.shutdown() first to start over with other settings.",
-        rank=current.rank,
+        rank=env.rank,
     )
 
 

@@ -1,7 +1,7 @@
 """``rw.init()``: join the job (or not, at world size 1), choose device, backend and plan, once.
 
-The ground floor of rankwise: it imports only ``env``, ``process_group``, ``devices``, ``plan`` and
-``errors``, never anything above it (``comm``, engines, ``session``). Layers above that must act
+The ground floor of rankwise: it imports only ``env``, ``process_group``, ``devices``, ``plan``,
+``strategies`` and ``errors``, never anything above it (``comm``, engines, ``session``). Layers above that must act
 when the process group goes away (the fingerprints' watchdog) register with ``on_shutdown``.
 
 One process group per process is torch's rule ("trying to initialize the default process group
@@ -30,6 +30,8 @@ from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .plan import Plan, Precision, check_same, plan
 from .plan import parse as parse_precision
+from .strategies import Strategy
+from .strategies import get as get_strategy
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -42,6 +44,7 @@ __all__ = [
     "init",
     "is_initialized",
     "on_shutdown",
+    "settle_strategy",
     "shutdown",
 ]
 
@@ -63,11 +66,20 @@ class Runtime:
     owns_process_group: bool = field(default=False, repr=False)
     """True when ``init`` created the process group (and ``shutdown`` should destroy it)."""
     strategy: str = "single"
-    """How ``prepare`` parallelises: 'single', 'dp' (DataParallel) or 'ddp' ('auto' resolved)."""
+    """How ``prepare`` parallelises: a name of ``rankwise.strategies.STRATEGIES`` ('auto'
+    resolved; ``strategy_spec`` is its ``Strategy``)."""
+    auto: bool = False
+    """True while 'auto' may still change ``strategy`` (from 'ddp' to a ZeRO stage) at the
+    first ``rt.prepare`` that sees a model and its optimizer (``settle_strategy``)."""
     devices: tuple[torch.device, ...] = ()
     """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
     precision: str = "32"
     """'32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true': how ``prepare``'s model computes."""
+
+    @property
+    def strategy_spec(self) -> Strategy:
+        """What ``strategy`` is: processes or threads, engine, shards, batch meaning, ..."""
+        return get_strategy(self.strategy)
 
     @property
     def precision_policy(self) -> Precision:
@@ -97,7 +109,7 @@ class Runtime:
     @property
     def replicas_in_process(self) -> int:
         """Model replicas this process computes: DataParallel's devices under 'dp', else 1."""
-        return len(self.devices) if self.strategy == "dp" else 1
+        return len(self.devices) if self.strategy_spec.splits_batch_in_process else 1
 
 
 R = TypeVar("R", bound=Runtime)
@@ -266,7 +278,8 @@ def _again(kind: type[R], backend, device, timeout, strategy, devices, precision
     """A second ``init``: the same runtime, unless it asks for something else (refused)."""
     global _current
     _check_same(_current, backend, device, timeout)
-    check_same(_current, strategy, devices)
+    have = Plan(strategy=_current.strategy, devices=_current.devices)
+    check_same(have, _current.env, strategy, devices)
     _check_same_precision(_current, precision)
     if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
         have = dataclasses.fields(_current)
@@ -278,9 +291,25 @@ def _with_plan(rt: R, settled: Plan, policy: Precision) -> R:
     return dataclasses.replace(
         rt,
         strategy=settled.strategy,
+        auto=settled.auto,
         devices=settled.devices or (rt.device,),
         precision=policy.name,
     )
+
+
+def settle_strategy(rt: Runtime, name: str) -> None:
+    """Fix 'auto''s choice for good: ``rt.strategy = name``, ``rt.auto = False``.
+
+    The one change a runtime sees after ``init``: 'auto' cannot know whether a model fits one
+    device until ``rt.prepare`` sees it, and the user holds ``rt`` (as does ``get_runtime``),
+    so the choice is written into that object, once, before anything is wrapped. The caller
+    decides ``name`` identically on every rank (``rankwise.session.auto``). No sync point.
+    """
+    get_strategy(name)  # a name outside the registry is a bug in the caller: fail here
+    for held in {id(rt): rt, id(_current): _current}.values():
+        if held is not None and held.env == rt.env:
+            object.__setattr__(held, "strategy", name)  # frozen for users; settled here only
+            object.__setattr__(held, "auto", False)
 
 
 def _check_same_precision(current: Runtime, precision: str | None) -> None:

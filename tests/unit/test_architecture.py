@@ -23,11 +23,32 @@ def _tool():
 
 
 def test_the_import_graph_has_no_cycle():
-    """Every import counts (function-local ones too), except those under TYPE_CHECKING."""
+    """Every import counts: function-local ones and those under TYPE_CHECKING too."""
     tool = _tool()
     graph = tool.edges(tool.modules(SRC))
     assert len(graph) > 50  # the walk found the package
     assert tool.cycles(graph) == []
+
+
+def test_a_circle_through_type_checking_imports_is_a_circle(tmp_path):
+    pkg = tmp_path / "rankwise"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text("from .hooks import Hooks\n")
+    (pkg / "hooks.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n"
+        "if __name__ == '__main__':\n    import rankwise.engine\n"
+    )
+    tool = _tool()
+    graph = tool.edges(tool.modules(tmp_path))
+    assert graph["rankwise.hooks"] == {"rankwise.engine"}  # the script guard's import is not
+    assert tool.cycles(graph) == [["rankwise.engine", "rankwise.hooks"]]
+
+
+def test_ci_runs_the_import_cycle_check_before_the_tests():
+    steps = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "python tools/import_cycles.py" in steps
+    assert steps.index("python tools/import_cycles.py") < steps.index("python -m pytest")
 
 
 def test_runtime_imports_nothing_above_the_ground_floor():
@@ -35,6 +56,7 @@ def test_runtime_imports_nothing_above_the_ground_floor():
     graph = tool.edges(tool.modules(SRC))
     ground = {"rankwise.errors", "rankwise.env", "rankwise.netif", "rankwise.devices"}
     ground |= {"rankwise.plan", "rankwise.process_group", "rankwise.runtime"}
+    ground |= {"rankwise.strategies"}
     for name in sorted(ground):
         assert graph[name] <= ground, (name, graph[name] - ground)
 

@@ -117,8 +117,10 @@ def test_session_log_lines_are_the_real_ones() -> None:
     """docs/session.md quotes prepare's log lines: each must be what prepare logs today."""
     from types import SimpleNamespace
 
+    import torch
     from torch.utils.data import DataLoader
 
+    from rankwise.session.auto import choose
     from rankwise.session.loader import _source, describe_batch
 
     def line(strategy: str, gbs: int | None, global_batch: int, per_device: int, nrep: int,
@@ -134,10 +136,17 @@ def test_session_log_lines_are_the_real_ones() -> None:
         rt = SimpleNamespace(strategy=strategy)
         return describe_batch(strategy, loader, _source(rt, given, gbs))
 
+    def auto(capacity: int) -> str:  # 'auto' at prepare: the quoted model, world size 4
+        model = torch.nn.Linear(1000, 1000)
+        name, why = choose(model, torch.optim.AdamW(model.parameters()), 4, capacity)
+        return f"rankwise prepare [auto -> {name}]: {why}"
+
     real = {
         line("ddp", None, 64, 32, 2, 1),  # 2 processes, DataLoader(batch_size=32)
         line("dp", None, 32, 16, 1, 2),  # 2 devices in one process
         line("ddp", 64, 64, 32, 2, 1),  # global_batch_size=64
+        auto(24 * 2**30),
+        auto(8 * 2**20),
     }
     text = (ROOT / "docs" / "session.md").read_text()
     quoted = {ln.strip() for ln in text.splitlines() if ln.strip().startswith("rankwise prepare [")}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..cli_args import Parser, positive_int
 from ..errors import ConfigError
+from . import rows
 
 DESCRIPTION = (
     "Run every strategy (one process, intra-op threads, DataParallel, DDP, torch's DDP, async, "
@@ -26,7 +27,7 @@ DESCRIPTION = (
     "throughput, scaling efficiency, communication, memory and loss, a projection to 8-256 "
     "ranks, and a recommendation. Writes bench.json and bench.png to --out."
 )
-STRATEGIES = "single,threads,dp,ddp,torch-ddp,async,local_sgd"
+STRATEGIES = ",".join(rows.DEFAULT)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -137,7 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data", default=None, help="module:function(size, seed) -> (x, y); default <module>:batch"
     )
     p.add_argument(
-        "--strategies", default=STRATEGIES, help=f"comma-separated (default {STRATEGIES})"
+        "--strategies",
+        default=STRATEGIES,
+        help=f"comma-separated, of {','.join(rows.ALL)} (default {STRATEGIES})",
     )
     p.add_argument(
         "--nproc", type=int, default=2, help="processes / threads / replicas (default 2)"

@@ -19,17 +19,22 @@ import torch
 
 from . import strategies as st
 from .projection import Network, parse_network, project, validate
+from .rows import BASELINE, REPLICATED, THREADS
+from .rows import strategy as row_strategy
 
 SCHEMA = "rankwise.bench/1"
 CURVE_WORLDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _layout(name: str, n: int) -> str:
+    if name == THREADS:
+        return f"1 proc x {n} threads"
+    spec = row_strategy(name)
+    kind = "processes" if spec is None else spec.kind
     return {
-        "single": "1 proc x 1 thread",
-        "threads": f"1 proc x {n} threads",
-        "dp": f"1 proc x {n} replicas",
-    }.get(name, f"{n} procs x 1 thread")
+        "one": "1 proc x 1 thread",
+        "threads": f"1 proc x {n} replicas",
+    }.get(kind, f"{n} procs x 1 thread")
 
 
 def _spread(runs: list[float]) -> dict:
@@ -48,7 +53,7 @@ def _rows(cfg, raw: dict) -> list[dict]:
     main, n = raw["main"], cfg.nproc
     times, extra = main["times"], main["memory_loss"]
     global_batch = n * cfg.batch
-    single = statistics.median(times["single"])
+    single = statistics.median(times[BASELINE])
     indep = statistics.median(times[st.REFERENCE]) if st.REFERENCE in times else None
     rows = []
     for name in [*st.ALL, st.REFERENCE]:
@@ -85,7 +90,7 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
     comm = raw["main"]["comm"]
     measured = Network.from_dict(comm["fit"])
     net = parse_network(cfg.network) if cfg.network else measured
-    single = next(r for r in rows if r["name"] == "single")
+    single = next(r for r in rows if r["name"] == BASELINE)
     per_sample = single["step_ms"]["median"] / 1e3 / (cfg.nproc * cfg.batch)
     copy = comm["memcpy_GBps"] * 1e9
     compute_ms = per_sample * cfg.batch * 1e3  # c * B: one rank's batch on one process
@@ -105,7 +110,7 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
         "rows": project(per_sample, cfg.batch, grad_bytes, net, copy),
         "curve": project(per_sample, cfg.batch, grad_bytes, net, copy, CURVE_WORLDS),
         "validation": {
-            "strategy": next(iter(raw["validation"].values()), {}).get("strategy", "ddp"),
+            "strategy": next(iter(raw["validation"].values()), {}).get("strategy", REPLICATED),
             "network": measured.to_dict(),
             "rows": checks,
             "max_abs_error": max((abs(c["error"]) for c in checks), default=None),
@@ -133,8 +138,8 @@ def recommend(rows: list[dict]) -> dict:
         f"(efficiency {best['scaling_efficiency']:.2f}, {best['step_ms']['median']:.1f} ms/step, "
         f"{best['samples_per_s']:.0f} samples/s)"
     )
-    if best["name"] == "single":
-        head = f"single: no parallel strategy beat one process ({best['step_ms']['median']:.1f} ms/step)"
+    if best["name"] == BASELINE:
+        head = f"{BASELINE}: no parallel strategy beat one process ({best['step_ms']['median']:.1f} ms/step)"
     runner_up = exact[1] if len(exact) > 1 else None
     if runner_up and runner_up["step_ms"]["min"] <= best["step_ms"]["median"]:
         head += f", tied with {runner_up['name']} within run-to-run spread"
@@ -250,7 +255,7 @@ def _projection_lines(p: dict) -> list[str]:
             for r in v["rows"]
         )
         lines.append(
-            f"  model check here ({v.get('strategy', 'ddp')} step = independent + modelled "
+            f"  model check here ({v.get('strategy', REPLICATED)} step = independent + modelled "
             f"copies + all-reduce): {checks}"
         )
     return lines

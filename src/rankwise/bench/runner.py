@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..log import TaskBar, task_bar
+from . import rows
 from . import strategies as st
 from .commbench import SIZES
 from .memory import PeakMemory
@@ -227,7 +228,7 @@ def plan(cfg: BenchConfig, device_type: str) -> tuple[list[str], dict[str, str]]
     skipped = {}
     names = []
     # The one-process reference every speedup is measured against is always run.
-    for name in ("single", *[s for s in cfg.strategies if s != "single"]):
+    for name in (rows.BASELINE, *[s for s in cfg.strategies if s != rows.BASELINE]):
         reason = st.unavailable(name, device, cfg.nproc)
         if reason:
             skipped[name] = reason
@@ -273,7 +274,7 @@ def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dic
     out = {}
     # On one machine over Gloo, ddp averages large buckets through shared memory and beats a
     # network model fitted on Gloo's all-reduce: validate the model with Gloo-only ddp then.
-    ddp = st.GLOO_DDP if backend == "gloo" and _ddp_shares_memory(cfg) else "ddp"
+    ddp = st.GLOO_DDP if backend == "gloo" and _ddp_shares_memory(cfg) else rows.REPLICATED
     for world in sorted(set(cfg.validate_worlds)):
         if backend == "nccl" and world > torch.cuda.device_count():
             log(f"rankwise bench: no validation at world size {world}: not enough GPUs")

@@ -31,24 +31,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import rows
 from .workload import Batch, Workload, evaluate, loss_fn, shard
 
-ALL = (
-    "single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3", "async", "local_sgd",
-)  # fmt: skip
-"""Every strategy ``--strategies`` accepts, in table order."""
+ALL, EXACT, ON_RANK0 = rows.ALL, rows.EXACT, rows.ON_RANK0
+"""Every row ``--strategies`` accepts, the exact ones, the one-process ones (``bench.rows``)."""
 
 ALIASES = {"local-sgd": "local_sgd"}
 """Older spellings ``--strategies`` still accepts, and the name each stands for."""
 
 REFERENCE = "independent"
 """The no-communication baseline, run whenever a multi-process strategy is."""
-
-EXACT = ("single", "threads", "dp", "ddp", "torch-ddp", "zero1", "zero2", "zero3")
-"""Strategies that compute exactly the one-process update (same loss after S steps)."""
-
-ON_RANK0 = ("single", "threads", "dp")
-"""Strategies that run in one process (rank 0)."""
 
 GLOO_DDP = "ddp-gloo"
 """``ddp`` with ``shared_memory_reduce=False``: every bucket through the backend's all-reduce,
@@ -105,11 +98,13 @@ class Trainer:
 
 def unavailable(name: str, device: torch.device, world: int) -> str | None:
     """Why ``name`` cannot run here (a short reason for the table), or None when it can."""
-    if name in ("async", "local_sgd") and importlib.util.find_spec("rankwise.updates") is None:
+    if name in rows.UPDATE_RULES and importlib.util.find_spec("rankwise.updates") is None:
         return "not available in this build (rankwise.updates is missing)"
-    if name == "threads" and device.type != "cpu":
+    if name == rows.THREADS and device.type != "cpu":
         return "CPU only (intra-op threads do not speed up a GPU)"
-    if name == "dp" and device.type == "cuda" and torch.cuda.device_count() < world:
+    spec = rows.strategy(name)
+    threads = spec is not None and spec.splits_batch_in_process
+    if threads and device.type == "cuda" and torch.cuda.device_count() < world:
         return f"needs {world} GPUs in one process, {torch.cuda.device_count()} visible"
     return None
 
@@ -123,16 +118,23 @@ def build(name: str, s: Setup) -> Trainer:
     forward: Callable = model
     close: Callable[[], None] = lambda: None  # noqa: E731
     parts, index = s.world, s.rank
-    if name in ("ddp", GLOO_DDP):
+    spec = rows.strategy(name)
+    if spec is not None and spec.zero_stage:
+        from ..parallel import ShardedDataParallel
+
+        sgd = lambda ps: torch.optim.SGD(ps, lr=s.lr)  # noqa: E731
+        forward = ShardedDataParallel(model, sgd, spec.zero_stage)
+        opt = forward.optimizer
+    elif (spec is not None and spec.multi_process) or name == GLOO_DDP:
         from ..parallel import DistributedDataParallel
 
         shared = False if name == GLOO_DDP else None
         forward = DistributedDataParallel(
             model, device_ids=_ids(s.device), shared_memory_reduce=shared
         )
-    elif name == "torch-ddp":
+    elif name == rows.TORCH_DDP:
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=_ids(s.device))
-    elif name in ("async", "local_sgd"):
+    elif name in rows.UPDATE_RULES:
         from .. import updates  # type: ignore[attr-defined]
 
         if name == "async":
@@ -141,11 +143,6 @@ def build(name: str, s: Setup) -> Trainer:
             opt = updates.local_sgd(model, opt, every=s.local_sgd_every)
         close = opt.close
         parts, index = opt.num_workers, opt.worker_index
-    elif name in ("zero1", "zero2", "zero3"):
-        from ..parallel import ShardedDataParallel
-
-        forward = ShardedDataParallel(model, lambda ps: torch.optim.SGD(ps, lr=s.lr), int(name[-1]))
-        opt = forward.optimizer
     elif name != REFERENCE:
         raise ValueError(f"unknown strategy {name!r}")
     batches = [shard(b, index, parts) for b in s.pool]
@@ -159,7 +156,7 @@ def build(name: str, s: Setup) -> Trainer:
         pool=s.pool,
         close=close,
     )
-    if name == "zero3":
+    if spec is not None and "parameters" in spec.shards:
         trainer.close = lambda: _consolidate(trainer, s)
     return trainer
 
@@ -175,7 +172,8 @@ def _one_process(name: str, s: Setup) -> Trainer:
     works = s.rank == 0
     model = s.workload.build(s.device) if works else nn.Linear(1, 1)
     forward: Callable = model
-    if works and name == "dp":
+    spec = rows.strategy(name)
+    if works and spec is not None and spec.splits_batch_in_process:
         from ..parallel import DataParallel
 
         ids = ["cpu"] * s.world if s.device.type == "cpu" else list(range(s.world))
@@ -188,7 +186,7 @@ def _one_process(name: str, s: Setup) -> Trainer:
         optimizer=torch.optim.SGD(model.parameters(), lr=s.lr),
         batches=s.pool if works else [],
         pool=s.pool,
-        threads=s.world if name == "threads" else 1,
+        threads=s.world if name == rows.THREADS else 1,
     )
 
 
@@ -198,4 +196,4 @@ def _ids(device: torch.device) -> list[torch.device] | None:
 
 def workers(name: str, world: int) -> int:
     """How many workers (threads, replicas or processes) the strategy spreads the batch over."""
-    return 1 if name == "single" else world
+    return 1 if name == rows.BASELINE else world

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .guards import polarity
 
 if TYPE_CHECKING:
-    from .script import Script
+    from .facts import ScriptFacts
 
 FUNC_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -56,7 +56,7 @@ def _is_rank_zero_only(decorator: ast.expr) -> bool:
 
 
 class _Annotator:
-    def __init__(self, script: Script, funcs: dict[str, Ctx]) -> None:
+    def __init__(self, script: ScriptFacts, funcs: dict[str, Ctx]) -> None:
         self.script = script
         self.funcs = funcs
         self.info: dict[ast.AST, Ctx] = {}
@@ -147,7 +147,7 @@ class _Annotator:
                 self.expr(child, ctx)
 
 
-def _call_site_ctx(script: Script, info: dict[ast.AST, Ctx], name: str) -> Ctx | None:
+def _call_site_ctx(script: ScriptFacts, info: dict[ast.AST, Ctx], name: str) -> Ctx | None:
     """The shared rank context of every call to function ``name``, if all agree and select."""
     sites = []
     for n in script.loads.get(name, []):
@@ -160,7 +160,7 @@ def _call_site_ctx(script: Script, info: dict[ast.AST, Ctx], name: str) -> Ctx |
     return Ctx(polarity=sites[0].polarity, guard=sites[0].guard, other=sites[0].other)
 
 
-def annotate(script: Script) -> dict[ast.AST, Ctx]:
+def annotate(script: ScriptFacts) -> dict[ast.AST, Ctx]:
     """Context of every node of ``script`` (see the module docstring)."""
     funcs: dict[str, Ctx] = {}
     for _ in range(4):

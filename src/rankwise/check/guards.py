@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .astutil import dotted, last_name
 
 if TYPE_CHECKING:
-    from .script import Script
+    from .facts import ScriptFacts
 
 MASTER_WORDS = frozenset(
     {
@@ -51,7 +51,7 @@ def _is_env_rank_key(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value in RANK_ENV
 
 
-def is_rank_expr(e: ast.AST, script: Script | None = None, follow: bool = True) -> bool:
+def is_rank_expr(e: ast.AST, script: ScriptFacts | None = None, follow: bool = True) -> bool:
     """Does ``e`` evaluate to this process's rank (global or local)?
 
     With ``script``, a parameter that holds a rank (``ranksource``: ``main(rank)`` started by
@@ -87,7 +87,7 @@ def _is_pid(e: ast.AST) -> bool:
     return isinstance(e, ast.Call) and last_name(e.func) == "getpid"
 
 
-def mentions_rank(e: ast.AST, script: Script | None = None) -> bool:
+def mentions_rank(e: ast.AST, script: ScriptFacts | None = None) -> bool:
     """Does ``e`` use the rank, or the process id, to tell processes apart?"""
     return any(is_rank_expr(n, script) or _is_pid(n) for n in ast.walk(e))
 
@@ -141,7 +141,7 @@ def _not_distributed(e: ast.AST) -> bool:
     return False
 
 
-def polarity(e: ast.AST, script: Script | None = None, depth: int = 1) -> int:
+def polarity(e: ast.AST, script: ScriptFacts | None = None, depth: int = 1) -> int:
     """+1: true only on rank 0; -1: true only on the other ranks; 0: unknown."""
     if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
         if is_rank_expr(e.operand, script):  # `not rank`
@@ -189,7 +189,7 @@ def _env_kind(key: ast.AST) -> str | None:
     return None
 
 
-def rank_kind(e: ast.AST, script: Script | None = None, depth: int = 2) -> str | None:
+def rank_kind(e: ast.AST, script: ScriptFacts | None = None, depth: int = 2) -> str | None:
     """``"global"`` (RANK, ``dist.get_rank()``), ``"local"`` (LOCAL_RANK, ``args.local_rank``)
     or None (not a rank, or a rank of unknown kind such as an ``mp.spawn`` index).
 
@@ -218,7 +218,7 @@ def rank_kind(e: ast.AST, script: Script | None = None, depth: int = 2) -> str |
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def kinds_in(e: ast.AST, script: Script, depth: int = 1) -> set[str]:
+def kinds_in(e: ast.AST, script: ScriptFacts, depth: int = 1) -> set[str]:
     """The kinds of every rank ``e`` reads, through the variables it names (``master``)."""
     out: set[str] = set()
     for n in ast.walk(e):

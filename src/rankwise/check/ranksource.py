@@ -20,7 +20,7 @@ from .astutil import last_name
 from .guards import is_rank_expr
 
 if TYPE_CHECKING:
-    from .script import Script
+    from .facts import ScriptFacts
 
 SPAWNERS = frozenset({"spawn", "start_processes"})
 ROUNDS = 3
@@ -34,7 +34,7 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> list[st
     return names[1:] if method and names else names
 
 
-def _spawned(s: Script) -> RankParams:
+def _spawned(s: ScriptFacts) -> RankParams:
     out: RankParams = {}
     for c in s.calls:
         r = s.resolve(c.func)
@@ -47,7 +47,7 @@ def _spawned(s: Script) -> RankParams:
     return out
 
 
-def _callee(s: Script, call: ast.Call) -> tuple[ast.FunctionDef | None, bool]:
+def _callee(s: ScriptFacts, call: ast.Call) -> tuple[ast.FunctionDef | None, bool]:
     """The script's own function a call runs, and whether its first parameter is ``self``."""
     name = last_name(call.func) or ""
     cls = next((n for n in s.nodes if isinstance(n, ast.ClassDef) and n.name == name), None)
@@ -62,7 +62,7 @@ def _callee(s: Script, call: ast.Call) -> tuple[ast.FunctionDef | None, bool]:
     return None, False
 
 
-def rank_parameters(s: Script) -> RankParams:
+def rank_parameters(s: ScriptFacts) -> RankParams:
     """Every parameter that holds a rank (see the module docstring)."""
     found = _spawned(s)
     s.rank_params = found

@@ -11,24 +11,14 @@ on branch-heavy code should stay silent rather than shout.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 
 from . import context, ranksource
 from .astutil import dotted, last_name, pos
+from .facts import Binding
 
 ROOTS = ("torch", "rankwise")
 FUNC_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-
-
-@dataclass(frozen=True)
-class Binding:
-    """``name = value`` somewhere in the script (``name`` may be dotted: ``args.batch_size``)."""
-
-    name: str
-    value: ast.expr
-    stmt: ast.stmt
-    scope: ast.AST
 
 
 class Script:

@@ -106,10 +106,10 @@ def _child(
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
-            import rankwise
-
             if init:
-                rankwise.init(backend, timeout=timeout)
+                from ..session import init as rw_init  # rw.init: the Session the user gets
+
+                rw_init(backend, timeout=timeout)
             value = fn(*args)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -123,9 +123,9 @@ def _child(
             results.put(("result", rank, False, (text, _pickled_exception(exc))))
         finally:
             try:
-                import rankwise
+                from ..runtime import shutdown
 
-                rankwise.shutdown()
+                shutdown()
             except Exception:
                 pass
     sys.stdout.flush()

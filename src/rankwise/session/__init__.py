@@ -2,7 +2,7 @@
 
 The same training loop runs on one device, with DataParallel or with DDP by changing one word:
 
-    rt = rw.init(strategy="auto")          # "single", "dp" or "ddp"
+    rt = rw.init(strategy="auto")          # or any name of rankwise.strategies.STRATEGIES
     model, opt, loader = rt.prepare(model, opt, loader)
     for x, y in loader:                    # batches arrive on the right device
         loss = F.cross_entropy(model(x), y)
@@ -35,9 +35,10 @@ from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
 from ..training import LoopState, TrainingLoop
+from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
-from .sharded import ZERO_STAGES, prepare_sharded, warn_if_too_big
+from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .sharded import warn_if_too_big
 
 __all__ = [
     "DeviceLoader",
@@ -77,7 +78,7 @@ class Session(runtime.Runtime, TrainingLoop):
     ) -> Any:
         """``prepare(rt, ...)``: move, then wrap the model; split the loader.
 
-        Sync point: all ranks under 'ddp'.
+        Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
         return prepare(
             self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
@@ -153,7 +154,8 @@ def prepare(
     (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
     under 'fp16-mixed'.
 
-    Sync point: all ranks under 'ddp' (the model's parameters are broadcast from rank 0).
+    Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
+    rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
     """
     if loader is None and global_batch_size is not None:
         raise ConfigError(
@@ -177,11 +179,9 @@ def prepare(
 def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
-    warn_if_too_big(rt, model, optimizer)
-    if rt.strategy in ZERO_STAGES:
-        wrapped, optimizer = prepare_sharded(rt, model, optimizer)
-    else:
-        wrapped = prepare_model(rt, model)
+    if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
+        warn_if_too_big(rt, model, optimizer)
+    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:

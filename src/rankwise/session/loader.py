@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
+from ..strategies import get as get_strategy
 
 
 def _shuffle_of(dl: DataLoader) -> bool:
@@ -75,7 +76,7 @@ def _rebuild(
     shuffle = _shuffle_of(dl)
     in_process = rt.replicas_in_process
     batch_size = dl.batch_size if global_batch_size is None else None
-    if batch_size is not None and rt.strategy == "dp":
+    if batch_size is not None and rt.strategy_spec.batch_meaning == "split_over_devices":
         # torch's DataParallel meaning: the loader's batch is the global batch, split.
         if dl.batch_size % in_process:
             below = dl.batch_size // in_process * in_process
@@ -101,9 +102,10 @@ def _rebuild(
 def describe_batch(strategy: str, loader: Loader, source: str) -> str:
     """The log line that says what the batch size means (``source``: how it was given)."""
     g, b, per = loader.global_batch_size, loader.batch_size, loader.per_device_batch_size
-    if strategy == "ddp":
+    meaning = get_strategy(strategy).batch_meaning
+    if meaning == "per_process":
         split = f"global batch {g} = {b} per process x {loader.num_replicas} processes"
-    elif strategy == "dp":
+    elif meaning == "split_over_devices":
         split = f"global batch {g} = {per} per device x {loader.replicas_in_process} devices"
     else:
         split = f"global batch {g}"
@@ -118,13 +120,7 @@ def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
         return f"global_batch_size={global_batch_size}" + (
             f" (the DataLoader's batch_size={given.batch_size} is not used)" * unused
         )
-    b = given.batch_size
-    return {
-        "single": f"batch_size={b} is the batch per step",
-        "ddp": f"batch_size={b} is per process (torch DDP's meaning)",
-        "dp": f"batch_size={b} is the global batch, split over the devices "
-        "(torch DataParallel's meaning)",
-    }[rt.strategy]
+    return get_strategy(rt.strategy).batch_phrase(given.batch_size)
 
 
 def _check_kept(rt: Runtime, kept: Loader, global_batch_size: int | None) -> None:
@@ -153,8 +149,9 @@ def prepare_loader(
 ) -> DeviceLoader:
     """``loader`` split over the replicas with our sampler; batches arrive on ``rt.device``.
 
-    A plain ``DataLoader``'s ``batch_size`` keeps torch's meaning for the strategy ('single':
-    per step; 'ddp': per process; 'dp': the global batch, split over the devices) unless
+    A plain ``DataLoader``'s ``batch_size`` keeps torch's meaning for the strategy (its
+    registry entry's ``batch_meaning``: 'single': per step; 'ddp' and 'zero1/2/3': per
+    process; 'dp': the global batch, split over the devices) unless
     ``global_batch_size`` is given. The meaning is logged once, on rank 0. ``evaluation=True``
     visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
     No sync point.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ from ..errors import ConfigError
 from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
 from ..pipeline import DistributedPipeline, Pipe
 from ..runtime import Runtime
+from ..strategies import Strategy
 
 _WRAPPERS = (
     DataParallel,
@@ -47,34 +50,60 @@ def _spans_devices(model: nn.Module) -> bool:
 
 
 def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
-    """Move ``model`` to ``rt.device``, then wrap it for ``rt.strategy``.
+    """Move ``model`` to ``rt.device``, then wrap it for ``rt.strategy`` (its registry entry's
+    ``wrap`` function, without an optimizer: the sharded strategies refuse that).
 
     The caller has refused wrapped models (``refuse_wrapped``): ``session.prepare`` does it
     first, before it looks at the optimizer.
 
-    Sync point: all ranks under 'ddp' (the wrapper broadcasts rank 0's parameters).
+    Sync point: all ranks under a multi-process strategy (rank 0's parameters are broadcast).
     """
+    return wrapper(rt.strategy_spec)(rt, model, None)[0]
+
+
+Wrap = Callable[[Runtime, nn.Module, Any], tuple[nn.Module, Any]]
+
+
+def wrapper(spec: Strategy) -> Wrap:
+    """The function named by ``spec.wrap`` ('module:function'), imported now."""
+    module, _, name = spec.wrap.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _moved(rt: Runtime, model: nn.Module) -> bool:
+    """Move ``model`` to ``rt.device`` unless it spans devices (returned: True, left in place)."""
     spans = _spans_devices(model)
-    if spans and rt.strategy == "dp":
+    if not spans:
+        model.to(rt.device)  # move first, then wrap: docs/pitfalls.md#pitfall-1
+    return spans
+
+
+def bare(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """'single': the model itself, on ``rt.device``. No sync point."""
+    _moved(rt, model)
+    return model, optimizer
+
+
+def data_parallel(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """'dp': ``rw.DataParallel`` over ``rt.devices`` (the first is the master). No sync point."""
+    if _spans_devices(model):
         raise ConfigError(
             "strategy='dp' cannot wrap a model split over several devices: DataParallel "
             "copies the whole model to every device",
             fix="use strategy='ddp' (rankwise run --nproc-per-node N) for data parallelism on "
             "top of a split model, or strategy='single'.",
         )
-    if not spans:
-        model.to(rt.device)  # move first, then wrap: docs/pitfalls.md#pitfall-1
-    return _wrap(rt, model, spans)
+    _moved(rt, model)
+    return DataParallel(model, device_ids=list(rt.devices)), optimizer
 
 
-def _wrap(rt: Runtime, model: nn.Module, spans: bool) -> nn.Module:
-    """The model wrapped in our engine for ``rt.strategy`` ('single': the model itself)."""
-    if rt.strategy == "dp":
-        return DataParallel(model, device_ids=list(rt.devices))
-    if rt.strategy == "ddp":
-        one_accelerator = rt.device.type != "cpu" and not spans
-        return DistributedDataParallel(model, device_ids=[rt.device] if one_accelerator else None)
-    return model
+def distributed(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """'ddp': ``rw.DistributedDataParallel``. Sync point: all ranks (rank 0's state is
+    broadcast)."""
+    spans = _moved(rt, model)
+    one_accelerator = rt.device.type != "cpu" and not spans
+    ddp = DistributedDataParallel(model, device_ids=[rt.device] if one_accelerator else None)
+    return ddp, optimizer
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

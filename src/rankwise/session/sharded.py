@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from ..parallel import ShardedDataParallel
     from ..runtime import Runtime
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-
 
 def _factory(optimizer: torch.optim.Optimizer, strategy: str):
     if len(optimizer.param_groups) != 1:
@@ -62,7 +60,7 @@ def prepare_sharded(
         )
     model.to(rt.device)  # pitfall 1: move first, then wrap
     engine = ShardedDataParallel(
-        model, _factory(optimizer, rt.strategy), stage=ZERO_STAGES[rt.strategy]
+        model, _factory(optimizer, rt.strategy), stage=rt.strategy_spec.zero_stage
     )
     return engine, engine.optimizer
 
@@ -72,8 +70,7 @@ def warn_if_too_big(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimi
     from ..log import get_logger
     from ..parallel.zero.memory_plan import advice, capacity_bytes
 
-    current = rt.strategy if rt.strategy in ZERO_STAGES else "ddp"
     capacity = capacity_bytes(rt.device, rt.env.local_world_size)
-    message = advice(model, rt.world_size, capacity, optimizer, current)
+    message = advice(model, rt.world_size, capacity, optimizer, rt.strategy)
     if message is not None and rt.rank == 0:
         get_logger().warning(message)

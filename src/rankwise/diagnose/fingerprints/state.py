@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,6 @@ from ... import env as envmod
 from ... import runtime
 from .. import sidechannel
 from .settings import Settings
-
-if TYPE_CHECKING:
-    from .entry import Entry
 
 
 class Group:
@@ -36,7 +33,8 @@ class Group:
         self.global_rank = self.ranks[self.rank]
         self.key_last = sidechannel.key_last(name, self.global_rank)
         self.seq, self.rolling = 0, 0
-        self.ring: deque[Entry] = deque(maxlen=history)
+        # The latest ``entry.Entry`` objects (that module reads ``STATE``: it is named there).
+        self.ring: deque[Any] = deque(maxlen=history)
         backend = str(dist.get_backend(pg))
         self.gloo = "gloo" in backend
         cuda = "nccl" in backend and not self.gloo

@@ -14,24 +14,32 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, HookError, ModelError
 
-if TYPE_CHECKING:
-    from .reducer import Reducer
-
 
 class GradBucket:
-    """One bucket as a communication hook sees it (torch's ``dist.GradBucket`` methods)."""
+    """One bucket as a communication hook sees it (torch's ``dist.GradBucket`` methods).
 
-    def __init__(self, reducer: Reducer, index: int) -> None:
-        self._reducer = reducer
+    Built by the reducer from what it holds for bucket ``index``: its flat ``buffer``, each
+    parameter's gradient view into it, the parameters, and whether it is the last bucket.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        gradients: list[torch.Tensor],
+        parameters: list[torch.Tensor],
+        last: bool,
+    ) -> None:
         self._index = index
-        self._buffer = reducer._flat[index]
+        self._buffer = buffer
+        self._gradients, self._parameters, self._last = gradients, parameters, last
 
     def index(self) -> int:
         """Position of the bucket; 0 is the first to be ready (the last layers)."""
@@ -47,17 +55,15 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's gradient, as a view into ``buffer()``."""
-        views = self._reducer._views
-        return [views[i] for i in self._reducer.buckets[self._index].indices]
+        return list(self._gradients)
 
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters, in the same order as ``gradients()``."""
-        params = self._reducer.params
-        return [params[i] for i in self._reducer.buckets[self._index].indices]
+        return list(self._parameters)
 
     def is_last(self) -> bool:
         """True for the last bucket reduced in a backward pass."""
-        return self._index == len(self._reducer.buckets) - 1
+        return self._last
 
     def is_the_last_bucket_to_allreduce(self) -> bool:
         """Old spelling of :meth:`is_last`, kept by torch."""

@@ -20,7 +20,7 @@ one to join broadcasts its parameters and buffers, so all replicas end identical
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,29 @@ from ..agreement import broadcast_tensors
 from . import compression as comp
 
 if TYPE_CHECKING:
-    from .distributed import DistributedDataParallel
+    from torch import nn
+
+    from .reducer import Reducer
 
 
-def sync_flag(ddp: DistributedDataParallel, joined: bool) -> torch.Tensor:
+class JoiningDDP(Protocol):
+    """What a joined rank reads of ``DistributedDataParallel`` (which imports this module)."""
+
+    module: nn.Module
+    process_group: Any
+    rank: int
+    join_device: torch.device
+    reducer: Reducer
+    compression: Any
+    broadcast_buffers: bool
+    find_unused_parameters: bool
+    require_backward_grad_sync: bool
+    _buffer_slots: Any
+
+    def _sync_buffers(self) -> None: ...
+
+
+def sync_flag(ddp: JoiningDDP, joined: bool) -> torch.Tensor:
     """All-reduce whether any training rank synchronises this step. Sync point: all ranks."""
     flag = torch.zeros(1, device=ddp.join_device)
     if not joined and ddp.require_backward_grad_sync:
@@ -47,7 +66,7 @@ def sync_flag(ddp: DistributedDataParallel, joined: bool) -> torch.Tensor:
 class DDPJoinHook(JoinHook):
     """What a joined rank does in place of one training step, and once everyone has joined."""
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self, ddp: JoiningDDP) -> None:
         self.ddp = ddp
 
     def main_hook(self) -> None:
@@ -76,7 +95,7 @@ class DDPJoinHook(JoinHook):
         broadcast_tensors(state, ddp.process_group, src=int(mine.item()))
 
 
-def _shadow_buckets(ddp: DistributedDataParallel) -> None:
+def _shadow_buckets(ddp: JoiningDDP) -> None:
     """All-reduce zeros in place of each bucket, in order, by the bucket's own transport.
 
     All are started before any is waited for, as the training ranks' reducer does: a shared
@@ -108,6 +127,6 @@ def _shadow_buckets(ddp: DistributedDataParallel) -> None:
         last.wait()
 
 
-def join_context(ddp: DistributedDataParallel, **kwargs: Any) -> Join:
+def join_context(ddp: JoiningDDP, **kwargs: Any) -> Join:
     """``Join([ddp], ...)``: the context manager ``DistributedDataParallel.join`` returns."""
     return Join([ddp], **kwargs)

@@ -224,6 +224,17 @@ class Reducer:
         self._syncing = bool(self.should_sync())
         Variable._execution_engine.queue_callback(self._finalize)
 
+    def _grad_bucket(self, b: int) -> GradBucket:
+        """Bucket ``b`` as torch's communication hooks see it."""
+        indices = self.buckets[b].indices
+        return GradBucket(
+            b,
+            self._flat[b],
+            [self._views[i] for i in indices],
+            [self.params[i] for i in indices],
+            last=b == len(self.buckets) - 1,
+        )
+
     def _launch_ready(self) -> None:
         """Start the all-reduce of every complete bucket, in bucket order."""
         pending, n = self._pending, len(self._sizes)
@@ -232,7 +243,7 @@ class Reducer:
             self._next += 1
             if self.communicates and self._comm_hook is not None:
                 state, comm_hook = self._comm_hook
-                self._works[b] = comm_hook(state, GradBucket(self, b))
+                self._works[b] = comm_hook(state, self._grad_bucket(b))
             elif self.communicates:
                 wire = self._wire[b]
                 tensor = self._in_place[b]

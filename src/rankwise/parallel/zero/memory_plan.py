@@ -23,7 +23,12 @@ import os
 import torch
 from torch import nn
 
-ORDER = ("ddp", "zero1", "zero2", "zero3")
+from ... import strategies
+
+
+def order() -> tuple[str, ...]:
+    """The multi-process strategies from most to least memory: ddp, zero1, zero2, zero3."""
+    return tuple(s.name for s in strategies.multi_process())
 
 
 def optimizer_states(optimizer: torch.optim.Optimizer | None) -> int:
@@ -40,15 +45,13 @@ def optimizer_states(optimizer: torch.optim.Optimizer | None) -> int:
 def bytes_per_rank(
     params: int, world: int, strategy: str, *, element_bytes: int = 4, states: int = 2
 ) -> int:
-    """Training state (parameters, gradients, optimizer state) one rank holds."""
-    p, n, k = params * element_bytes, max(world, 1), states
-    table = {
-        "ddp": p * (2 + k),
-        "zero1": p * 2 + p * k / n,
-        "zero2": p + p * (1 + k) / n,
-        "zero3": p * (2 + k) / n,
-    }
-    return int(table[strategy])
+    """Training state (parameters, gradients, optimizer state) one rank holds under
+    ``strategy`` (any registered name: what it shards is held 1/``world`` per rank)."""
+    p, n = params * element_bytes, max(world, 1)
+    sharded = strategies.get(strategy).shards
+    share = {part: 1 / n if part in sharded else 1 for part in strategies.SHARDED}
+    held = p * share["parameters"] + p * share["gradients"] + p * states * share["optimizer"]
+    return round(held)
 
 
 def capacity_bytes(device: torch.device, local_world_size: int) -> int | None:
@@ -70,17 +73,21 @@ def advice(
     current: str = "ddp",
 ) -> str | None:
     """A sentence naming the first stage whose state fits ``capacity`` when ``current``'s does
-    not (``current``: 'ddp' for any replicated strategy), else None."""
+    not (``current``: any registered strategy), else None."""
     trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     if capacity is None or not trainable:
         return None
     count = sum(p.numel() for p in trainable)
     size, k = trainable[0].element_size(), optimizer_states(optimizer)
-    need = {s: bytes_per_rank(count, world, s, element_bytes=size, states=k) for s in ORDER}
+    need = {
+        s: bytes_per_rank(count, world, s, element_bytes=size, states=k)
+        for s in (current, *order())
+    }
     if need[current] <= capacity:
         return None
     gib = 2**30
-    later = ORDER[ORDER.index(current) + 1 :]
+    stage = strategies.get(current).zero_stage
+    later = [s.name for s in strategies.multi_process() if s.zero_stage > stage]
     fits = next((s for s in later if need[s] <= capacity), None)
     head = (
         f"the model's training state needs {need[current] / gib:.1f} GiB per rank under "

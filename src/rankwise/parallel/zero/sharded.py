@@ -38,11 +38,10 @@ from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from ..ddp.distributed import _check_no_sparse, _group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
 from . import sharded_optim
+from .engine_view import OptimizerFactory
 from .layout import layout, module_units
 from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks
-
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 _IN_FLIGHT = 2
 """Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""

@@ -24,8 +24,8 @@ from ...errors import ConfigError
 from ...state_dict import strip_prefixes
 
 if TYPE_CHECKING:
+    from .engine_view import OptimizerFactory, ShardedEngine
     from .shard_unit import FlatUnit
-    from .sharded import OptimizerFactory, ShardedDataParallel
 
 _WHOLE_MODEL = (torch.optim.LBFGS, torch.optim.SparseAdam)
 """Optimizers whose update is not elementwise over a flat shard (or that need sparse grads)."""
@@ -77,7 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     collective_state_dict = True
 
-    def __init__(self, engine: ShardedDataParallel, factory: OptimizerFactory) -> None:
+    def __init__(self, engine: ShardedEngine, factory: OptimizerFactory) -> None:
         shards = [u.shard for u in engine.units]
         inner = build_inner(factory, shards, engine.rank)
         super().__init__(inner.param_groups, inner.defaults)
@@ -114,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 # -- consolidation ------------------------------------------------------------------------
 
 
-def _all_params(engine: ShardedDataParallel) -> list[nn.Parameter]:
+def _all_params(engine: ShardedEngine) -> list[nn.Parameter]:
     return list(engine.module.parameters())  # unique, in the order torch's optimizer sees them
 
 
@@ -129,7 +129,7 @@ def _gather_full(unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def consolidated_optimizer_state(engine: ShardedDataParallel, inner: Any) -> dict[str, Any]:
+def consolidated_optimizer_state(engine: ShardedEngine, inner: Any) -> dict[str, Any]:
     position = {id(p): i for i, p in enumerate(_all_params(engine))}
     state: dict[int, dict[str, Any]] = {}
     for unit in engine.units:
@@ -149,7 +149,7 @@ def consolidated_optimizer_state(engine: ShardedDataParallel, inner: Any) -> dic
     return {"state": state, "param_groups": [group]}
 
 
-def _index_map(engine: ShardedDataParallel, saved: dict[str, Any]) -> dict[int, int]:
+def _index_map(engine: ShardedEngine, saved: dict[str, Any]) -> dict[int, int]:
     """id(parameter) -> its index in the saved state (saved over all, or trainable only)."""
     everything, trainable = _all_params(engine), engine.params
     groups = saved.get("param_groups", [])
@@ -168,7 +168,7 @@ def _index_map(engine: ShardedDataParallel, saved: dict[str, Any]) -> dict[int, 
 
 
 def load_consolidated_optimizer_state(
-    engine: ShardedDataParallel, inner: Any, saved: dict[str, Any]
+    engine: ShardedEngine, inner: Any, saved: dict[str, Any]
 ) -> None:
     where = _index_map(engine, saved)
     saved_state = {int(k): v for k, v in saved.get("state", {}).items()}
@@ -197,7 +197,7 @@ def load_consolidated_optimizer_state(
 # -- the model's state --------------------------------------------------------------------
 
 
-def full_model_state(engine: ShardedDataParallel) -> dict[str, Any]:
+def full_model_state(engine: ShardedEngine) -> dict[str, Any]:
     """Sync point: all ranks (stage 3 gathers every unit, copies, frees again)."""
     if engine.stage < 3:
         return strip_prefixes(engine.module.state_dict())
@@ -212,7 +212,7 @@ def full_model_state(engine: ShardedDataParallel) -> dict[str, Any]:
         engine.stage3.free_all()
 
 
-def load_full_model_state(engine: ShardedDataParallel, state: Any, strict: bool) -> Any:
+def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> Any:
     """Every rank loads the full state, then keeps its slices (no communication)."""
     from ...checkpoint import load_model_state
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
-    from .sharded import ShardedDataParallel
+    from .engine_view import ShardedEngine
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
@@ -31,7 +31,7 @@ def _grad_outputs(out: Any) -> list[torch.Tensor]:
 class Stage3Hooks:
     """Forward/backward hooks of every stage-3 unit; ``modules[u]`` is unit ``u``'s module."""
 
-    def __init__(self, engine: ShardedDataParallel, modules: list[nn.Module | None]) -> None:
+    def __init__(self, engine: ShardedEngine, modules: list[nn.Module | None]) -> None:
         self.engine = engine
         self.units = engine.units
         last = len(modules) - 1

@@ -1,0 +1,35 @@
+"""The types ``sharded_optim`` and ``stage3`` name: the optimizer factory and what they read of
+the engine. ``ShardedDataParallel`` (in ``sharded``) builds both helpers, so they name this leaf
+rather than ``sharded``: no import circle, not even through annotations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .shard_unit import FlatUnit
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""Builds the inner optimizer over this rank's flat shards."""
+
+
+class ShardedEngine(Protocol):
+    """What the sharded optimizer and the stage-3 hooks read of ``ShardedDataParallel``."""
+
+    module: nn.Module
+    stage: int
+    rank: int
+    params: list[nn.Parameter]
+    units: list[FlatUnit]
+    stage3: Any
+    """The stage-3 hooks, or None under stages 1 and 2."""
+    _active: bool
+
+    def _begin(self) -> None: ...
+
+    def _after_step(self) -> None: ...
