@@ -16,6 +16,7 @@ takes, and the replicas would drift apart. So the flags are max-reduced before `
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -141,8 +142,44 @@ class ScaledOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: the state and groups are the wrapped optimizer's own.
         self.optimizer = optimizer
         self.scaler = scaler
+        self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scaled_backward = False
         self._unscaled = False
+        self._warned_clip = False
+
+    @property
+    def scaled_backward(self) -> bool:
+        """Set by ``rt.backward``: the gradients hold ``loss * scale``'s."""
+        return self._scaled_backward
+
+    @scaled_backward.setter
+    def scaled_backward(self, value: bool) -> None:
+        self._scaled_backward = value
+        # A few elements of one gradient, as rt.backward left them: if they have changed by
+        # step() while still scaled, something (torch's clip_grad_norm_) worked on scaled values.
+        grads = (p.grad for g in self.param_groups for p in g["params"] if p.grad is not None)
+        grad = next(grads, None) if value else None
+        self._probe = None if grad is None else (grad, grad.detach().reshape(-1)[:8].clone())
+
+    def _warn_if_changed_while_scaled(self) -> None:
+        if self._probe is None or self._unscaled or self._warned_clip:
+            return
+        grad, seen = self._probe
+        now = grad.detach().reshape(-1)[:8]
+        changed = not torch.equal(now, seen)
+        if not changed:
+            return
+        self._warned_clip = True
+        warnings.warn(
+            "under precision='fp16-mixed' the gradients changed between rt.backward(loss) and "
+            f"optimizer.step() while they were still multiplied by the loss scale "
+            f"({self.scaler.get_scale():g}): torch.nn.utils.clip_grad_norm_ (or any change made "
+            "there) then works on scaled values, e.g. it clips a norm "
+            f"{self.scaler.get_scale():g} times too large. Fix: rt.clip_grad_norm_(model, "
+            "max_norm), which unscales first, or optimizer.unscale_() before torch's clip.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class lacks (e.g. the hook registries Optimizer's methods use):
@@ -191,6 +228,7 @@ class ScaledOptimizer(torch.optim.Optimizer):
                 "(torch's GradScaler has the same limit).",
             )
         self._check_scaled()
+        self._warn_if_changed_while_scaled()
         result = self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scaled_backward = self._unscaled = False

@@ -130,6 +130,10 @@ def _not_distributed(e: ast.AST) -> bool:
     """``not args.distributed``, ``not dist.is_initialized()``, ``world_size == 1``."""
     if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
         text = ast.unparse(e.operand).lower()
+        # `not args.multiprocessing_distributed` says how the workers were started (mp.spawn
+        # or not), not that there is one process: under torchrun it is True on every rank.
+        if "multiprocessing" in text:
+            return False
         return any(w in text for w in ("distributed", "is_initialized", "ddp"))
     if isinstance(e, ast.Compare) and len(e.ops) == 1:
         name = (last_name(e.left) or "").lower()

@@ -18,6 +18,7 @@ rank-aware (pitfalls 5 and 6).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +36,7 @@ from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
 from ..training import LoopState, TrainingLoop
+from . import guards
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
@@ -66,6 +68,9 @@ class Session(runtime.Runtime, TrainingLoop):
 
     loop: LoopState = field(default_factory=LoopState, repr=False, compare=False)
     """The training-loop verbs' state: scaler, prepared optimizers, schedulers, loaders."""
+
+    prepared: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
+    """What ``prepare`` was given and returned: given again, it is refused (session/guards.py)."""
 
     def prepare(
         self,
@@ -99,7 +104,9 @@ class Session(runtime.Runtime, TrainingLoop):
     def save(self, path: str | Path, **kwargs: Any) -> Path:
         """``rw.save_checkpoint`` with the prepared scheduler and loss scale. Sync point: all
         ranks (call it on every rank)."""
-        return save_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=True))
+        kwargs = self._checkpoint_kwargs(kwargs, saving=True)
+        guards.warn_scheduler_not_saved(kwargs)
+        return save_checkpoint(path, **kwargs)
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
         """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale.
@@ -162,17 +169,24 @@ def prepare(
             f"global_batch_size={global_batch_size} was given without a loader",
             fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )
+    guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
+    given_optimizer = optimizer
     wrapped, optimizer = _with_precision(rt, model, optimizer)
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
+    prepared = None
+    if loader is not None:
+        prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
+        rt.loop.loaders.append(prepared)
+        guards.warn_when_original_iterated(loader, rt.strategy, rt.world_size)
+    guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer, loader,
+                             prepared)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
-    prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
-    rt.loop.loaders.append(prepared)
     return (wrapped, optimizer, prepared, *tail)
 
 

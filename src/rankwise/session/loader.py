@@ -16,6 +16,7 @@ from ..log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy
+from .guards import refuse_empty_loader
 
 
 def _shuffle_of(dl: DataLoader) -> bool:
@@ -169,6 +170,7 @@ def prepare_loader(
             f"loader={type(loader).__name__} is not a torch DataLoader nor an rw.loader",
             fix="pass DataLoader(dataset, batch_size=B, shuffle=...) or rw.loader(dataset, ...).",
         )
+    refuse_empty_loader(built, loader, evaluation)
     line = describe_batch(rt.strategy, built, _source(rt, loader, global_batch_size))
     get_logger("rankwise.session").info(line + (" (evaluation: each sample once)" * evaluation))
     return DeviceLoader(built, rt.device)

@@ -49,8 +49,12 @@ RANKWISE_COLLECTIVES = frozenset(
         "broadcast_object",
         "gather_object",
         "save_checkpoint",
+        "gather_for_metrics",
     }
 )
+SESSION_COLLECTIVES = frozenset({"save", "prepare", "rank_zero_first", "local_rank_zero_first"})
+"""Methods of the runtime ``rw.init()`` returns that every rank must enter (``rt.log`` too, with
+``reduce=``): ``rt.save`` gathers every rank's RNG state, ``rt.prepare`` broadcasts the model."""
 SPAWN_CALLS = ("spawn", "start_processes")
 GUARD_FIX = "Wrap it in `if rank == 0:` (or `if rt.is_master:`)"
 
@@ -164,7 +168,31 @@ def save_without_rank_guard(s: Script) -> Iterator[Hit]:
         )
 
 
+def runtimes(s: Script) -> set[str]:
+    """Names bound to ``rw.init(...)``: the one-call API's runtime (``rt``)."""
+    return {
+        name
+        for name, bs in s.bindings.items()
+        if any(
+            isinstance(b.value, ast.Call)
+            and s.is_rankwise(b.value.func)
+            and last_name(b.value.func) == "init"
+            for b in bs
+        )
+    }
+
+
+def _session_collective(s: Script, c: ast.Call) -> str | None:
+    f = c.func
+    if not isinstance(f, ast.Attribute) or dotted(f.value) not in runtimes(s):
+        return None
+    reduces = f.attr == "log" and any(k.arg == "reduce" for k in c.keywords)
+    return f"{dotted(f.value)}.{f.attr}" if f.attr in SESSION_COLLECTIVES or reduces else None
+
+
 def _collective(s: Script, c: ast.Call) -> str | None:
+    if (session := _session_collective(s, c)) is not None:
+        return session
     if is_ddp(s, c.func):  # the constructor broadcasts rank 0's parameters to every rank
         return "DistributedDataParallel"
     r = s.resolve(c.func)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ..astutil import last_name
+from ..astutil import dotted, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import is_ddp, is_distributed_script
-from .ranks import TORCH_COLLECTIVES
+from .ranks import TORCH_COLLECTIVES, runtimes
 
 CLIPS = frozenset({"clip_grad_norm_", "clip_grad_value_"})
 EXISTS = frozenset({"exists", "isfile", "is_file", "isdir", "is_dir"})
@@ -33,6 +33,7 @@ def _before_in_scope(s: Script, node: ast.AST, names: frozenset[str]) -> bool:
     "gradients clipped while still multiplied by the GradScaler (no scaler.unscale_ first)",
 )
 def clip_before_unscale(s: Script) -> Iterator[Hit]:
+    yield from _torch_clip_after_rt_backward(s)
     if not any(s.is_call_to(c, "GradScaler", unresolved=True) for c in s.calls):
         return
     for c in s.calls:
@@ -46,6 +47,50 @@ def clip_before_unscale(s: Script) -> Iterator[Hit]:
             "Call `scaler.unscale_(optimizer)` after backward and before clipping; "
             "`scaler.step(optimizer)` then knows not to unscale twice.",
         )
+
+
+def _fp16(s: Script) -> bool:
+    return any(
+        isinstance(n, ast.Constant) and n.value == "fp16-mixed" for n in ast.walk(s.tree)
+    )
+
+
+def _torch_clip_after_rt_backward(s: Script) -> Iterator[Hit]:
+    """Under ``precision="fp16-mixed"``, ``rt.backward`` leaves the gradients scaled until
+    ``opt.step()``: torch's clip between them sees the scaled norm (``rt.clip_grad_norm_``
+    unscales first)."""
+    rts = runtimes(s)
+    if not rts or not _fp16(s):
+        return
+    for c in s.calls:
+        if last_name(c.func) not in CLIPS or s.qualname(c.func) is None:
+            continue
+        if not s.qualname(c.func).startswith("torch.") or _unscaled_before(s, c):
+            continue
+        scope = s.scope_of.get(c)
+        if not any(
+            isinstance(b.func, ast.Attribute) and b.func.attr == "backward"
+            and dotted(b.func.value) in rts and s.scope_of.get(b) is scope
+            and b.lineno <= c.lineno
+            for b in s.calls
+        ):
+            continue
+        yield (
+            c,
+            f"`{s.snippet(c)}` clips gradients that `rt.backward` left multiplied by the loss "
+            "scale (precision='fp16-mixed'): the threshold applies to the scaled norm, so every "
+            "step is clipped far too hard.",
+            "Use `rt.clip_grad_norm_(model, max_norm)`, which unscales first (or call "
+            "`opt.unscale_()` before torch's clip).",
+        )
+
+
+def _unscaled_before(s: Script, clip: ast.Call) -> bool:
+    scope = s.scope_of.get(clip)
+    return any(
+        last_name(c.func) == "unscale_" and s.scope_of.get(c) is scope and c.lineno <= clip.lineno
+        for c in s.calls
+    )
 
 
 def _scaled_backward_before(s: Script, clip: ast.Call) -> bool:

@@ -205,7 +205,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
-    ) -> Join:
+    ) -> Join | contextlib.AbstractContextManager:
         """Context manager for uneven inputs across ranks (torch's ``Join``); see parallel/ddp/join.py."""
         if not divide_by_initial_world_size:
             raise ConfigError(
@@ -221,6 +221,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 fix="use compression='fp16'/'bf16' instead of a hook, or even out the inputs.",
                 rank=self.rank,
             )
+        if self.world_size == 1 and not dist.is_initialized():
+            return contextlib.nullcontext()  # unlaunched: no other rank to even out with
         return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:

@@ -1,4 +1,6 @@
-"""The shape of pytorch/examples imagenet/main.py: mp.spawn, DDP or DP chosen at run time."""
+"""The shape of pytorch/examples imagenet/main.py: mp.spawn, DDP or DP chosen at run time. Its
+save guard `not args.multiprocessing_distributed or ...` holds on every rank under torchrun
+(only mp.spawn sets the flag), so every rank writes the checkpoint."""
 
 import argparse
 
@@ -18,7 +20,7 @@ parser.add_argument("--world-size", type=int, default=1)
 
 
 def save_checkpoint(state, filename="checkpoint.pth.tar"):
-    torch.save(state, filename)
+    torch.save(state, filename)  # expect: RW008
 
 
 def main_worker(gpu, ngpus_per_node, args):

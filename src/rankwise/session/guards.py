@@ -1,0 +1,116 @@
+"""Silent mistakes around the one-call API, made loud (docs/pitfalls.md, docs/session.md).
+
+Each guard catches a mistake that trains without an error but trains wrong or loses work:
+
+- ``refuse_prepared_twice``: ``rt.prepare`` given what it already prepared (one message under
+  every strategy, instead of one that depends on what the first call wrapped);
+- ``refuse_empty_loader``: a loader that yields no batch per epoch (``drop_last=True`` with a
+  batch larger than this rank's share): the loop would never run;
+- ``warn_when_original_iterated``: the ``DataLoader`` given to ``rt.prepare`` iterated
+  afterwards (prepare's result not used): every rank reads the whole data set;
+- ``warn_scheduler_not_saved``: a checkpoint of an optimizer that a learning-rate scheduler
+  drives, without the scheduler: a resumed run restarts the schedule.
+
+``torch.save`` on every rank is left to ``rankwise check`` (RW008): torch writes the file from
+C++, so no Python-level event shows it without patching torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from ..errors import ConfigError
+
+FIX_ONCE = (
+    "call rt.prepare once, and use what it returns from then on: "
+    "model, opt, loader = rt.prepare(model, opt, loader)."
+)
+
+
+def refuse_prepared_twice(prepared: weakref.WeakSet, **given: Any) -> None:
+    """Raise if any of ``given`` (model=, optimizer=, loader=) went through ``rt.prepare``."""
+    for what, obj in given.items():
+        if obj is not None and _member(prepared, obj):
+            raise ConfigError(
+                f"rt.prepare() got a {what} ({type(obj).__name__}) that is already prepared: "
+                f"it was given to, or returned by, an earlier rt.prepare() call",
+                fix=FIX_ONCE,
+            )
+
+
+def remember_prepared(prepared: weakref.WeakSet, *objs: Any) -> None:
+    for obj in objs:
+        with contextlib.suppress(TypeError):  # not weak-referenceable: nothing to remember
+            prepared.add(obj)
+
+
+def _member(prepared: weakref.WeakSet, obj: Any) -> bool:
+    try:
+        return obj in prepared
+    except TypeError:
+        return False
+
+
+def refuse_empty_loader(loader: Any, given: Any, evaluation: bool) -> None:
+    """A training loader with no batch in an epoch is a loop that never runs."""
+    try:
+        batches = len(loader)
+        samples = len(loader.sampler)
+    except TypeError:  # an iterable dataset: its length is unknown until it is read
+        return
+    if batches or evaluation:
+        return
+    batch = loader.batch_size
+    drop = getattr(loader.dataloader, "drop_last", False)
+    spelled = f"DataLoader(batch_size={getattr(given, 'batch_size', batch)}, drop_last={drop})"
+    raise ConfigError(
+        f"{spelled} gives 0 batches per epoch: this process's share of the data set is "
+        f"{samples} sample(s), fewer than its batch of {batch}, and drop_last=True drops the "
+        f"short batch; the training loop would never run",
+        fix=f"use a batch of at most {samples} sample(s) per process, or drop_last=False.",
+    )
+
+
+def warn_when_original_iterated(original: Any, strategy: str, world_size: int) -> None:
+    """Iterating the ``DataLoader`` that ``rt.prepare`` replaced warns: prepare's result is
+    unused, so every rank reads the whole data set, on the CPU. (``DataLoader.__iter__`` asks
+    the instance for ``_get_iterator``; overriding it there leaves the class untouched.)"""
+    if not isinstance(original, DataLoader):
+        return
+    get_iterator = original._get_iterator
+
+    def warn_then_iterate() -> Any:
+        warnings.warn(
+            f"this DataLoader was given to rt.prepare(), which returned a new loader "
+            f"(strategy={strategy!r}, {world_size} process(es): each reads its own share, "
+            f"batches on the device); iterating the original instead reads the whole data set "
+            f"on every process. Fix: {FIX_ONCE}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return get_iterator()
+
+    original._get_iterator = warn_then_iterate
+
+
+def _has_scheduler(optimizer: Any) -> bool:
+    """torch's LR schedulers record ``initial_lr`` in every group of the optimizer they drive."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    return any("initial_lr" in g for g in groups)
+
+
+def warn_scheduler_not_saved(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("scheduler") is None and _has_scheduler(kwargs.get("optimizer")):
+        warnings.warn(
+            "rt.save(): a learning-rate scheduler drives this optimizer, but the checkpoint "
+            "has no scheduler, so a resumed run restarts the schedule from its first step. "
+            "Fix: pass it to rt.prepare(model, opt, loader, scheduler=sched) (rt.save and "
+            "rt.load then include it), or rt.save(..., scheduler=sched).",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,163 @@
+"""Mistakes that used to train in silence now warn or fail with the fix (session/guards.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import rankwise as rw
+
+
+def _data(n: int = 24) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,)))
+
+
+def _setup(**init):
+    rt = rw.init(**init)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return rt, model, opt
+
+
+# -- rt.prepare twice: one refusal under every strategy -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "init", [{"strategy": "single"}, {"strategy": "ddp"}, {"precision": "fp16-mixed"}],
+    ids=["single", "ddp", "fp16-mixed"],
+)
+def test_prepare_twice_is_refused_the_same_way_under_every_strategy(init):
+    # Before: accepted under single; "already wrapped, pass model.module" under ddp (wrong
+    # advice: the bare model was already prepared); "a second optimizer" under fp16-mixed.
+    rt, model, opt = _setup(**init)
+    model, opt, loader = rt.prepare(model, opt, DataLoader(_data(), batch_size=4))
+    with pytest.raises(rw.ConfigError) as refused:
+        rt.prepare(model, opt, loader)
+    text = str(refused.value)
+    assert "rt.prepare() got a model" in text and "already prepared" in text
+    assert "Fix: call rt.prepare once" in text and "model, opt, loader = rt.prepare(" in text
+
+
+def test_the_bare_model_and_the_given_loader_count_as_prepared_too():
+    rt, model, opt = _setup(strategy="ddp")
+    given = DataLoader(_data(), batch_size=4)
+    rt.prepare(model, opt, given)  # results dropped
+    with pytest.raises(rw.ConfigError, match=r"got a model .*already prepared"):
+        rt.prepare(model, opt, given)
+    with pytest.raises(rw.ConfigError, match=r"got a loader .*already prepared"):
+        rt.prepare(nn.Linear(4, 3), None, given)
+
+
+def test_a_failed_prepare_can_be_retried_with_the_same_model():
+    rt, model, opt = _setup()
+    with pytest.raises(rw.ConfigError):
+        rt.prepare(model, opt, DataLoader(_data(10), batch_size=16, drop_last=True))
+    rt.prepare(model, opt, DataLoader(_data(10), batch_size=5, drop_last=True))
+
+
+# -- a loader with no batch ---------------------------------------------------------------------
+
+
+def test_drop_last_with_a_batch_larger_than_the_data_fails_with_the_numbers():
+    # Before: prepare accepted it and every epoch ran 0 steps.
+    rt, model, opt = _setup()
+    with pytest.raises(rw.ConfigError) as refused:
+        rt.prepare(model, opt, DataLoader(_data(10), batch_size=16, drop_last=True))
+    assert str(refused.value) == (
+        "DataLoader(batch_size=16, drop_last=True) gives 0 batches per epoch: this process's "
+        "share of the data set is 10 sample(s), fewer than its batch of 16, and drop_last=True "
+        "drops the short batch; the training loop would never run\n"
+        "Fix: use a batch of at most 10 sample(s) per process, or drop_last=False."
+    )
+
+
+def test_an_evaluation_loader_may_be_short_and_a_kept_one_is_not_refused():
+    rt = rw.init()
+    evaluation = rt.prepare_loader(DataLoader(_data(10), batch_size=16), evaluation=True)
+    assert len(evaluation) == 1
+
+
+# -- prepare's loader not used --------------------------------------------------------------------
+
+
+def test_iterating_the_original_loader_after_prepare_warns_and_the_returned_one_does_not():
+    # Before: silent; under the launcher every rank then read the whole data set.
+    rt, model, opt = _setup()
+    given = DataLoader(_data(), batch_size=4)
+    model, opt, loader = rt.prepare(model, opt, given)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(loader)) == 6
+    with pytest.warns(UserWarning, match="given to rt.prepare.*whole data set") as caught:
+        batches = list(given)
+    assert len(batches) == 6  # the original still works: only a warning
+    assert "Fix: call rt.prepare once" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the user's loop
+
+
+# -- a scheduler left out of the checkpoint ---------------------------------------------------------
+
+
+def test_saving_without_the_scheduler_that_drives_the_optimizer_warns(tmp_path):
+    # Before: rt.save wrote no scheduler state; a resumed run restarted the schedule.
+    rt, model, opt = _setup()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    model, opt = rt.prepare(model, opt)
+    with pytest.warns(UserWarning, match="scheduler drives this optimizer") as caught:
+        rt.save(tmp_path / "a.pt", model=model, optimizer=opt)
+    assert "scheduler=sched" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.save(tmp_path / "b.pt", model=model, optimizer=opt, scheduler=sched)
+    assert torch.load(tmp_path / "b.pt", weights_only=False)["scheduler"] == sched.state_dict()
+
+
+def test_a_scheduler_passed_to_prepare_is_saved_without_a_warning(tmp_path):
+    rt, model, opt = _setup()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    model, opt, sched = rt.prepare(model, opt, scheduler=sched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.save(tmp_path / "c.pt", model=model, optimizer=opt)
+
+
+# -- torch's clip on scaled gradients ---------------------------------------------------------------
+
+
+def _fp16_step(clip) -> list:
+    rw.shutdown()
+    rt, model, opt = _setup(precision="fp16-mixed")
+    model, opt = rt.prepare(model, opt)
+    x, y = _data(8).tensors
+    rt.backward(F.cross_entropy(model(x), y))
+    clip(rt, model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return [str(w.message) for w in caught if "fp16-mixed" in str(w.message)]
+
+
+def test_torch_clip_after_rt_backward_under_fp16_warns_with_the_fix():
+    # Before: torch.nn.utils.clip_grad_norm_ clipped the scaled gradient (a norm ~65536 times
+    # too large, clipped to 1.0), silently.
+    said = _fp16_step(lambda rt, m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    assert len(said) == 1 and "rt.clip_grad_norm_(model, max_norm)" in said[0]
+    assert "65536" in said[0]
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        lambda rt, m, o: rt.clip_grad_norm_(m, 1.0),
+        lambda rt, m, o: (o.unscale_(), torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)),
+        lambda rt, m, o: None,
+    ],
+    ids=["rt.clip_grad_norm_", "unscale_-then-torch-clip", "no-clip"],
+)
+def test_clipping_the_unscaled_gradients_does_not_warn(clip):
+    assert _fp16_step(clip) == []
