@@ -130,7 +130,8 @@ def usable(name: str) -> str | None:
         elif name == "torchvision-resnet18":
             import torchvision  # noqa: F401
     except Exception as exc:  # a broken install raises more than ImportError
-        return f"{name} needs a working {'transformers' if 'gpt2' in name else 'torchvision'}: {exc}"
+        library = "transformers" if name == "hf-gpt2" else "torchvision"
+        return f"{name} needs a working {library}: {exc}"
     return None
 
 

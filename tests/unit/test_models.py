@@ -35,7 +35,8 @@ def test_gpt_embedding_is_tied_and_listed_once_in_the_groups():
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each once, all of them
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"])
 
 
 def test_generate_appends_tokens_and_crops_to_the_block():
