@@ -24,7 +24,10 @@ Columns, per strategy, the worse of the two ranks:
 - **peak_mb**: the rank's resident-set high-water mark over the timed steps, above what the
   process held before the model was built (``VmHWM`` reset through ``/proc/self/clear_refs``;
   allocations over 1 MiB served by mmap, so freed memory leaves the count at once). It holds
-  parameters, gradients, optimizer state, activations and communication buffers.
+  parameters, gradients, optimizer state, activations and communication buffers. The
+  resident set counts a shared page in every process that touches it (ours: ddp's
+  shared-memory gradient buckets, read by both ranks); **pss_mb** is the proportional set
+  size after the timed steps, above the same start (shared pages split between the ranks).
 
 The ``targets`` block compares the pairs the project holds itself to: ddp / torch-ddp <= 0.85,
 zero1 / torch-zero1 <= 1.0, zero3 / torch-fsdp2 <= 0.8 in step time, each with a peak no higher
@@ -94,7 +97,8 @@ def _batch(recipe: str, batch: int, quick: bool) -> tuple[torch.Tensor, torch.Te
     s = _sizes(quick)
     g = torch.Generator().manual_seed(dist.get_rank())
     if recipe == "resnet18":
-        return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 100, (batch,), generator=g)
+        x = torch.randn(batch, 3, 32, 32, generator=g)
+        return x, torch.randint(0, 100, (batch,), generator=g)
     ids = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
@@ -143,9 +147,15 @@ def _step(recipe: str, model, opt, x, y) -> None:
     opt.zero_grad()
 
 
+def _pss_mb() -> float:
+    """Proportional set size: a page shared by two processes counts half in each."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+
+
 def _one(recipe: str, name: str, batch: int, steps: int, quick: bool) -> dict:
     _trim_heap()
-    base_kb = _status_kb("VmRSS")
+    base_kb, base_pss = _status_kb("VmRSS"), _pss_mb()
     model, opt = _wrap(name, *_build(recipe, quick))
     x, y = _batch(recipe, batch, quick)
     for _ in range(2):  # optimizer state, buffers and first-call caches exist from here on
@@ -160,8 +170,10 @@ def _one(recipe: str, name: str, batch: int, steps: int, quick: bool) -> dict:
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
     peak = (_status_kb("VmHWM") - base_kb) / 1024
+    pss = _pss_mb() - base_pss
     del model, opt
-    return {"step_ms": statistics.median(wall), "cpu_ms": statistics.median(cpu), "peak_mb": peak}
+    return {"step_ms": statistics.median(wall), "cpu_ms": statistics.median(cpu),
+            "peak_mb": peak, "pss_mb": pss}  # fmt: skip
 
 
 def _exact_rss() -> None:
@@ -188,7 +200,8 @@ def _job(recipes: list[str], batches: list[int], names: list[str], steps: int, r
             for name, rows in runs.items():
                 row[name] = {k: round(statistics.median(r[k] for r in rows), 1)
                              for k in ("step_ms", "cpu_ms")}  # fmt: skip
-                row[name]["peak_mb"] = round(max(r["peak_mb"] for r in rows), 1)
+                for k in ("peak_mb", "pss_mb"):
+                    row[name][k] = round(max(r[k] for r in rows), 1)
             out[f"{recipe}/b{batch}"] = row
     return out
 
@@ -221,11 +234,11 @@ def _table(merged: dict) -> str:
     for key, row in merged.items():
         lines.append(f"{key}: {row['params_m']}M parameters, {row['batch_per_rank']} per rank "
                      "(worse rank)")  # fmt: skip
-        lines.append(f"  {'strategy':<12}{'step_ms':>10}{'cpu_ms':>10}{'peak_mb':>10}")
+        cols = ("step_ms", "cpu_ms", "peak_mb", "pss_mb")
+        lines.append(f"  {'strategy':<12}" + "".join(f"{c:>10}" for c in cols))
         for name in (*OURS, *PEERS):
             if name in row:
-                r = row[name]
-                lines.append(f"  {name:<12}{r['step_ms']:>10}{r['cpu_ms']:>10}{r['peak_mb']:>10}")
+                lines.append(f"  {name:<12}" + "".join(f"{row[name][c]:>10}" for c in cols))
         for pair, t in row["targets"].items():
             lines.append(f"  {pair}: {t['step_ratio']}x wall, {t['cpu_ratio']}x cpu "
                          f"(target <= {t['target']}; time met {t['time_met']}, "
