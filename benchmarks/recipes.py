@@ -8,7 +8,8 @@ World 2 on Gloo (CPU), one thread per rank, fp32, AdamW (one parameter group: th
 engine here takes today). In one spawned job, per recipe and per-rank batch, each rank builds
 every strategy fresh, one after another:
 
-- ours: ``ddp`` (``rw.DistributedDataParallel``), ``zero1``, ``zero2``, ``zero3``
+- ours: ``ddp`` (``rw.DistributedDataParallel``; ``ddp-gloo`` on request: without its
+  shared-memory averaging, every bucket through Gloo as torch's), ``zero1``, ``zero2``, ``zero3``
   (``rw.ShardedDataParallel``; stage 3 gathers one transformer or residual block at a time,
   ``unit_numel`` set to a block's size, as FSDP2 is wrapped below);
 - torch's: ``torch-ddp`` (``DistributedDataParallel``), ``torch-zero1``
@@ -117,8 +118,10 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 def _wrap(name: str, model: nn.Module, blocks: list[nn.Module]):
     """(the model to call, its optimizer) for strategy ``name``."""
-    if name == "ddp":
-        return rw.DistributedDataParallel(model), _adamw(model.parameters())
+    if name in ("ddp", "ddp-gloo"):  # ddp-gloo: every bucket through Gloo, no shared memory
+        shared = None if name == "ddp" else False
+        wrapped = rw.DistributedDataParallel(model, shared_memory_reduce=shared)
+        return wrapped, _adamw(model.parameters())
     if name.startswith("zero"):
         unit = min(sum(p.numel() for p in b.parameters()) for b in blocks)
         engine = rw.ShardedDataParallel(model, _adamw, stage=int(name[-1]), unit_numel=unit)
@@ -236,7 +239,7 @@ def _table(merged: dict) -> str:
                      "(worse rank)")  # fmt: skip
         cols = ("step_ms", "cpu_ms", "peak_mb", "pss_mb")
         lines.append(f"  {'strategy':<12}" + "".join(f"{c:>10}" for c in cols))
-        for name in (*OURS, *PEERS):
+        for name in (*OURS, "ddp-gloo", *PEERS):
             if name in row:
                 lines.append(f"  {name:<12}" + "".join(f"{row[name][c]:>10}" for c in cols))
         for pair, t in row["targets"].items():
