@@ -1,0 +1,87 @@
+"""Real models as recipes (docs/recipes.md): the user's loop under ddp, zero2, zero3 and dp
+trains a HF GPT-2, a nanoGPT-style GPT and a ResNet-18-shaped net exactly as torch's DDP does,
+and as FSDP2 does for zero3 (bf16-mixed, gradient accumulation, clipping).
+
+Two spawned jobs run every case (recipe_cases.py): one at world 2 (torch's DDP and FSDP2, then
+ours), one process for DataParallel over two CPU replicas. Each case below reads its result.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import recipe_cases as rc
+
+from rankwise.testing import run_distributed
+
+TOLERANCE = 1e-4
+"""Absolute, on losses near 2-4. Measured: 0 (bitwise equal) for ddp, zero2 and zero3 against
+both peers at world 2 (zero2/zero3 measured with a one-group Adam, the recipe's AdamW groups
+waiting on the zero branch), 2.4e-7 for dp (its loss is the mean computed once, not the mean of two
+rounded losses). Summing the accumulated gradients instead of averaging them moves the GPT
+losses by 2e-3 to 4e-3; bf16 rounds to 3 significant digits, so a different reduction order
+could tip a rounding, which this margin allows."""
+
+NEEDS_ZERO_BRANCH = pytest.mark.xfail(
+    strict=False,
+    reason="needs the zero branch: AdamW with two parameter groups (decay / no-decay) through "
+    "rt.prepare under zero* (one shard set per group; rebuilt from param_groups)",
+)
+
+
+def _cases() -> list:
+    cases = []
+    for name in rc.RECIPES:
+        for strategy in rc.STRATEGIES:
+            adamw_groups = rc.RECIPES[name].optimizer is rc._adamw
+            marks = [NEEDS_ZERO_BRANCH] if strategy.startswith("zero") and adamw_groups else []
+            cases.append(pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}"))
+    return cases
+
+
+@functools.cache
+def _results() -> tuple[list[dict], dict]:
+    """Both jobs, once per session, for every recipe whose library imports here."""
+    names = [n for n in rc.RECIPES if rc.usable(n) is None]
+    ranks = run_distributed(rc.world2, 2, args=(names,), init=False, timeout=600)
+    dp = run_distributed(rc.world1, 1, args=(names,), init=False, timeout=300)[0]
+    return ranks, dp
+
+
+def _ok(result: dict, what: str) -> dict:
+    assert "error" not in result, f"{what} failed:\n{result.get('error')}"
+    return result
+
+
+def _curve(result: dict) -> list[float]:
+    return [*result["losses"], result["final"]]
+
+
+def _close(mine: list[float], peer: list[float], what: str) -> None:
+    assert len(mine) == len(peer) == rc.STEPS * rc.ACCUM + 1, (mine, peer)
+    diff = max(abs(a - b) for a, b in zip(mine, peer, strict=True))
+    assert diff <= TOLERANCE, f"{what}: max |loss diff| {diff:.2e}\nours  {mine}\ntorch {peer}"
+
+
+@pytest.mark.parametrize(("name", "strategy"), _cases())
+def test_recipe_trains_as_torch_does(name, strategy):
+    if name == "hf-gpt2":
+        pytest.importorskip("transformers")
+    if (why := rc.usable(name)) is not None:
+        pytest.skip(why)
+    ranks, dp = _results()
+    if strategy == "dp":
+        # One process, the global batch: its loss is the mean of DDP's two per-rank losses.
+        ddp = [_curve(_ok(r[f"{name}/torch-ddp"], "torch DDP")) for r in ranks]
+        mean = [(a + b) / 2 for a, b in zip(*ddp, strict=True)]
+        _close(_curve(_ok(dp[f"{name}/dp"], "dp")), mean, f"{name}/dp vs torch DDP")
+        return
+    for rank, res in enumerate(ranks):
+        mine = _curve(_ok(res[f"{name}/{strategy}"], f"{name}/{strategy} on rank {rank}"))
+        peers = ["torch-ddp", "torch-fsdp2"] if strategy == "zero3" else ["torch-ddp"]
+        for p in peers:
+            theirs = _curve(_ok(res[f"{name}/{p}"], f"{p} on rank {rank}"))
+            _close(mine, theirs, f"{name}/{strategy} vs {p} on rank {rank}")
+        # A test that could pass on a model that did not learn: the loss must move.
+        assert mine[-1] != mine[0]
