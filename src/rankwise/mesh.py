@@ -42,7 +42,9 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not eq or not value.strip().isdigit():
             raise ConfigError(
                 f"mesh entry {part!r} in {text!r} is not NAME=SIZE",
-                fix="write the mesh as e.g. --mesh data=2,tensor=2 (names: " + ", ".join(DIMS) + ").",
+                fix="write the mesh as e.g. --mesh data=2,tensor=2 (names: "
+                + ", ".join(DIMS)
+                + ").",
             )
         sizes[name.strip()] = int(value)
     return sizes

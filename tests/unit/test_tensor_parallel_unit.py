@@ -72,3 +72,9 @@ def test_full_state_round_trips_at_one_rank():
     assert all(
         torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
     )
+
+
+def test_a_slice_does_not_keep_the_full_weight_alive():
+    full = torch.zeros(8, 4)
+    piece = shard(full, 0, 1, 2)  # rows 4..7: contiguous, so a view would have been possible
+    assert piece.untyped_storage().nbytes() == 4 * 4 * 4

@@ -77,4 +77,3 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
-

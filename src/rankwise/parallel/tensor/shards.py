@@ -50,10 +50,11 @@ def check_divisible(what: str, n: int, size: int, chunks: int = 1) -> int:
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full`` along ``dim`` (a copy, contiguous)."""
+    """Rank ``rank``'s piece of ``full`` along ``dim``: a new tensor, never a view (a view of
+    a contiguous piece would keep the whole full tensor's storage alive)."""
     piece = check_divisible(f"size of dim {dim}", full.shape[dim], size, chunks)
     blocks = full.unflatten(dim, (chunks, size * piece))
-    return blocks.narrow(dim + 1, rank * piece, piece).flatten(dim, dim + 1).contiguous()
+    return blocks.narrow(dim + 1, rank * piece, piece).flatten(dim, dim + 1).clone()
 
 
 def unshard(pieces: Sequence[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tensor:

@@ -36,12 +36,15 @@ def _split_keys(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict (CPU tensors), on every rank; ``model`` may be wrapped
-    (DDP). Sync point: the ranks of every tensor-parallel group (one all-gather per tensor).
+    by our DDP or ZeRO (whose own state dict, consolidated over the data group, is the source).
+    Sync point: all ranks of the mesh (one all-gather per split tensor in each tensor group,
+    and ZeRO's gather over the data group).
     """
     bare = unwrap_model(model)
     splits = _split_keys(bare)
+    collective = getattr(model, "collective_state_dict", False)
     out = {}
-    for key, value in strip_prefixes(bare.state_dict()).items():
+    for key, value in strip_prefixes((model if collective else bare).state_dict()).items():
         if key in splits and splits[key][0].tp_size > 1:
             layer, dim, chunks = splits[key]
             pieces = [torch.empty_like(value) for _ in range(layer.tp_size)]
@@ -54,8 +57,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(
     model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
 ) -> None:
-    """Load an unsplit model's state dict into a tensor-parallel ``model``: each split tensor
-    is sliced for this rank first. No sync point."""
+    """Load an unsplit model's state dict into a tensor-parallel ``model`` (bare, or wrapped
+    by our DDP or ZeRO): each split tensor is sliced for this rank first. No sync point (none
+    beyond ZeRO's own ``load_state_dict``)."""
     bare = unwrap_model(model)
     splits = _split_keys(bare)
     local = {}
@@ -64,6 +68,9 @@ def load_full_state_dict(
             layer, dim, chunks = splits[key]
             value = shard(value, dim, layer.tp_rank, layer.tp_size, chunks)
         local[key] = value
+    if getattr(model, "collective_state_dict", False):
+        model.load_state_dict(local, strict=strict)  # ZeRO keeps its data-parallel slice
+        return
     from ...checkpoint import load_model_state  # the same key and shape checks as unsplit
 
     load_model_state(bare, local, strict=strict)

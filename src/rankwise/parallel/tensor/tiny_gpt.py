@@ -29,13 +29,17 @@ class GPTConfig:
     n_head: int = 4
     """Heads; a multiple of the tensor size."""
     n_embd: int = 32
+    qkv_bias: bool = True
+    """False for training oracles: the key bias's gradient is exactly zero in exact arithmetic
+    (softmax ignores a constant per query), so Adam turns its round-off into lr-sized steps
+    that differ between any two summation orders."""
 
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # [q; k; v]
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.qkv_bias)  # [q; k; v]
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
