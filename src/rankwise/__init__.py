@@ -20,8 +20,10 @@ _LAZY: dict[str, str] = {
     "all_reduce_sum": ".comm",
     "barrier": ".comm",
     "broadcast_object": ".comm",
+    "ColumnParallelLinear": ".parallel.tensor",
     "ConfigError": ".errors",
     "DataParallel": ".parallel",
+    "DeviceMesh": ".mesh",
     "DistEnv": ".env",
     "DistributedDataParallel": ".parallel",
     "DistributedError": ".errors",
@@ -33,6 +35,7 @@ _LAZY: dict[str, str] = {
     "get_logger": ".log",
     "get_runtime": ".runtime",
     "init": ".session",
+    "init_mesh": ".mesh",
     "is_initialized": ".runtime",
     "join": ".data",
     "launch": ".launch",
@@ -44,6 +47,7 @@ _LAZY: dict[str, str] = {
     "print0": ".log",
     "progress": ".progress",
     "RankwiseError": ".errors",
+    "RowParallelLinear": ".parallel.tensor",
     "Runtime": ".runtime",
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
@@ -53,9 +57,12 @@ _LAZY: dict[str, str] = {
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
+    "tensor_parallel": ".parallel.tensor",
     "Topology": ".topology",
     "unwrap_model": ".state_dict",
     "updates": ".updates",
+    "vocab_parallel_cross_entropy": ".parallel.tensor",
+    "VocabParallelEmbedding": ".parallel.tensor",
 }
 """Public name -> the module that defines it (``updates`` is a module itself)."""
 
@@ -90,7 +97,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
+    from .mesh import DeviceMesh, init_mesh
     from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
+    from .parallel.tensor import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        tensor_parallel,
+        vocab_parallel_cross_entropy,
+    )
     from .pipeline import DistributedPipeline, Pipe, split
     from .progress import progress
     from .runtime import Runtime, get_runtime, is_initialized, shutdown
@@ -99,8 +114,10 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .topology import Slot, Topology
 
 __all__ = [
+    "ColumnParallelLinear",
     "ConfigError",
     "DataParallel",
+    "DeviceMesh",
     "DistEnv",
     "DistributedDataParallel",
     "DistributedError",
@@ -110,6 +127,7 @@ __all__ = [
     "Loader",
     "Pipe",
     "RankwiseError",
+    "RowParallelLinear",
     "Runtime",
     "RuntimeStateError",
     "Session",
@@ -117,6 +135,7 @@ __all__ = [
     "ShardedIterable",
     "Slot",
     "Topology",
+    "VocabParallelEmbedding",
     "__version__",
     "all_gather_object",
     "all_reduce",
@@ -130,6 +149,7 @@ __all__ = [
     "get_logger",
     "get_runtime",
     "init",
+    "init_mesh",
     "is_initialized",
     "join",
     "launch",
@@ -141,8 +161,10 @@ __all__ = [
     "save_checkpoint",
     "shutdown",
     "split",
+    "tensor_parallel",
     "unwrap_model",
     "updates",
+    "vocab_parallel_cross_entropy",
 ]
 """The same names as ``_LAZY`` and the ``TYPE_CHECKING`` imports (a literal, for static
 analysers); ``tests/unit/test_public_api.py`` checks that the three lists agree."""

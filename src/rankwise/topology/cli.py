@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="processes per node (default 1)",
     )
+    flag(
+        parser,
+        "mesh",
+        default=None,
+        metavar="DIM=N,...",
+        help="also print the device mesh, e.g. data=2,tensor=2 (dims: pipeline, data, tensor; "
+        "their product must be the world size): which rank is which coordinate",
+    )
     flag(parser, "json", action="store_true", help="print the table as JSON")
 
 
@@ -36,8 +44,27 @@ def run(args: argparse.Namespace) -> int:
     from . import Topology
 
     topo = Topology(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
-    print(json.dumps(topo.to_dict(), indent=2) if args.json else topo.format())
+    mesh = _mesh(args.mesh, topo) if args.mesh else None
+    if args.json:
+        print(json.dumps(topo.to_dict() | ({"mesh": mesh.to_dict()} if mesh else {}), indent=2))
+    else:
+        print(topo.format() + (f"\n\n{mesh.format(topo.nproc_per_node)}" if mesh else ""))
     return 0
+
+
+def _mesh(text: str, topo):
+    from ..errors import ConfigError
+    from ..mesh import DeviceMesh, parse_mesh
+
+    mesh = DeviceMesh(parse_mesh(text))
+    if mesh.world_size != topo.world_size:
+        raise ConfigError(
+            f"--mesh {text} has {mesh.world_size} rank(s) but --nnodes {topo.nnodes} x "
+            f"--nproc-per-node {topo.nproc_per_node} is {topo.world_size}",
+            fix=f"make the mesh sizes multiply to {topo.world_size}, or pass --nproc-per-node "
+            f"{mesh.world_size // topo.nnodes} (with --nnodes {topo.nnodes}).",
+        )
+    return mesh
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,4 +77,3 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
-

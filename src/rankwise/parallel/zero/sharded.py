@@ -117,8 +117,13 @@ class ShardedDataParallel(nn.Module):
             # Parameter gathers run on their own group: their order (forward/backward hooks)
             # and the gradient reductions' order (strictly by unit) are each the same on every
             # rank, but their interleaving need not be.
+            # Only this group's ranks get here (each data group of a mesh makes its own), so
+            # the group is agreed among them alone: a world-wide new_group would pair calls
+            # of different data groups and hang.
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            gather_group = dist.new_group(ranks, backend=dist.get_backend(self.process_group))
+            gather_group = dist.new_group(
+                ranks, backend=dist.get_backend(self.process_group), use_local_synchronization=True
+            )
         specs = layout(numels, groups, self.world_size)
         self.units = [
             FlatUnit(

@@ -1,0 +1,95 @@
+"""Checkpoints that do not depend on the mesh: full tensors in the file, slices in the model.
+
+``full_state_dict`` gathers every split parameter into the full tensor (the unsplit model's
+keys and shapes), so rank 0 writes the very file an unsplit model would. ``load_full_state_dict``
+slices full tensors for this rank, at whatever tensor size the model was split to now. With
+``rw.save_checkpoint``/``rw.load_checkpoint``, pass ``model=FullState(model)``: the checkpoint
+takes its state on every rank (the gather is a collective) and hands the loaded one back to be
+sliced. The optimizer state stays per rank (it follows the parameters' slices): resuming it
+needs the same tensor size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...state_dict import strip_prefixes, unwrap_model
+from .shards import shard, unshard
+
+__all__ = ["FullState", "full_state_dict", "load_full_state_dict"]
+
+
+def _split_keys(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:
+    """State-dict key -> (its tensor-parallel layer, dim, chunks), for every split tensor."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "tp_splits"):
+            for name, (dim, chunks) in module.tp_splits().items():
+                found[f"{prefix}.{name}" if prefix else name] = (module, dim, chunks)
+    return found
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsplit model's state dict (CPU tensors), on every rank; ``model`` may be wrapped
+    by our DDP or ZeRO (whose own state dict, consolidated over the data group, is the source).
+    Sync point: all ranks of the mesh (one all-gather per split tensor in each tensor group,
+    and ZeRO's gather over the data group).
+    """
+    bare = unwrap_model(model)
+    splits = _split_keys(bare)
+    collective = getattr(model, "collective_state_dict", False)
+    out = {}
+    for key, value in strip_prefixes((model if collective else bare).state_dict()).items():
+        if key in splits and splits[key][0].tp_size > 1:
+            layer, dim, chunks = splits[key]
+            pieces = [torch.empty_like(value) for _ in range(layer.tp_size)]
+            dist.all_gather(pieces, value.contiguous(), group=layer.group)
+            value = unshard(pieces, dim, chunks)
+        out[key] = value.detach().cpu().clone()
+    return out
+
+
+def load_full_state_dict(
+    model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
+) -> None:
+    """Load an unsplit model's state dict into a tensor-parallel ``model`` (bare, or wrapped
+    by our DDP or ZeRO): each split tensor is sliced for this rank first. No sync point (none
+    beyond ZeRO's own ``load_state_dict``)."""
+    bare = unwrap_model(model)
+    splits = _split_keys(bare)
+    local = {}
+    for key, value in strip_prefixes(dict(state)).items():
+        if key in splits and isinstance(value, torch.Tensor):
+            layer, dim, chunks = splits[key]
+            value = shard(value, dim, layer.tp_rank, layer.tp_size, chunks)
+        local[key] = value
+    if getattr(model, "collective_state_dict", False):
+        model.load_state_dict(local, strict=strict)  # ZeRO keeps its data-parallel slice
+        return
+    from ...checkpoint import load_model_state  # the same key and shape checks as unsplit
+
+    load_model_state(bare, local, strict=strict)
+
+
+class FullState(nn.Module):
+    """A view of a tensor-parallel model for ``rw.save_checkpoint``/``rw.load_checkpoint``:
+    its ``state_dict()`` is the full one (a collective, taken on every rank) and its
+    ``load_state_dict`` slices. ``rw.save_checkpoint(path, model=FullState(model))``.
+    """
+
+    collective_state_dict = True
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return full_state_dict(self.module)
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        load_full_state_dict(self.module, state, strict=strict)

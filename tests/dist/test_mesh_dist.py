@@ -1,0 +1,131 @@
+"""A small GPT on a data 2 x tensor 2 mesh (4 Gloo ranks; one job runs every check):
+
+- it trains to the parameters of one process on the same global batches (10 AdamW steps,
+  1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them;
+- each rank holds <= 1/(tensor x data shards) + 5% of the unsplit model's parameters,
+  gradients and AdamW state (counted from the tensors);
+- its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rankwise as rw
+from rankwise.parallel import tensor as tp
+from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+from rankwise.testing import run_distributed
+
+CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
+STEPS, GLOBAL_BATCH, TOL = 10, 4, 1e-5
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g),
+         torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g))
+        for _ in range(STEPS)
+    ]  # fmt: skip
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def state_bytes(model, opt) -> int:
+    """Bytes of parameters + gradients + optimizer state this process holds, counted once per
+    storage (ZeRO's flat buffers included; a freed stage-3 gather buffer counts 0)."""
+    inner = getattr(opt, "optim", None) or getattr(opt, "inner", None) or opt
+    tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    for u in getattr(model, "units", []):
+        tensors += [u.full, u.shard, u.shard.grad, getattr(u, "grad_full", None)]
+    params = list(getattr(model, "params", None) or model.parameters())
+    tensors += params + [p.grad for p in params]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t is not None}  # fmt: skip
+    return sum(n for ptr, n in storages.items() if ptr)
+
+
+def _oracle() -> tuple[dict[str, torch.Tensor], int]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = _adamw(model.parameters())
+    for x, y in _batches():
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        held = state_bytes(model, opt)
+        opt.zero_grad()
+    return model.state_dict(), held
+
+
+def _train(engine: str, mesh):
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=mesh.group("tensor"))
+    if engine == "ddp":
+        wrapped = rw.DistributedDataParallel(model, process_group=mesh.group("data"))
+        opt = _adamw(model.parameters())
+    else:
+        wrapped = rw.ShardedDataParallel(model, _adamw, stage=3, process_group=mesh.group("data"))
+        opt = wrapped.optimizer
+    per = GLOBAL_BATCH // mesh.sizes["data"]
+    mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
+    for x, y in _batches():
+        logits = wrapped(x[mine])
+        rw.vocab_parallel_cross_entropy(logits, y[mine], mesh.group("tensor")).backward()
+        opt.step()
+        held = state_bytes(wrapped, opt)
+        opt.zero_grad()
+    return wrapped, held
+
+
+def _numpy(state):
+    return {k: v.numpy() for k, v in state.items()}
+
+
+def _mesh_rank(folder: str):
+    mesh = rw.init_mesh({"data": 2, "tensor": 2})
+    out = {"coords": mesh.coords(), "tensor ranks": mesh.ranks("tensor")}
+    for engine in ("ddp", "zero3"):
+        wrapped, held = _train(engine, mesh)
+        out[engine] = (_numpy(tp.full_state_dict(wrapped)), held)
+    path = Path(folder) / "gpt.pt"
+    rw.save_checkpoint(path, model=tp.FullState(wrapped))  # saved from ZeRO-3 x tensor 2
+    plain = GPT(CFG)  # 1 x 1: the file is an unsplit model's
+    rw.load_checkpoint(path, model=plain)
+    out["loaded 1x1"] = _numpy(plain.state_dict())
+    wide = rw.init_mesh({"data": 4})  # 4 x 1
+    again = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=wide.group("tensor"))
+    rw.load_checkpoint(
+        path,
+        model=tp.FullState(rw.DistributedDataParallel(again, process_group=wide.group("data"))),
+    )
+    out["loaded 4x1"] = _numpy(again.state_dict())
+    return out
+
+
+def _assert_close(got, want, what):
+    worst = max((torch.as_tensor(v) - want[k]).abs().max().item() for k, v in got.items())
+    assert set(got) == set(want) and worst <= TOL, f"{what}: max |delta| {worst:.3g}"
+
+
+@pytest.mark.slow  # 4 ranks: ~20 s alone, longer on a loaded 2-core machine
+def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
+    results = run_distributed(_mesh_rank, 4, args=(str(tmp_path),), timeout=300)
+    want, unsplit_bytes = _oracle()
+    assert [r["coords"] for r in results] == [
+        {"pipeline": 0, "data": d, "tensor": t} for d in (0, 1) for t in (0, 1)
+    ]
+    assert [r["tensor ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for rank, r in enumerate(results):
+        for engine, shards in (("ddp", 1), ("zero3", 2)):
+            state, held = r[engine]
+            _assert_close(state, want, f"rank {rank} {engine}")
+            bound = unsplit_bytes * (1 / (2 * shards) + 0.05)
+            assert held <= bound, f"rank {rank} {engine}: {held} bytes > {bound:.0f}"
+        _assert_close(r["loaded 1x1"], want, f"rank {rank} checkpoint at 1 x 1")
+        _assert_close(r["loaded 4x1"], want, f"rank {rank} checkpoint at 4 x 1")

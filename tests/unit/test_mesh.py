@@ -1,0 +1,54 @@
+"""The device mesh's layout (pure) and ``rankwise topology --mesh``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rankwise.cli import main
+from rankwise.errors import ConfigError
+from rankwise.mesh import DeviceMesh, init_mesh, parse_mesh
+
+
+def test_tensor_groups_are_consecutive_ranks_and_pipeline_is_outermost():
+    mesh = DeviceMesh({"pipeline": 2, "data": 2, "tensor": 2})
+    assert mesh.all_groups("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.all_groups("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.all_groups("pipeline") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.coords(6) == {"pipeline": 1, "data": 1, "tensor": 0}
+    for rank in range(8):  # coordinates and ranks are inverse maps
+        assert mesh.rank_at(**mesh.coords(rank)) == rank
+    five = DeviceMesh({"data": 2, "tensor": 2, "pipeline": 2}, rank=5)  # dict order is irrelevant
+    assert (five.ranks("tensor"), five.ranks("data"), five.coord("pipeline")) == ([4, 5], [5, 7], 1)
+
+
+def test_bad_meshes_name_the_value_and_the_fix():
+    with pytest.raises(ConfigError, match=r"unknown dimension\(s\) \['model'\]"):
+        DeviceMesh({"model": 2})
+    with pytest.raises(ConfigError, match=r"sizes \{'data': 0\}"):
+        DeviceMesh({"data": 0})
+    with pytest.raises(ConfigError, match="not NAME=SIZE"):
+        parse_mesh("data:2")
+    with pytest.raises(ConfigError, match="no process groups yet"):
+        DeviceMesh({"data": 2}).group("data")
+    assert parse_mesh("data=2, tensor=4") == {"data": 2, "tensor": 4}
+
+
+def test_a_one_rank_mesh_has_no_groups_to_make():
+    mesh = init_mesh({"data": 1})  # no process group in this process
+    assert mesh.world_size == 1 and mesh.group("tensor") is None
+
+
+def test_topology_prints_the_mesh_and_warns_when_tensor_groups_cross_nodes(capsys):
+    assert main(["topology", "--nproc-per-node", "4", "--mesh", "data=2,tensor=2"]) == 0
+    out = capsys.readouterr().out
+    assert "   3     0         0         1         1" in out  # rank 3 = data 1, tensor 1
+    assert "tensor groups: [[0, 1], [2, 3]]" in out and "warning" not in out
+    args = ["topology", "--nnodes", "2", "--nproc-per-node", "2", "--mesh", "tensor=4"]
+    assert main(args) == 0
+    assert "tensor groups of 4 do not fit in nodes of 2" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"]["groups"] == {"tensor": [[0, 1, 2, 3]]}
+    assert main(["topology", "--nproc-per-node", "2", "--mesh", "data=2,tensor=2"]) == 2
+    assert "--nproc-per-node 4" in capsys.readouterr().err
