@@ -18,6 +18,7 @@ rank-aware (pitfalls 5 and 6).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,6 +35,7 @@ from ..data import Loader
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..state_dict import unwrap_model
 from ..training import LoopState, TrainingLoop
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped
@@ -74,14 +76,37 @@ class Session(runtime.Runtime, TrainingLoop):
         *,
         global_batch_size: int | None = None,
         scheduler: Any = None,
+        wrap: Any = None,
     ) -> Any:
         """``prepare(rt, ...)``: move, then wrap the model; split the loader.
 
         Sync point: all ranks under 'ddp'.
         """
         return prepare(
-            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
+            self,
+            model,
+            optimizer,
+            loader,
+            global_batch_size=global_batch_size,
+            scheduler=scheduler,
+            wrap=wrap,
         )
+
+    def full_parameters(
+        self, model: nn.Module, *, writeback: bool = True
+    ) -> contextlib.AbstractContextManager[nn.Module]:
+        """``with rt.full_parameters(model) as bare:`` the bare model with every parameter
+        present, e.g. for ``bare.generate(...)`` or evaluation. Under 'zero3' the shards are
+        gathered for the block (FSDP's ``summon_full_params``; ``model.module`` works inside);
+        with ``writeback`` changes made inside are kept. Other strategies hold full
+        parameters already: the block just gets the bare model. Not for training steps.
+
+        Sync point: all ranks under 'zero3'.
+        """
+        summon = getattr(model, "full_parameters", None)
+        if callable(summon):
+            return summon(writeback=writeback)
+        return contextlib.nullcontext(unwrap_model(model))
 
     def prepare_loader(
         self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
@@ -144,6 +169,7 @@ def prepare(
     *,
     global_batch_size: int | None = None,
     scheduler: Any = None,
+    wrap: Any = None,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -151,7 +177,10 @@ def prepare(
     loader, else ``(model, optimizer, loader)``; a ``scheduler`` is appended unchanged (and
     saved/restored by ``rt.save``/``rt.load``). ``rt.precision`` is applied here
     (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
-    under 'fp16-mixed'.
+    under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
+    a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
+    of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
+    not use it.
 
     Sync point: all ranks under 'ddp' (the model's parameters are broadcast from rank 0).
     """
@@ -163,7 +192,7 @@ def prepare(
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
-    wrapped, optimizer = _with_precision(rt, model, optimizer)
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
@@ -174,12 +203,14 @@ def prepare(
     return (wrapped, optimizer, prepared, *tail)
 
 
-def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+def _with_precision(
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     warn_if_too_big(rt, model, optimizer)
     if rt.strategy in ZERO_STAGES:
-        wrapped, optimizer = prepare_sharded(rt, model, optimizer)
+        wrapped, optimizer = prepare_sharded(rt, model, optimizer, wrap)
     else:
         wrapped = prepare_model(rt, model)
     device_type = precision.model_device_type(model, rt.device)

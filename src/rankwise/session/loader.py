@@ -101,7 +101,7 @@ def _rebuild(
 def describe_batch(strategy: str, loader: Loader, source: str) -> str:
     """The log line that says what the batch size means (``source``: how it was given)."""
     g, b, per = loader.global_batch_size, loader.batch_size, loader.per_device_batch_size
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero1", "zero2", "zero3"):
         split = f"global batch {g} = {b} per process x {loader.num_replicas} processes"
     elif strategy == "dp":
         split = f"global batch {g} = {per} per device x {loader.replicas_in_process} devices"
@@ -122,6 +122,7 @@ def _source(rt: Runtime, given: Any, global_batch_size: int | None) -> str:
     return {
         "single": f"batch_size={b} is the batch per step",
         "ddp": f"batch_size={b} is per process (torch DDP's meaning)",
+        **dict.fromkeys(("zero1", "zero2", "zero3"), f"batch_size={b} is per process (as ddp)"),
         "dp": f"batch_size={b} is the global batch, split over the devices "
         "(torch DataParallel's meaning)",
     }[rt.strategy]
