@@ -120,6 +120,10 @@ class TrainingLoop:
 
     def _unscale_for(self: Runtime, model: nn.Module) -> None:
         mine = {id(p) for p in model.parameters()}
+        # A sharded engine's optimizer steps its flat shards, not the model's parameters.
+        own = getattr(model, "optimizer", None)
+        if isinstance(own, torch.optim.Optimizer):
+            mine |= {id(p) for g in own.param_groups for p in g["params"]}
         for opt in self.loop.optimizers:
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
                 opt.unscale_()
