@@ -155,6 +155,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.inner = build_inner(optimizer, [u.shard for u in engine.units], engine.rank)
         self.engine = engine
+        self._stepping = False
+        self.inner.register_step_pre_hook(self._refuse_direct_step)
+
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # Stepping the inner (the user's own) object would skip the all-gather of the updated
+        # slices: the replicas would silently drift apart.
+        if not self._stepping:
+            raise ConfigError(
+                f"{type(optimizer).__name__}.step() was called on the optimizer given to "
+                "rt.prepare; under ZeRO it steps this rank's shards, and the optimizer "
+                "rt.prepare returned must drive it (it then shares the updated slices)",
+                fix="use the returned one: model, opt = rt.prepare(model, opt); opt.step(); "
+                "opt.zero_grad() (schedulers and g['lr'] writes on either object are fine).",
+                rank=self.engine.rank,
+            )
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class lacks (the hook registries Optimizer's methods use): hooks
@@ -191,7 +206,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.inner.step()
+        self._stepping = True
+        try:
+            self.inner.step()
+        finally:
+            self._stepping = False
         self.engine._after_step()
         return loss
 
