@@ -292,6 +292,6 @@ def test_accumulate_gives_the_mean_over_the_group_by_default_and_the_sum_by_name
         for got, want in zip(_group_grads(**kwargs), mean, strict=True):
             torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
     rt = rw.init()
-    with pytest.raises(rw.ConfigError, match=r"(?s)reduction=.avg.*Fix: pass reduction=.mean."):
-        with rt.accumulate(net, steps=2, reduction="avg"):
-            pass
+    error = r"(?s)reduction=.avg.*Fix: pass reduction=.mean."
+    with pytest.raises(rw.ConfigError, match=error), rt.accumulate(net, steps=2, reduction="avg"):
+        pass

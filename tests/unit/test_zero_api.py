@@ -82,7 +82,7 @@ def test_async_server_copy_rebuilds_adamw_with_its_groups():
     model = _gpt()
     opt = _groups(model)  # AdamW: cls(params, **defaults) raised TypeError here
     params = list(model.parameters())
-    clones, copy = _server_copy(params, opt)
+    _, copy = _server_copy(params, opt)
     assert type(copy) is torch.optim.AdamW
     assert [g["weight_decay"] for g in copy.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in copy.param_groups] == [0.01, 0.03]
@@ -172,6 +172,10 @@ def test_prepare_takes_the_wrap_policy_and_model_module_is_refused_outside_full_
         torch.testing.assert_close(got, _gpt().generate(torch.zeros(1, 2, dtype=torch.long), 5))
         # Freed again afterwards; training still works.
         assert all(u.full.untyped_storage().nbytes() == 0 for u in model.units)
+        idx = torch.zeros(2, 4, dtype=torch.long)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
     finally:
         rw.shutdown()
 
