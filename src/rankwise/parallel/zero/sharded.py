@@ -385,12 +385,21 @@ class ShardedDataParallel(nn.Module):
     collective_state_dict = True
     """``state_dict()`` is a collective here: ``save_checkpoint`` calls it on every rank."""
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", **kwargs: Any
+    ) -> dict[str, Any]:
         """The bare module's full state (no prefix), as one process would have it.
 
+        Called by a parent module (``torch.compile(model)`` after ``rt.prepare``: the compiled
+        wrapper's state dict), the keys go into its ``destination`` under its ``prefix``.
         Sync point: all ranks (stage 3 gathers the parameters).
         """
-        return sharded_optim.full_model_state(self)
+        state = sharded_optim.full_model_state(self)
+        if destination is None:
+            return state
+        for key, value in state.items():
+            destination[prefix + key] = value
+        return destination
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full (consolidated, DDP or plain) model state into the shards."""

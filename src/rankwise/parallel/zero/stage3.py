@@ -49,9 +49,12 @@ class Stage3Hooks:
         """Segments in the order the first forward pass gathered them (drives prefetching)."""
         self.position: dict[int, int] = {}
         self.recording = True
+        # The hooks change storage sizes (gather, free): under torch.compile they run eagerly,
+        # between graphs, instead of being traced into one.
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for s, (mod, _) in enumerate(by_module.values()):
-            mod.register_forward_pre_hook(functools.partial(self._pre_forward, s))
-            mod.register_forward_hook(functools.partial(self._post_forward, s))
+            mod.register_forward_pre_hook(functools.partial(pre, s))
+            mod.register_forward_hook(functools.partial(post, s))
         self.free_all()
 
     def run_root(self, module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
