@@ -31,13 +31,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from ...diagnose import fingerprints
 from ...errors import ConfigError
 from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from ..ddp.distributed import _check_no_sparse, _group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
 from . import sharded_optim
+from .grad_norm import clip_shards_
 from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks, _grad_outputs
@@ -288,20 +288,8 @@ class ShardedDataParallel(nn.Module):
         if self.stage < 3 or self._full:
             yield self._root
             return
-        for unit in self.units:
-            unit.gather()
-        for unit in self.units:
-            unit.wait_gathered()
-        self._full = True
-        try:
+        with self.stage3.summon(writeback):
             yield self._root
-        finally:
-            self._full = False
-            if writeback:
-                with torch.no_grad():
-                    for unit in self.units:
-                        unit.shard.copy_(unit.full[unit.lo : unit.hi])
-            self.stage3.free_all()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module (stage 3: gathering each unit's parameters on the way)."""
@@ -352,33 +340,7 @@ class ShardedDataParallel(nn.Module):
         Returns the total norm over all ranks' shards, the same on every rank (what
         ``torch.nn.utils.clip_grad_norm_`` returns on one process). Sync point: all ranks.
         """
-        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
-        device = self.units[0].device
-        norm_type = float(norm_type)
-        # Each shard's part in float64: summing N partial powers in the gradients' dtype and
-        # taking the root loses what torch's one-pass norm keeps (docs/zero.md).
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-                                 for g in grads])  # fmt: skip
-        else:
-            norms = torch.zeros(1, device=device, dtype=torch.float64)
-        if norm_type == float("inf"):
-            local, op = norms.max(), dist.ReduceOp.MAX
-        else:
-            local, op = norms.pow(norm_type).sum(), dist.ReduceOp.SUM
-        if self.world_size > 1:
-            with fingerprints.collective(
-                "all_reduce", local, label="gradient norm", group=self.process_group,
-                extra=str(op),
-            ):  # fmt: skip
-                dist.all_reduce(local, op=op, group=self.process_group)
-        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
-        dtype = grads[0].dtype if grads else self.units[0].dtype
-        total = total.to(dtype)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return total
+        return clip_shards_(self.units, max_norm, norm_type, self.process_group)
 
     # -- state: consolidated, independent of the world size and the stage --------------------
 

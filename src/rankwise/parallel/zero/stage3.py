@@ -13,7 +13,9 @@ the start of the forward pass to the end of backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,6 +114,23 @@ class Stage3Hooks:
         """All of unit ``u``'s gradients are in: its full parameters can go."""
         if u not in self.roots and not self.engine._full:
             self.units[u].free()
+
+    @contextlib.contextmanager
+    def summon(self, writeback: bool) -> Iterator[None]:
+        """Every unit gathered for the block (``full_parameters``); with ``writeback`` the
+        values are copied back into this rank's shards on exit. Sync point: all ranks."""
+        engine = self.engine
+        self._gather(list(range(len(self.units))))
+        engine._full = True
+        try:
+            yield
+        finally:
+            engine._full = False
+            if writeback:
+                with torch.no_grad():
+                    for unit in self.units:
+                        unit.shard.copy_(unit.full[unit.lo : unit.hi])
+            self.free_all()
 
     def free_all(self) -> None:
         if self.engine._full:
