@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import rankwise as rw
 from rankwise.models import GPT, GPTConfig
+from rankwise.models.gpt import param_groups
 
 STRATEGIES = ["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3"]
 
@@ -140,10 +141,9 @@ def main() -> None:
                     n_head=args.n_head, n_embd=args.n_embd)  # fmt: skip
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr)  # decay / no-decay
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     model, opt, loader = rt.prepare(model, opt, loader, global_batch_size=args.batch_size)
-    # Built on the optimizer rt.prepare returned: the one that steps, under every strategy.
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, args.steps))
     val = rt.prepare_loader(
         DataLoader(val_set, batch_size=64), global_batch_size=64, evaluation=True

@@ -28,7 +28,7 @@ from . import checkpoint_files as files
 from . import comm, rng, runtime
 from .checkpoint_files import LATEST, list_checkpoints
 from .errors import ConfigError, DistributedError
-from .state_dict import model_state, strip_prefixes, unwrap_model
+from .state_dict import model_class_name, model_state, strip_prefixes, unwrap_model
 from .version import __version__
 
 FORMAT = "rankwise-checkpoint"
@@ -102,7 +102,7 @@ def _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra
         "meta": {
             "world_size": comm.world_size(),
             "strategy": type(model).__name__,
-            "model_class": type(unwrap_model(model)).__name__,
+            "model_class": model_class_name(model),
             "rankwise_version": __version__,
             "torch_version": str(torch.__version__),
             "saved_at": time.time(),

@@ -27,6 +27,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The class name of the user's model under any wrappers, without reading the wrapped
+    module through ``.module`` (a stage-3 model refuses that: its parameters are sharded)."""
+    while True:
+        inner = model._modules.get("_orig_mod") or model._modules.get("module")
+        if not isinstance(inner, nn.Module) or inner is model:
+            return type(model).__name__
+        model = inner
+
+
 def strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
     """Drop wrapper prefixes that EVERY key carries (a real submodule called ``module`` is kept
     unless every single key lives under it, which is exactly what a wrapper produces)."""

@@ -39,7 +39,7 @@ class Strategy:
     """The public engine that wraps the model (``rw.<engine>``), or None: the model as it is."""
     wrap: str
     """'module:function' in ``rankwise.session`` that wraps a model with the engine:
-    ``fn(rt, model, optimizer) -> (model, optimizer)``; imported only by ``rt.prepare``."""
+    ``fn(rt, model, optimizer, wrap) -> (model, optimizer)``; imported only by ``rt.prepare``."""
     zero_stage: int = 0
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters; 0: none."""
     batch_meaning: BatchMeaning

@@ -49,7 +49,8 @@ class LoopState:
     micro_batches: dict[int, int] = field(default_factory=dict)
     """id(model) -> micro-batches accumulated since the last synchronised one."""
     loss_divisor: int = 1
-    """Set inside ``accumulate(..., scale_loss=True)``: ``rt.backward`` divides by it."""
+    """Set inside ``accumulate(..., reduction="mean")`` (the default): ``rt.backward`` divides
+    by it."""
     metrics: MetricsLogger | None = None
 
 
@@ -78,7 +79,8 @@ class TrainingLoop:
 
     def backward(self: Runtime, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled under 'fp16-mixed' and divided by ``steps`` inside
-        ``accumulate(..., scale_loss=True)``. Sync point: as the model's backward (DDP: all)."""
+        ``accumulate(model, steps)`` (its default ``reduction="mean"``), so a group's gradient
+        is the mean over its micro-batches. Sync point: as the model's backward (DDP: all)."""
         if self.loop.loss_divisor != 1:
             loss = loss / self.loop.loss_divisor
         if self.loop.scaler is None:
@@ -118,6 +120,10 @@ class TrainingLoop:
 
     def _unscale_for(self: Runtime, model: nn.Module) -> None:
         mine = {id(p) for p in model.parameters()}
+        # A sharded engine's optimizer steps its flat shards, not the model's parameters.
+        own = getattr(model, "optimizer", None)
+        if isinstance(own, torch.optim.Optimizer):
+            mine |= {id(p) for g in own.param_groups for p in g["params"]}
         for opt in self.loop.optimizers:
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
                 opt.unscale_()
@@ -134,27 +140,37 @@ class TrainingLoop:
 
     @contextlib.contextmanager
     def accumulate(
-        self: Runtime, model: nn.Module, steps: int, *, scale_loss: bool = False
+        self: Runtime,
+        model: nn.Module,
+        steps: int,
+        *,
+        reduction: str = "mean",
+        scale_loss: bool | None = None,
     ) -> Iterator[Accumulation]:
         """One micro-batch of ``steps``: gradients are averaged across replicas only on the last.
 
         Yields an ``Accumulation``; step the optimizer when ``.sync`` is True. The last
         micro-batch of an epoch of a prepared loader synchronises even when the group is short.
-        ``scale_loss=True`` makes ``rt.backward`` divide the loss by ``steps`` (so a group of
-        mean losses sums to the mean over the group). Sync point: all ranks on ``.sync``.
+        ``reduction="mean"`` (the default, as Accelerate and Fabric): ``rt.backward`` divides
+        the loss by ``steps``, so a group of mean losses gives the gradient of the mean over the
+        group (one big batch's; a short last group is divided by ``steps`` too).
+        ``reduction="sum"``: the micro-batches' gradients add up, undivided. ``scale_loss=``
+        is the older spelling (True: "mean", False: "sum"). A plain ``loss.backward()`` is never
+        divided. Sync point: all ranks on ``.sync``.
         """
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError(
                 f"rt.accumulate(steps={steps!r}): steps must be a positive integer",
                 fix="pass the number of micro-batches per optimizer step, e.g. steps=4.",
             )
+        reduction = _reduction(reduction, scale_loss)
         index = self.loop.micro_batches.get(id(model), 0)
         sync = index + 1 >= steps or any(
             getattr(dl, "at_last_batch", False) for dl in self.loop.loaders
         )
         self.loop.micro_batches[id(model)] = 0 if sync else index + 1
         previous = self.loop.loss_divisor
-        self.loop.loss_divisor = steps if scale_loss else 1
+        self.loop.loss_divisor = steps if reduction == "mean" else 1
         try:
             with self.no_backward_sync(model, enabled=not sync):
                 yield Accumulation(sync=sync, index=index)
@@ -235,6 +251,25 @@ class TrainingLoop:
         state = result.get("extra", {}).get("grad_scaler")
         if state is not None and self.loop.scaler is not None:
             self.loop.scaler.load_state_dict(state)
+
+
+def _reduction(reduction: str, scale_loss: bool | None) -> str:
+    """``accumulate``'s reduction from ``reduction=`` and the older ``scale_loss=``."""
+    if reduction not in ("mean", "sum"):
+        raise ConfigError(
+            f"rt.accumulate(reduction={reduction!r}) is not 'mean' nor 'sum'",
+            fix="pass reduction='mean' (the gradient of the mean over the group, the default) "
+            "or reduction='sum' (the micro-batches' gradients added up).",
+        )
+    if scale_loss is None:
+        return reduction
+    older = "mean" if scale_loss else "sum"
+    if reduction != "mean" and older != reduction:
+        raise ConfigError(
+            f"rt.accumulate(reduction={reduction!r}, scale_loss={scale_loss!r}) disagree",
+            fix="pass reduction= alone ('mean' or 'sum').",
+        )
+    return older
 
 
 def _is_pipeline(model: nn.Module) -> bool:

@@ -160,7 +160,7 @@ def ours(strategy: str, name: str) -> dict[str, Any]:
         losses, first = [], None
         for batch in loader:
             first = first if first is not None else batch
-            with rt.accumulate(model, steps=ACCUM, scale_loss=True) as acc:
+            with rt.accumulate(model, steps=ACCUM) as acc:
                 loss = recipe.loss(model, batch)
                 rt.backward(loss)  # the mean over the group: loss / ACCUM
                 if acc.sync:

@@ -220,7 +220,7 @@ def _accumulate(micro: int, steps: int):
     try:
         for x, y in loader:
             before = calls[0]
-            with rt.accumulate(model, steps=steps, scale_loss=True) as acc:
+            with rt.accumulate(model, steps=steps) as acc:  # the mean over the group
                 rt.backward(F.cross_entropy(model(x), y))
                 if acc.sync:
                     opt.step()

@@ -167,3 +167,23 @@ def test_parallel_apply_reraises_the_replicas_exception_with_device_and_tracebac
     # The original frames from inside the replica thread are kept, down to the raising line.
     assert "in _boom_if_negative" in text
     assert 'raise ValueError(f"negative input of shape {tuple(x.shape)}")' in text
+
+
+def test_replicate_copies_the_module_under_torch_compile_not_the_masters_submodules():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    replicas = replicate(torch.compile(net, backend="eager"), ["cpu", "cpu"])
+    x = torch.randn(3, 4)
+    for r in replicas:
+        # Each replica computes with its own submodules and (autograd-linked) tensors.
+        assert r[0] is not net[0] and r[0].weight is not net[0].weight
+        torch.testing.assert_close(r(x), net(x))
+    (replicas[0](x).sum() + replicas[1](x).sum()).backward()
+    want = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    want.load_state_dict(net.state_dict())
+    (2 * want(x).sum()).backward()
+    torch.testing.assert_close(net[0].weight.grad, want[0].weight.grad)
+    # The replica's tensors are the ones its forward reads (the old copy ran the master's).
+    replicas[1][2].bias = torch.full((2,), 7.0)
+    moved = replicas[1](x) - replicas[0](x)
+    torch.testing.assert_close(moved, (7.0 - net[2].bias).expand(3, 2).detach())

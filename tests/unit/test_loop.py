@@ -268,3 +268,30 @@ def test_pipeline_no_sync_skips_the_data_parallel_average():
             averaged.append(acc.sync)
     # After each train_step: True (averaged) only on the group's last micro-batch.
     assert averaged == [False, False, True, True, False, False]
+
+
+def _group_grads(**kwargs) -> list[torch.Tensor]:
+    """Gradients after one group of 2 micro-batches of 4 through rt.accumulate + rt.backward."""
+    rt = rw.init()
+    model = rt.prepare(_net())
+    x, y = _xy(8)
+    for i in range(2):
+        with rt.accumulate(model, steps=2, **kwargs):
+            rt.backward(F.cross_entropy(model(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]))
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_accumulate_gives_the_mean_over_the_group_by_default_and_the_sum_by_name():
+    net = _net()
+    x, y = _xy(8)
+    F.cross_entropy(net(x), y).backward()  # one batch of 8: the mean's gradient
+    mean = [p.grad.clone() for p in net.parameters()]
+    for got, want in zip(_group_grads(), mean, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for kwargs in ({"reduction": "sum"}, {"scale_loss": False}):
+        for got, want in zip(_group_grads(**kwargs), mean, strict=True):
+            torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
+    rt = rw.init()
+    error = r"(?s)reduction=.avg.*Fix: pass reduction=.mean."
+    with pytest.raises(rw.ConfigError, match=error), rt.accumulate(net, steps=2, reduction="avg"):
+        pass

@@ -115,7 +115,7 @@ def test_auto_choice_is_the_first_strategy_that_fits(capacity, chosen):
 
 def test_auto_settles_once_at_prepare_and_says_why(monkeypatch, capsys):
     # At world size 1 no stage needs less than ddp: nothing fits, ddp stays, and the log says
-    # so. tests/dist/test_strategies.py settles a world of 2 on a ZeRO stage.
+    # so. tests/dist/test_strategies_dist.py settles a world of 2 on a ZeRO stage.
     rt = rw.init(strategy="ddp")
     object.__setattr__(rt, "auto", True)  # what a launched rw.init(strategy="auto") sets
     monkeypatch.setattr(auto, "capacity_bytes", lambda device, local: 1)

@@ -18,6 +18,7 @@ rank-aware (pitfalls 5 and 6).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from ..data import Loader
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..state_dict import unwrap_model
 from ..training import LoopState, TrainingLoop
 from . import guards
 from .auto import settle as settle_auto
@@ -80,14 +82,37 @@ class Session(runtime.Runtime, TrainingLoop):
         *,
         global_batch_size: int | None = None,
         scheduler: Any = None,
+        wrap: Any = None,
     ) -> Any:
         """``prepare(rt, ...)``: move, then wrap the model; split the loader.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
         return prepare(
-            self, model, optimizer, loader, global_batch_size=global_batch_size, scheduler=scheduler
+            self,
+            model,
+            optimizer,
+            loader,
+            global_batch_size=global_batch_size,
+            scheduler=scheduler,
+            wrap=wrap,
         )
+
+    def full_parameters(
+        self, model: nn.Module, *, writeback: bool = True
+    ) -> contextlib.AbstractContextManager[nn.Module]:
+        """``with rt.full_parameters(model) as bare:`` the bare model with every parameter
+        present, e.g. for ``bare.generate(...)`` or evaluation. Under 'zero3' the shards are
+        gathered for the block (FSDP's ``summon_full_params``; ``model.module`` works inside);
+        with ``writeback`` changes made inside are kept. Other strategies hold full
+        parameters already: the block just gets the bare model. Not for training steps.
+
+        Sync point: all ranks under 'zero3'.
+        """
+        summon = getattr(model, "full_parameters", None)
+        if callable(summon):
+            return summon(writeback=writeback)
+        return contextlib.nullcontext(unwrap_model(model))
 
     def prepare_loader(
         self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
@@ -152,6 +177,7 @@ def prepare(
     *,
     global_batch_size: int | None = None,
     scheduler: Any = None,
+    wrap: Any = None,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -159,7 +185,10 @@ def prepare(
     loader, else ``(model, optimizer, loader)``; a ``scheduler`` is appended unchanged (and
     saved/restored by ``rt.save``/``rt.load``). ``rt.precision`` is applied here
     (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
-    under 'fp16-mixed'.
+    under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
+    a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
+    of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
+    not use it.
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
     rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
@@ -174,7 +203,7 @@ def prepare(
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    wrapped, optimizer = _with_precision(rt, model, optimizer)
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
@@ -190,12 +219,14 @@ def prepare(
     return (wrapped, optimizer, prepared, *tail)
 
 
-def _with_precision(rt: Session, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+def _with_precision(
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
-    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer)
+    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:

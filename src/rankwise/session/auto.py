@@ -39,10 +39,6 @@ def settle(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | Non
         return False
     capacity = agreed_capacity(rt)
     name, why = choose(model, optimizer, rt.world_size, capacity)
-    if len(optimizer.param_groups) != 1 and strategies.get(name).zero_stage:
-        groups = len(optimizer.param_groups)
-        why = f"{why}; but ZeRO needs one parameter group, the optimizer has {groups}"
-        name = rt.strategy  # replicated, as 'auto' started
     runtime.settle_strategy(rt, name)
     if rt.rank == 0:
         get_logger("rankwise.session").info(f"rankwise prepare [auto -> {name}]: {why}")

@@ -58,10 +58,11 @@ def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
 
     Sync point: all ranks under a multi-process strategy (rank 0's parameters are broadcast).
     """
-    return wrapper(rt.strategy_spec)(rt, model, None)[0]
+    return wrapper(rt.strategy_spec)(rt, model, None, None)[0]
 
 
-Wrap = Callable[[Runtime, nn.Module, Any], tuple[nn.Module, Any]]
+Wrap = Callable[[Runtime, nn.Module, Any, Any], tuple[nn.Module, Any]]
+"""``fn(rt, model, optimizer, wrap)``: ``wrap`` is zero3's unit policy (ignored by the others)."""
 
 
 def wrapper(spec: Strategy) -> Wrap:
@@ -78,13 +79,17 @@ def _moved(rt: Runtime, model: nn.Module) -> bool:
     return spans
 
 
-def bare(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+def bare(
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+) -> tuple[nn.Module, Any]:
     """'single': the model itself, on ``rt.device``. No sync point."""
     _moved(rt, model)
     return model, optimizer
 
 
-def data_parallel(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+def data_parallel(
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+) -> tuple[nn.Module, Any]:
     """'dp': ``rw.DataParallel`` over ``rt.devices`` (the first is the master). No sync point."""
     if _spans_devices(model):
         raise ConfigError(
@@ -97,7 +102,9 @@ def data_parallel(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Mod
     return DataParallel(model, device_ids=list(rt.devices)), optimizer
 
 
-def distributed(rt: Runtime, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+def distributed(
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+) -> tuple[nn.Module, Any]:
     """'ddp': ``rw.DistributedDataParallel``. Sync point: all ranks (rank 0's state is
     broadcast)."""
     spans = _moved(rt, model)

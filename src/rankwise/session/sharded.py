@@ -1,13 +1,14 @@
 """``strategy='zero1' | 'zero2' | 'zero3'`` in the one-call API: the sharded engine.
 
-The user builds the optimizer as usual over ``model.parameters()``; ``rt.prepare`` rebuilds the
-same optimizer class with the same hyperparameters over this rank's flat shards (the only
-parameters the sharded engine's optimizer may see) and returns it in place of the original.
+The user builds the optimizer as usual over ``model.parameters()`` (any parameter groups);
+``rt.prepare`` points that optimizer at this rank's flat shards, one shard set per group (the
+only parameters the sharded engine's optimizer may see), and returns the engine's optimizer,
+which steps it. Schedulers and ``g["lr"]`` writes on either object reach the one that steps.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,24 +20,14 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 
-def _factory(optimizer: torch.optim.Optimizer, strategy: str):
-    if len(optimizer.param_groups) != 1:
-        raise ConfigError(
-            f"strategy={strategy!r} got an optimizer with {len(optimizer.param_groups)} "
-            "parameter groups; the sharded engine flattens every parameter into shards that "
-            "share one group",
-            fix="use one set of hyperparameters with ZeRO, or strategy='ddp' for per-group ones.",
-        )
-    cls = type(optimizer)
-    group = optimizer.param_groups[0]
-    hyper = {k: group[k] for k in optimizer.defaults if k in group}
-    return lambda params: cls(params, **hyper)
-
-
 def prepare_sharded(
-    rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Any = None
 ) -> tuple[ShardedDataParallel, torch.optim.Optimizer]:
     """Move ``model`` to ``rt.device`` and wrap it; return it with its sharded optimizer.
+
+    The optimizer the user built (any parameter groups) is pointed at this rank's shards: that
+    same object steps, so schedulers built on it keep driving it. ``wrap``: stage 3's unit
+    policy (``parallel/zero/wrap.py``).
 
     Sync point: all ranks (the engine broadcasts rank 0's parameters).
     """
@@ -50,17 +41,9 @@ def prepare_sharded(
             "model.parameters() as usual).",
             rank=rt.rank,
         )
-    if optimizer.state:
-        raise ConfigError(
-            f"the optimizer already holds state for {len(optimizer.state)} parameters; "
-            f"strategy={rt.strategy!r} rebuilds it over this rank's shards and would drop it",
-            fix="call rt.prepare before the first step, and restore a checkpoint afterwards "
-            "with rw.load_checkpoint(path, model=model, optimizer=optimizer).",
-            rank=rt.rank,
-        )
     model.to(rt.device)  # pitfall 1: move first, then wrap
     engine = ShardedDataParallel(
-        model, _factory(optimizer, rt.strategy), stage=rt.strategy_spec.zero_stage
+        model, optimizer, stage=rt.strategy_spec.zero_stage, wrap=wrap
     )
     return engine, engine.optimizer
 

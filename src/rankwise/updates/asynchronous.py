@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError, RuntimeStateError
 from ..parallel.agreement import verify_same_model
+from ..parallel.optimizers import rebuild_optimizer
 from .base import UpdateRule
 from .gate import StalenessGate
 from .protocol import Kind, LocalChannel, Message, WireChannel, text_message
@@ -288,20 +289,8 @@ def _server_copy(
     """
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
     twin = {id(p): c for p, c in zip(params, clones, strict=True)}
-    groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [twin[id(p)] for p in g["params"]],
-        }
-        for g in optimizer.param_groups
-    ]
-    try:
-        copy = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError as exc:
-        raise ConfigError(
-            f"async: cannot rebuild {type(optimizer).__name__} for the parameter server ({exc})",
-            fix="use an optimizer whose constructor takes (params, **optimizer.defaults), "
-            "as every torch.optim optimizer does.",
-        ) from exc
+    copy = rebuild_optimizer(
+        optimizer, [[twin[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    )
     copy.load_state_dict(optimizer.state_dict())
     return clones, copy

@@ -112,6 +112,7 @@ def replicate(module: M, devices: Sequence[torch.device | str]) -> list[M]:
             "copied submodule by submodule",
             fix="wrap the eager (non-scripted) module",
         )
+    module = _uncompiled(module)
     devs = [torch.device(d) for d in devices]
     buffers = list(module.buffers())
     # Parameters (deduplicated: tied weights appear once) and buffers that require grad keep
@@ -124,6 +125,20 @@ def replicate(module: M, devices: Sequence[torch.device | str]) -> list[M]:
         _build(module, {id(t): c for t, c in zip(linked + plain, lc + pc, strict=True)})
         for lc, pc in zip(linked_copies, plain_copies, strict=True)
     ]
+
+
+def _uncompiled(module: M) -> M:
+    """The module under ``torch.compile``'s wrapper: what the replicas copy.
+
+    The wrapper's ``forward`` is bound to the original module object, so a shallow copy of
+    it would run the master's submodules and parameters, not the replica's (on another GPU:
+    the wrong device). Replicas are rebuilt every step, so compiling each again would retrace
+    every step: they run eagerly instead, and the docs say so (docs/training.md).
+    """
+    inner = module._modules.get("_orig_mod")
+    if isinstance(inner, nn.Module) and hasattr(module, "dynamo_ctx"):
+        return _uncompiled(inner)  # type: ignore[return-value]
+    return module
 
 
 def _build(root: M, copy_of: dict[int, torch.Tensor]) -> M:

@@ -29,6 +29,14 @@ class ShardedEngine(Protocol):
     stage3: Any
     """The stage-3 hooks, or None under stages 1 and 2."""
     _active: bool
+    _full: bool
+    """True while ``full_parameters()`` holds every unit gathered."""
+    _root: nn.Module
+    """The user's model (``module`` refuses access outside ``full_parameters`` at stage 3)."""
+    group_params: list[list[nn.Parameter]]
+    """The optimizer's parameter groups, over the model's parameters."""
+    unit_group: list[int | None]
+    """Each unit's parameter group (None: a unit of frozen parameters)."""
 
     def _begin(self) -> None: ...
 

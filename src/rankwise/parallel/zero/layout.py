@@ -19,8 +19,9 @@ Nothing here touches ``torch.distributed``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -80,13 +81,17 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def module_units(
-    root: nn.Module, params: Sequence[nn.Parameter], min_numel: int
+    root: nn.Module,
+    params: Sequence[nn.Parameter],
+    min_numel: int,
+    wrap: Callable[[nn.Module], bool | None] | None = None,
 ) -> list[tuple[nn.Module, list[int]]]:
     """Stage 3 units: ``(module, parameter indices)``, innermost first, the root's unit last.
 
-    Walking the tree children-first, a module becomes a unit when the parameters below it that
-    no inner unit has claimed hold at least ``min_numel`` elements (size-based wrapping, as
-    FSDP's auto-wrap policy). Containers that are never called (``ModuleList``) cannot be units;
+    Walking the tree children-first, a module becomes a unit when ``wrap(module)`` says True (a
+    wrap policy, as FSDP's ``auto_wrap_policy``: by module class, e.g. one transformer block per
+    unit; see ``wrap.py``) or, where it says None or there is no policy, when the parameters
+    below it that no inner unit has claimed hold at least ``min_numel`` elements (size-based). Containers that are never called (``ModuleList``) cannot be units;
     what they hold falls to the module above. A parameter owned by two modules (tied weights,
     e.g. an embedding shared with the output layer) always goes to the root's unit, which stays
     gathered for the whole forward and backward pass, so both users see it.
@@ -110,7 +115,10 @@ def module_units(
         if mod is root or isinstance(mod, _CONTAINERS):
             return
         mine = sorted({index[id(p)] for p in mod.parameters() if id(p) in index} - claimed)
-        if mine and sum(params[i].numel() for i in mine) >= min_numel:
+        if not mine:
+            return
+        chosen = None if wrap is None else wrap(mod)
+        if chosen if chosen is not None else sum(params[i].numel() for i in mine) >= min_numel:
             units.append((mod, mine))
             claimed.update(mine)
 
@@ -119,3 +127,21 @@ def module_units(
     rest = [i for i in range(len(params)) if i not in taken]
     units.append((root, rest))
     return units
+
+
+def split_by_group(
+    units: Sequence[tuple[Any, list[int]]], group_of: Sequence[int | None]
+) -> list[tuple[Any, list[int], int | None]]:
+    """Each unit cut into one unit per optimizer parameter group: ``(owner, indices, group)``.
+
+    A flat shard is one tensor to the optimizer, so it can carry one group's hyperparameters
+    (nanoGPT's decay / no-decay groups put a Linear's weight and bias in different groups).
+    The pieces keep the unit's owner and order; groups in ascending order, parameters the
+    optimizer does not hold (``None``) last.
+    """
+    out: list[tuple[Any, list[int], int | None]] = []
+    for owner, indices in units:
+        keys = sorted({group_of[i] for i in indices}, key=lambda g: (g is None, g or 0))
+        for key in keys:
+            out.append((owner, [i for i in indices if group_of[i] == key], key))
+    return out

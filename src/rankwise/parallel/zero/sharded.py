@@ -23,7 +23,7 @@ Sync point: all ranks, at construction, in every synchronised backward pass, in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from ...diagnose import fingerprints
 from ...errors import ConfigError
 from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
@@ -39,9 +38,11 @@ from ..ddp.distributed import _check_no_sparse, _group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
 from . import sharded_optim
 from .engine_view import OptimizerFactory
-from .layout import layout, module_units
+from .grad_norm import clip_shards_
+from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
-from .stage3 import Stage3Hooks
+from .stage3 import Stage3Hooks, _grad_outputs
+from .wrap import WrapPolicy, resolve
 
 _IN_FLIGHT = 2
 """Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""
@@ -53,28 +54,38 @@ DEFAULT_UNIT_NUMEL = 1 << 20
 class ShardedDataParallel(nn.Module):
     """Wrap ``module`` (already on its device) and build its sharded optimizer.
 
-    ``optimizer_factory`` receives the list of this rank's flat parameter shards and returns a
-    torch optimizer over them, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``; the result
-    is ``self.optimizer`` (use it for ``step``/``zero_grad``/schedulers/checkpoints). Any
-    optimizer whose state is per element works unchanged (SGD, Adam, AdamW, ...); LBFGS, which
-    needs the whole model, is refused. ``stage`` is 1, 2 or 3 (see the module docstring).
-    ``unit_numel`` (stage 3) sets the size from which a module is gathered on its own.
+    ``optimizer`` is either a torch optimizer built over ``module``'s parameters as usual (any
+    number of parameter groups, each with its own hyperparameters), or a factory that receives
+    the list of this rank's flat parameter shards, e.g. ``lambda ps: torch.optim.AdamW(ps,
+    lr=1e-3)`` (one group). Given an optimizer, the engine keeps one shard set per group and
+    points that same optimizer object at them: it is the one that steps, so learning-rate
+    schedulers built on it and ``for g in opt.param_groups: g["lr"] = ...`` keep working.
+    ``self.optimizer`` wraps it (use it for ``step``/``zero_grad``/checkpoints). Any optimizer
+    whose update is per element works (SGD, Adam, AdamW, RMSprop, ...); those whose update
+    needs a parameter's shape or the whole model (LBFGS, Adafactor, Muon) are refused.
+    ``stage`` is 1, 2 or 3 (see the module docstring). Stage 3: ``wrap`` chooses the modules
+    gathered as one unit (``wrap.py``: by default each repeated block of a ``ModuleList``, e.g.
+    a transformer layer), ``unit_numel`` the size from which any other module is its own unit.
 
     After a synchronised backward the averaged gradient lives in the optimizer's shards, not in
     the model parameters' ``.grad`` (stage 1 keeps the full ``.grad`` as well); clip with
     :meth:`clip_grad_norm_`, which computes the global norm over all shards.
     """
 
+    _full = False
+    """True inside ``full_parameters()``: stage 3 keeps every unit gathered."""
+
     def __init__(
         self,
         module: nn.Module,
-        optimizer_factory: OptimizerFactory,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
         stage: int = 2,
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         unit_numel: int = DEFAULT_UNIT_NUMEL,
         broadcast_buffers: bool = True,
+        wrap: WrapPolicy = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -94,8 +105,9 @@ class ShardedDataParallel(nn.Module):
             broadcast_tensors(everything + [b.detach() for b in module.buffers()], process_group)
         self.names, self.params = trainable_parameters(module, self.rank)
         _check_one_dtype(self.names, self.params, self.rank)
-        self._build_units(bucket_cap_mb, unit_numel)
-        self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer_factory)
+        self.group_params, group_of = sharded_optim.optimizer_groups(self, optimizer)
+        self._build_units(bucket_cap_mb, unit_numel, wrap, group_of)
+        self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer)
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -103,15 +115,22 @@ class ShardedDataParallel(nn.Module):
         self.stage3 = Stage3Hooks(self, self._unit_modules) if stage == 3 else None
         self._reset()
 
-    def _build_units(self, bucket_cap_mb: float, unit_numel: int) -> None:
+    def _build_units(
+        self, bucket_cap_mb: float, unit_numel: int, wrap: WrapPolicy, group_of: list[int | None]
+    ) -> None:
         numels = [p.numel() for p in self.params]
         if self.stage < 3:
-            groups = [list(b.indices) for b in assign_buckets(self.params, bucket_cap_mb)]
-            modules: list[nn.Module | None] = [None] * len(groups)
+            buckets = assign_buckets(self.params, bucket_cap_mb)
+            pairs: list[tuple[Any, list[int]]] = [(None, list(b.indices)) for b in buckets]
         else:
-            pairs = module_units(self.module, self.params, unit_numel)
+            policy = resolve(wrap, self._root)
+            pairs = module_units(self._root, self.params, unit_numel, policy)
             pairs = [(m, g) for m, g in pairs if g]
-            modules, groups = [m for m, _ in pairs], [g for _, g in pairs]
+        pieces = split_by_group(pairs, group_of)
+        modules = [m for m, _, _ in pieces]
+        groups = [g for _, g, _ in pieces]
+        self.unit_group = [k for _, _, k in pieces]
+        """The optimizer parameter group of each unit's shard (None: not in the optimizer)."""
         gather_group = self.process_group
         if self.stage == 3 and self.world_size > 1:
             # Parameter gathers run on their own group: their order (forward/backward hooks)
@@ -145,7 +164,9 @@ class ShardedDataParallel(nn.Module):
         # Reductions are issued strictly in this order on every rank: buckets complete in
         # bucket order; stage 3 units complete in reverse forward order, the root's last.
         n = len(self.units)
-        self._order = list(range(n)) if self.stage < 3 else [*range(n - 2, -1, -1), n - 1]
+        roots = [u for u in range(n) if modules[u] is self._root]
+        inner = [u for u in range(n - 1, -1, -1) if modules[u] is not self._root]
+        self._order = list(range(n)) if self.stage < 3 else inner + roots
 
     # -- the backward pass --------------------------------------------------------------------
 
@@ -237,6 +258,43 @@ class ShardedDataParallel(nn.Module):
 
     # -- forward, no_sync, step ---------------------------------------------------------------
 
+    @property
+    def _root(self) -> nn.Module:
+        """The wrapped module, for the engine itself (``module`` checks stage 3's sharding)."""
+        return self._modules["module"]
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module. Under stage 3 its parameters are sharded (each rank holds 1/N;
+        the module's own tensors are empty between its forward and backward), so reading it
+        is refused outside ``full_parameters()``."""
+        if self.stage == 3 and not self._full:
+            raise ConfigError(
+                "model.module of a stage-3 (zero3) model: its parameters are sharded over the "
+                "ranks, so the bare module's own tensors are empty outside its forward and "
+                "backward (calling it, generate() or module.state_dict() would read them)",
+                fix="gather them for the block: `with rt.full_parameters(model): "
+                "model.module.generate(...)` (Sync point: all ranks); for the weights, "
+                "model.state_dict() is the full, consolidated state.",
+                rank=self.rank,
+            )
+        return self._root
+
+    @contextlib.contextmanager
+    def full_parameters(self, writeback: bool = True) -> Iterator[nn.Module]:
+        """Every parameter gathered for the block (stage 3; stages 1/2 always hold them):
+        yields the bare module, on which ``generate()``/evaluation run as on one process.
+
+        As FSDP's ``summon_full_params``: for inference and inspection, not training steps.
+        With ``writeback``, changes made to the parameters inside are kept (each rank keeps
+        its slice). Sync point: all ranks (stage 3 gathers every unit at entry).
+        """
+        if self.stage < 3 or self._full:
+            yield self._root
+            return
+        with self.stage3.summon(writeback):
+            yield self._root
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module (stage 3: gathering each unit's parameters on the way)."""
         if self._active:  # a backward pass died half-way: forget it
@@ -245,13 +303,27 @@ class ShardedDataParallel(nn.Module):
         if grad_on:
             self._forward_sync = self.require_backward_grad_sync
         if self.broadcast_buffers and self.world_size > 1 and grad_on:
-            buffers = [b for b in self.module.buffers()]
+            buffers = [b for b in self._root.buffers()]
             if buffers and self.require_backward_grad_sync:
                 with torch.no_grad():
                     broadcast_tensors(buffers, self.process_group)
         if self.stage3 is None:
-            return self.module(*inputs, **kwargs)
-        return self.stage3.run_root(self.module, inputs, kwargs)
+            out = self._root(*inputs, **kwargs)
+        else:
+            out = self.stage3.run_root(self._root, inputs, kwargs)
+        if grad_on:
+            tensors = _grad_outputs(out)
+            if tensors:
+                # The backward pass begins on this process's outermost graph task: a reentrant
+                # activation checkpoint runs a nested backward whose end is not the pass's.
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._backward_starts, mode="any"
+                )
+        return out
+
+    def _backward_starts(self, grad: Any) -> None:
+        if not self._active:
+            self._begin()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (full size); the next backward outside reduces them."""
@@ -272,40 +344,28 @@ class ShardedDataParallel(nn.Module):
         Returns the total norm over all ranks' shards, the same on every rank (what
         ``torch.nn.utils.clip_grad_norm_`` returns on one process). Sync point: all ranks.
         """
-        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
-        device = self.units[0].device
-        norm_type = float(norm_type)
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
-        else:
-            norms = torch.zeros(1, device=device)
-        if norm_type == float("inf"):
-            local, op = norms.max(), dist.ReduceOp.MAX
-        else:
-            local, op = norms.pow(norm_type).sum(), dist.ReduceOp.SUM
-        if self.world_size > 1:
-            with fingerprints.collective(
-                "all_reduce", local, label="gradient norm", group=self.process_group,
-                extra=str(op),
-            ):  # fmt: skip
-                dist.all_reduce(local, op=op, group=self.process_group)
-        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return total
+        return clip_shards_(self.units, max_norm, norm_type, self.process_group)
 
     # -- state: consolidated, independent of the world size and the stage --------------------
 
     collective_state_dict = True
     """``state_dict()`` is a collective here: ``save_checkpoint`` calls it on every rank."""
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", **kwargs: Any
+    ) -> dict[str, Any]:
         """The bare module's full state (no prefix), as one process would have it.
 
+        Called by a parent module (``torch.compile(model)`` after ``rt.prepare``: the compiled
+        wrapper's state dict), the keys go into its ``destination`` under its ``prefix``.
         Sync point: all ranks (stage 3 gathers the parameters).
         """
-        return sharded_optim.full_model_state(self)
+        state = sharded_optim.full_model_state(self)
+        if destination is None:
+            return state
+        for key, value in state.items():
+            destination[prefix + key] = value
+        return destination
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full (consolidated, DDP or plain) model state into the shards."""

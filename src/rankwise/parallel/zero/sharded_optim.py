@@ -1,8 +1,11 @@
 """The sharded engine's optimizer, and state dicts that do not depend on the world size.
 
-``ShardedOptimizer`` wraps the torch optimizer the user's factory built over this rank's flat
-shards: ``step()`` steps the shards, then (stages 1/2) all-gathers the updated parameters;
-``zero_grad()`` clears the shards and the model's own ``.grad``.
+``ShardedOptimizer`` wraps the torch optimizer that steps this rank's flat shards: the user's
+own optimizer object, pointed at one shard set per parameter group (or what a factory built):
+``step()`` steps the shards, then (stages 1/2) all-gathers the updated parameters;
+``zero_grad()`` clears the shards and the model's own ``.grad``. Its ``param_groups`` are that
+optimizer's, read at every access, so a scheduler and ``g["lr"] = ...`` reach the optimizer
+that steps, before and after ``load_state_dict`` (which replaces torch's group dicts).
 
 Its ``state_dict()`` is *consolidated*: the format torch's optimizer would produce on one
 process for ``optimizer_class(model.parameters())`` — one state entry per model parameter,
@@ -22,13 +25,68 @@ from torch import nn
 from ...diagnose import fingerprints
 from ...errors import ConfigError
 from ...state_dict import strip_prefixes
+from ..optimizers import group_settings, rebuild_optimizer
 
 if TYPE_CHECKING:
     from .engine_view import OptimizerFactory, ShardedEngine
     from .shard_unit import FlatUnit
 
-_WHOLE_MODEL = (torch.optim.LBFGS, torch.optim.SparseAdam)
-"""Optimizers whose update is not elementwise over a flat shard (or that need sparse grads)."""
+_WHOLE_MODEL = (torch.optim.LBFGS, torch.optim.SparseAdam, torch.optim.Adafactor, torch.optim.Muon)
+"""Optimizers whose update is not elementwise over a flat shard: LBFGS line-searches the whole
+model, SparseAdam needs sparse gradients, Adafactor factors a matrix's second moment by rows
+and columns and Muon orthogonalises a matrix update: both need each parameter's 2-D shape."""
+
+
+def _refuse_whole_model(cls: type, rank: int) -> None:
+    if issubclass(cls, _WHOLE_MODEL):
+        raise ConfigError(
+            f"{cls.__name__} cannot run sharded: its update is not element by element (LBFGS "
+            "needs the whole model, SparseAdam sparse gradients, Adafactor and Muon each "
+            "matrix's shape), while each rank holds a flat 1/N slice of the parameters",
+            fix="use an optimizer whose state is per parameter element (SGD, Adam, AdamW, "
+            f"RMSprop, ...), or strategy='ddp' to keep {cls.__name__} on whole parameters.",
+            rank=rank,
+        )
+
+
+def _trained(optimizer: torch.optim.Optimizer) -> bool:
+    """State beyond what a constructor sets up (Adagrad's: a zero step and its accumulator)."""
+    for entry in optimizer.state.values():
+        step = entry.get("step")
+        if step is None or float(step) != 0:
+            return True
+    return False
+
+
+def optimizer_groups(
+    engine: ShardedEngine, optimizer: Any
+) -> tuple[list[list[nn.Parameter]], list[int | None]]:
+    """The optimizer's groups of model parameters, and the group of each trainable one.
+
+    A factory gets one group over every parameter (the format of ``optimizer_class(model.
+    parameters())``). No sync point.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return [list(engine._root.parameters())], [0] * len(engine.params)
+    _refuse_whole_model(type(optimizer), engine.rank)
+    mine = {id(p) for p in engine._root.parameters()}
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    if any(id(p) not in mine for g in groups for p in g):
+        raise ConfigError(
+            "the optimizer holds tensors that are not parameters of the wrapped model",
+            fix="build it over the model you wrap: torch.optim.AdamW(model.parameters(), ...).",
+            rank=engine.rank,
+        )
+    if _trained(optimizer):
+        raise ConfigError(
+            f"the optimizer already holds state for {len(optimizer.state)} parameters; the "
+            "sharded engine re-points it at this rank's shards and would drop that state",
+            fix="wrap (rt.prepare) before the first step, and restore a checkpoint afterwards "
+            "with rw.load_checkpoint(path, model=model, optimizer=optimizer).",
+            rank=engine.rank,
+        )
+    group_of = {id(p): g for g, params in enumerate(groups) for p in params}
+    return groups, [group_of.get(id(p)) for p in engine.params]
 
 
 def build_inner(
@@ -41,15 +99,7 @@ def build_inner(
             fix="pass a function of the parameter list: lambda ps: torch.optim.AdamW(ps, lr=1e-3).",
             rank=rank,
         )
-    if isinstance(inner, _WHOLE_MODEL):
-        raise ConfigError(
-            f"{type(inner).__name__} cannot run sharded: its update needs the whole model "
-            "(LBFGS keeps a history of full flat gradients and line-searches over all "
-            "parameters), while each rank holds 1/N of them",
-            fix="use an optimizer whose state is per parameter element (SGD, Adam, AdamW, "
-            "RMSprop, ...), or strategy='ddp' to keep LBFGS on replicated parameters.",
-            rank=rank,
-        )
+    _refuse_whole_model(type(inner), rank)
     given = {id(p) for g in inner.param_groups for p in g["params"]}
     if given != {id(p) for p in shards}:
         raise ConfigError(
@@ -68,34 +118,109 @@ def build_inner(
     return inner
 
 
+def adopt_shards(
+    engine: ShardedEngine, optimizer: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """Point the user's ``optimizer`` at this rank's shards, group by group; return it.
+
+    The groups and (constructor-made) state come from the same class rebuilt over the shards
+    (``parallel/optimizers.py``), so each group keeps its settings and the object the user
+    holds, with its hooks and the schedulers built on it, is the one that steps.
+    """
+    per_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    for unit, group in zip(engine.units, engine.unit_group, strict=True):
+        if group is not None:
+            per_group[group].append(unit.shard)
+    fresh = rebuild_optimizer(optimizer, per_group)
+    optimizer.param_groups = fresh.param_groups
+    optimizer.state = fresh.state
+    return optimizer
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """The optimizer of a :class:`ShardedDataParallel`: ``step``, ``zero_grad``, state dicts.
 
-    Its ``param_groups`` are the inner optimizer's (learning-rate schedulers work on it).
+    ``param_groups``, ``state`` and ``defaults`` are the stepping optimizer's (``.inner``: the
+    user's own object), read at each access: schedulers built on either object work, and so
+    does ``for g in opt.param_groups: g["lr"] = ...``, also after ``load_state_dict``.
     Sync point: all ranks, in ``step()``, ``state_dict()``.
     """
 
     collective_state_dict = True
 
-    def __init__(self, engine: ShardedEngine, factory: OptimizerFactory) -> None:
-        shards = [u.shard for u in engine.units]
-        inner = build_inner(factory, shards, engine.rank)
-        super().__init__(inner.param_groups, inner.defaults)
-        self.state = inner.state
-        self.inner = inner
+    def __init__(self, engine: ShardedEngine, optimizer: Any) -> None:
+        # Not Optimizer.__init__: the groups and state are the inner optimizer's own.
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.inner = adopt_shards(engine, optimizer)
+        else:
+            self.inner = build_inner(optimizer, [u.shard for u in engine.units], engine.rank)
         self.engine = engine
+        self._stepping = False
+        self.inner.register_step_pre_hook(self._refuse_direct_step)
+
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # Stepping the inner (the user's own) object would skip the all-gather of the updated
+        # slices: the replicas would silently drift apart.
+        if not self._stepping:
+            raise ConfigError(
+                f"{type(optimizer).__name__}.step() was called on the optimizer given to "
+                "rt.prepare; under ZeRO it steps this rank's shards, and the optimizer "
+                "rt.prepare returned must drive it (it then shares the updated slices)",
+                fix="use the returned one: model, opt = rt.prepare(model, opt); opt.step(); "
+                "opt.zero_grad() (schedulers and g['lr'] writes on either object are fine).",
+                rank=self.engine.rank,
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what this class lacks (the hook registries Optimizer's methods use): hooks
+        # registered here land on the inner optimizer, whose step this one calls.
+        if name in ("inner", "engine"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ConfigError(
+            "add_param_group on a sharded optimizer: the shard layout is fixed when the model "
+            "is wrapped",
+            fix="build the optimizer with every parameter group before rt.prepare.",
+            rank=self.engine.rank,
+        )
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.engine.stage}, {self.inner!r})"
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.inner.step()
+        self._stepping = True
+        try:
+            self.inner.step()
+        finally:
+            self._stepping = False
         self.engine._after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+        for unit in self.engine.units:  # shards outside the optimizer's groups too
+            if set_to_none:
+                unit.shard.grad = None
+            elif unit.shard.grad is not None:
+                unit.shard.grad.zero_()
         for p in self.engine.params:
             if set_to_none or p.grad is None:
                 p.grad = None
@@ -114,8 +239,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 # -- consolidation ------------------------------------------------------------------------
 
 
-def _all_params(engine: ShardedEngine) -> list[nn.Parameter]:
-    return list(engine.module.parameters())  # unique, in the order torch's optimizer sees them
+def _positions(engine: ShardedEngine) -> tuple[dict[int, int], list[list[int]]]:
+    """id(model parameter) -> its index in one process's optimizer state, and each group's
+    indices (torch numbers parameters group after group, in each group's order)."""
+    position: dict[int, int] = {}
+    indices: list[list[int]] = []
+    for params in engine.group_params:
+        indices.append([position.setdefault(id(p), len(position)) for p in params])
+    return position, indices
 
 
 def _gather_full(unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
@@ -130,9 +261,11 @@ def _gather_full(unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
 
 
 def consolidated_optimizer_state(engine: ShardedEngine, inner: Any) -> dict[str, Any]:
-    position = {id(p): i for i, p in enumerate(_all_params(engine))}
+    position, indices = _positions(engine)
     state: dict[int, dict[str, Any]] = {}
-    for unit in engine.units:
+    for unit, group in zip(engine.units, engine.unit_group, strict=True):
+        if group is None:
+            continue
         mine = inner.state.get(unit.shard, {})
         for key in sorted(mine):
             value = mine[key]
@@ -144,25 +277,29 @@ def consolidated_optimizer_state(engine: ShardedEngine, inner: Any) -> dict[str,
                     slot[key] = full[off : off + n].view(p.shape).clone()
                 else:
                     slot[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
-    group["params"] = list(range(len(position)))
-    return {"state": state, "param_groups": [group]}
+    groups = [
+        {**group_settings(g), "params": ids}
+        for g, ids in zip(inner.param_groups, indices, strict=True)
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def _index_map(engine: ShardedEngine, saved: dict[str, Any]) -> dict[int, int]:
-    """id(parameter) -> its index in the saved state (saved over all, or trainable only)."""
-    everything, trainable = _all_params(engine), engine.params
+    """id(parameter) -> its index in the saved state (group by group; or, for one group,
+    saved over every parameter or over the trainable ones only)."""
     groups = saved.get("param_groups", [])
-    count = sum(len(g["params"]) for g in groups)
-    indices = [i for g in groups for i in g["params"]]
-    for candidates in (everything, trainable):
-        if count == len(candidates):
-            return {id(p): indices[j] for j, p in enumerate(candidates)}
+    ours = engine.group_params
+    sizes = [len(g["params"]) for g in groups]
+    if sizes == [len(params) for params in ours]:
+        pairs = zip(groups, ours, strict=True)
+        return {id(p): i for g, params in pairs for p, i in zip(params, g["params"], strict=True)}
+    if len(groups) == 1 == len(ours) and sizes[0] == len(engine.params):
+        return {id(p): i for p, i in zip(engine.params, groups[0]["params"], strict=True)}
     raise ConfigError(
-        f"the optimizer state holds {count} parameters, but the model has {len(everything)} "
-        f"({len(trainable)} trainable)",
-        fix="load a checkpoint of the same model, saved from an optimizer over "
-        "model.parameters().",
+        f"the optimizer state holds parameter groups of sizes {sizes}, but this optimizer's "
+        f"groups hold {[len(params) for params in ours]} parameters",
+        fix="load a checkpoint of the same model, saved from an optimizer with the same "
+        "parameter groups.",
         rank=engine.rank,
     )
 
@@ -172,11 +309,13 @@ def load_consolidated_optimizer_state(
 ) -> None:
     where = _index_map(engine, saved)
     saved_state = {int(k): v for k, v in saved.get("state", {}).items()}
+    shards = [p for g in inner.param_groups for p in g["params"]]
+    number = {id(shard): i for i, shard in enumerate(shards)}
     shard_state: dict[int, dict[str, Any]] = {}
-    for u, unit in enumerate(engine.units):
+    for unit, group in zip(engine.units, engine.unit_group, strict=True):
         entries = [saved_state.get(where[id(p)]) for p in unit.params]
         present = [e for e in entries if e]
-        if not present:
+        if group is None or not present:
             continue
         out: dict[str, Any] = {}
         for key, sample in present[0].items():
@@ -188,10 +327,12 @@ def load_consolidated_optimizer_state(
                 if e and key in e:
                     full[off : off + n].copy_(e[key].reshape(-1))
             out[key] = full[unit.lo : unit.hi].clone()
-        shard_state[u] = out
-    group = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
-    group["params"] = list(range(len(engine.units)))
-    inner.load_state_dict({"state": shard_state, "param_groups": [group]})
+        shard_state[number[id(unit.shard)]] = out
+    groups = [
+        {**group_settings(saved_group), "params": [number[id(s)] for s in g["params"]]}
+        for saved_group, g in zip(saved["param_groups"], inner.param_groups, strict=True)
+    ]
+    inner.load_state_dict({"state": shard_state, "param_groups": groups})
 
 
 # -- the model's state --------------------------------------------------------------------
@@ -200,13 +341,13 @@ def load_consolidated_optimizer_state(
 def full_model_state(engine: ShardedEngine) -> dict[str, Any]:
     """Sync point: all ranks (stage 3 gathers every unit, copies, frees again)."""
     if engine.stage < 3:
-        return strip_prefixes(engine.module.state_dict())
+        return strip_prefixes(engine._root.state_dict())
     for unit in engine.units:
         unit.gather()
     for unit in engine.units:
         unit.wait_gathered()
     try:
-        state = engine.module.state_dict()
+        state = engine._root.state_dict()
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     finally:
         engine.stage3.free_all()
@@ -220,7 +361,7 @@ def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> An
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit._nbytes)
             unit.gathered = True
-    load_model_state(engine.module, state, strict=strict)
+    load_model_state(engine._root, state, strict=strict)
     if engine.stage3 is not None:  # stages 1/2: the shards are views of what was just loaded
         with torch.no_grad():
             for unit in engine.units:

@@ -13,7 +13,9 @@ the start of the forward pass to the end of backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,71 +31,109 @@ def _grad_outputs(out: Any) -> list[torch.Tensor]:
 
 
 class Stage3Hooks:
-    """Forward/backward hooks of every stage-3 unit; ``modules[u]`` is unit ``u``'s module."""
+    """Forward/backward hooks of every stage-3 unit; ``modules[u]`` is unit ``u``'s module.
+
+    A module may own several units (one per optimizer parameter group): its hooks gather and
+    free them together, as one *segment*.
+    """
 
     def __init__(self, engine: ShardedEngine, modules: list[nn.Module | None]) -> None:
         self.engine = engine
         self.units = engine.units
-        last = len(modules) - 1
-        self.root = last if modules and modules[last] is engine.module else None
+        root = engine._root
+        self.roots = [u for u, mod in enumerate(modules) if mod is root]
+        by_module: dict[int, tuple[nn.Module, list[int]]] = {}
+        for u, mod in enumerate(modules):
+            if mod is not None and mod is not root:
+                by_module.setdefault(id(mod), (mod, []))[1].append(u)
+        self.segments = [units for _, units in by_module.values()]
         self.order: list[int] = []
-        """Units in the order the first forward pass gathered them (drives prefetching)."""
+        """Segments in the order the first forward pass gathered them (drives prefetching)."""
         self.position: dict[int, int] = {}
         self.recording = True
-        for u, mod in enumerate(modules):
-            if u == self.root or mod is None:
-                continue
-            mod.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-            mod.register_forward_hook(functools.partial(self._post_forward, u))
+        # The hooks change storage sizes (gather, free): under torch.compile they run eagerly,
+        # between graphs, instead of being traced into one.
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
+        for s, (mod, _) in enumerate(by_module.values()):
+            mod.register_forward_pre_hook(functools.partial(pre, s))
+            mod.register_forward_hook(functools.partial(post, s))
         self.free_all()
 
     def run_root(self, module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
-        if self.root is not None:
-            self._gather(self.root)
+        self._gather(self.roots)
         out = module(*inputs, **kwargs)
         if self.recording:
             self.recording = False
-            self.position = {u: i for i, u in reversed(list(enumerate(self.order)))}
+            self.position = {s: i for i, s in reversed(list(enumerate(self.order)))}
         if not (torch.is_grad_enabled() and _grad_outputs(out)):
             self.free_all()  # no backward will follow (evaluation)
         return out
 
-    def _gather(self, u: int) -> None:
-        unit = self.units[u]
-        unit.gather()
-        unit.wait_gathered()
+    def _gather(self, units: list[int]) -> None:
+        for u in units:
+            self.units[u].gather()
+        for u in units:
+            self.units[u].wait_gathered()
 
-    def _prefetch(self, u: int, step: int) -> None:
-        i = self.position.get(u)
+    def _free(self, units: list[int]) -> None:
+        # Kept while every parameter is summoned (full_parameters), and while a backward pass
+        # is under way: a forward then is an activation checkpoint's recomputation, whose
+        # results backward reads next (the unit is freed when its gradients are in).
+        if not (self.engine._full or self.engine._active):
+            for u in units:
+                self.units[u].free()
+
+    def _prefetch(self, s: int, step: int) -> None:
+        i = self.position.get(s)
         if i is not None and 0 <= i + step < len(self.order):
-            self.units[self.order[i + step]].gather()
+            for u in self.segments[self.order[i + step]]:
+                self.units[u].gather()
 
-    def _pre_forward(self, u: int, module: nn.Module, args: Any) -> None:
-        self._gather(u)
-        if self.recording:
-            self.order.append(u)
-        else:
-            self._prefetch(u, +1)
+    def _pre_forward(self, s: int, module: nn.Module, args: Any) -> None:
+        self._gather(self.segments[s])
+        if self.recording and not self.engine._full:
+            self.order.append(s)
+        elif not self.recording:
+            self._prefetch(s, +1)
 
-    def _post_forward(self, u: int, module: nn.Module, args: Any, out: Any) -> None:
+    def _post_forward(self, s: int, module: nn.Module, args: Any, out: Any) -> None:
         tensors = _grad_outputs(out) if torch.is_grad_enabled() else []
-        if tensors:
+        if tensors and not self.engine._full:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, u), mode="any"
+                tensors, functools.partial(self._pre_backward, s), mode="any"
             )
-        self.units[u].free()
+        self._free(self.segments[s])
 
-    def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
+    def _pre_backward(self, s: int, grad: Any) -> None:
         if not self.engine._active:
             self.engine._begin()
-        self._gather(u)
-        self._prefetch(u, -1)
+        self._gather(self.segments[s])
+        self._prefetch(s, -1)
 
     def backward_done(self, u: int) -> None:
         """All of unit ``u``'s gradients are in: its full parameters can go."""
-        if u != self.root:
+        if u not in self.roots and not self.engine._full:
             self.units[u].free()
 
+    @contextlib.contextmanager
+    def summon(self, writeback: bool) -> Iterator[None]:
+        """Every unit gathered for the block (``full_parameters``); with ``writeback`` the
+        values are copied back into this rank's shards on exit. Sync point: all ranks."""
+        engine = self.engine
+        self._gather(list(range(len(self.units))))
+        engine._full = True
+        try:
+            yield
+        finally:
+            engine._full = False
+            if writeback:
+                with torch.no_grad():
+                    for unit in self.units:
+                        unit.shard.copy_(unit.full[unit.lo : unit.hi])
+            self.free_all()
+
     def free_all(self) -> None:
+        if self.engine._full:
+            return
         for unit in self.units:
             unit.free()
