@@ -27,8 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import rankwise as rw
-from rankwise.models import GPT, GPTConfig
-from rankwise.models.gpt import param_groups
+from rankwise.models import GPT, GPTConfig, param_groups
 
 STRATEGIES = ["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3"]
 
