@@ -131,18 +131,7 @@ class ShardedDataParallel(nn.Module):
         groups = [g for _, g, _ in pieces]
         self.unit_group = [k for _, _, k in pieces]
         """The optimizer parameter group of each unit's shard (None: not in the optimizer)."""
-        gather_group = self.process_group
-        if self.stage == 3 and self.world_size > 1:
-            # Parameter gathers run on their own group: their order (forward/backward hooks)
-            # and the gradient reductions' order (strictly by unit) are each the same on every
-            # rank, but their interleaving need not be.
-            # Only this group's ranks get here (each data group of a mesh makes its own), so
-            # the group is agreed among them alone: a world-wide new_group would pair calls
-            # of different data groups and hang.
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            gather_group = dist.new_group(
-                ranks, backend=dist.get_backend(self.process_group), use_local_synchronization=True
-            )
+        gather_group = self._gather_group()
         specs = layout(numels, groups, self.world_size)
         self.units = [
             FlatUnit(
@@ -167,6 +156,19 @@ class ShardedDataParallel(nn.Module):
         roots = [u for u in range(n) if modules[u] is self._root]
         inner = [u for u in range(n - 1, -1, -1) if modules[u] is not self._root]
         self._order = list(range(n)) if self.stage < 3 else inner + roots
+
+    def _gather_group(self) -> Any:
+        """Stage 3 gathers parameters on a group of their own: gathers (hook order) and gradient
+        reductions (unit order) are each ordered alike on every rank, their interleaving is not.
+        Agreed among this group's ranks alone (``use_local_synchronization``): a mesh's data
+        groups each make one, and a world-wide new_group would pair them and hang.
+        Sync point: the ranks of ``process_group`` (stage 3)."""
+        if self.stage < 3 or self.world_size == 1:
+            return self.process_group
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        return dist.new_group(
+            ranks, backend=dist.get_backend(self.process_group), use_local_synchronization=True
+        )
 
     # -- the backward pass --------------------------------------------------------------------
 
