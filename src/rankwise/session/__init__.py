@@ -19,7 +19,7 @@ rank-aware (pitfalls 5 and 6).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -125,6 +125,7 @@ def init(
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
     precision: str | None = None,
+    mesh: Mapping[str, int] | None = None,
     debug: bool = False,
 ) -> Session:
     """``rw.init``: ``rankwise.runtime.init`` returning a ``Session`` (the one-call API).
@@ -139,6 +140,7 @@ def init(
         strategy=strategy,
         devices=devices,
         precision=precision,
+        mesh=mesh,
         debug=debug,
         kind=Session,
     )
