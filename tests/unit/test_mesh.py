@@ -93,3 +93,22 @@ def test_init_keeps_the_mesh_and_a_second_init_may_not_change_it():
             rw.init(mesh={"data": 1})
     finally:
         rw.shutdown()
+
+
+def test_a_pipeline_takes_its_stages_from_the_mesh_or_from_ranks_not_both():
+    import torch
+    from torch import nn
+
+    import rankwise as rw
+
+    rw.shutdown()
+    try:
+        rw.init(mesh={"pipeline": 1})
+        pipe = rw.DistributedPipeline(nn.Sequential(nn.Linear(2, 2)))  # rt.mesh: one stage
+        assert (pipe.ranks, pipe.data_parallel_group) == ([0], None)
+        assert torch.equal(pipe(torch.ones(1, 2)), pipe.stage(torch.ones(1, 2)))
+        with pytest.raises(ConfigError, match=r"got mesh \(1 rank\) and also ranks=") as info:
+            rw.DistributedPipeline(nn.Sequential(nn.Linear(2, 2)), mesh=rw.init().mesh, ranks=[0])
+        assert "pass mesh= alone" in str(info.value)
+    finally:
+        rw.shutdown()
