@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, RuntimeStateError
 
 DIMS = ("pipeline", "data", "tensor")
 """The mesh's dimensions, outermost first."""
 
-__all__ = ["DIMS", "DeviceMesh", "init_mesh", "parse_mesh"]
+__all__ = ["DIMS", "DeviceMesh", "check_same", "create_groups", "init_mesh", "layout", "parse_mesh"]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -176,11 +176,71 @@ class DeviceMesh:
         return "\n".join(lines)
 
 
+def layout(sizes: Mapping[str, int], world_size: int, rank: int) -> DeviceMesh:
+    """The mesh ``sizes`` for rank ``rank`` of ``world_size``, without its groups; an error
+    naming the sizes, the world size and the fix when they disagree. Pure: ``rw.init(mesh=...)``
+    calls it before the rendezvous, so a wrong mesh fails every rank at once. No sync point.
+    """
+    if not isinstance(sizes, Mapping):
+        raise ConfigError(
+            f"mesh={sizes!r} is not a mapping of dimension names to sizes",
+            fix='pass e.g. mesh={"data": 2, "tensor": 2} (names: ' + ", ".join(DIMS) + ").",
+            rank=rank,
+        )
+    product = 1
+    for value in sizes.values():
+        product *= value if isinstance(value, int) and value > 0 else 1
+    if product != world_size:  # checked first: the names are checked by DeviceMesh below
+        DeviceMesh(sizes)  # unknown names and bad sizes get their own error
+        raise ConfigError(
+            f"mesh {dict(sizes)} has {product} rank(s) but the job has world size {world_size}",
+            fix=f"choose sizes whose product is {world_size}, e.g. "
+            f'{{"data": {max(world_size // 2, 1)}, "tensor": {min(world_size, 2)}}}, '
+            f"or start {product} process(es) (rankwise run --nproc-per-node {product}).",
+            rank=rank,
+        )
+    return DeviceMesh(sizes, rank=rank)
+
+
+def create_groups(mesh: DeviceMesh) -> DeviceMesh:
+    """Make ``mesh``'s process groups (returned, for chaining): one ``new_group`` per group
+    of every dimension, on every rank in the same order (torch's rule for ``new_group``; a
+    dimension of size 1 gets one-rank groups, so its collectives stay local). Nothing to make
+    at world size 1.
+
+    Sync point: all ranks.
+    """
+    if mesh.world_size == 1:
+        return mesh
+    import torch.distributed as dist
+
+    for dim in DIMS:
+        for ranks in mesh.all_groups(dim):
+            made = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mesh._groups[dim] = made
+    return mesh
+
+
+def check_same(current: DeviceMesh | None, sizes: Mapping[str, int] | None, rank: int) -> None:
+    """A second ``rw.init`` may repeat the mesh (or leave it out), not ask for another one."""
+    if sizes is None:
+        return
+    asked = DeviceMesh(sizes).sizes
+    have = None if current is None else dict(current.sizes)
+    if asked != have:
+        raise RuntimeStateError(
+            f"rw.init() was already called with mesh={have}; this call asks for mesh={asked}",
+            fix="call rw.init(mesh=...) once at the start of the program, or rw.shutdown() "
+            "first; rw.init_mesh(sizes) makes another mesh's groups beside the runtime's.",
+            rank=rank,
+        )
+
+
 def init_mesh(sizes: Mapping[str, int]) -> DeviceMesh:
-    """This rank's mesh with its process groups: one ``new_group`` per group of every
-    dimension, created on every rank in the same order (a dimension of size 1 gets one-rank
-    groups: collectives on it stay local, never the whole world's). Call it after
-    ``rw.init()`` (or torch's ``init_process_group``); at world size 1 it makes no group.
+    """This rank's mesh with its process groups (``layout`` + ``create_groups``). Call it
+    after ``rw.init()`` (or torch's ``init_process_group``); at world size 1 it makes no
+    group. ``rw.init(mesh=sizes)`` does the same and keeps the mesh as ``rt.mesh``.
 
     Sync point: all ranks.
     """
@@ -189,18 +249,4 @@ def init_mesh(sizes: Mapping[str, int]) -> DeviceMesh:
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    mesh = DeviceMesh(sizes, rank=rank)
-    if mesh.world_size != world:
-        raise ConfigError(
-            f"mesh {dict(sizes)} has {mesh.world_size} rank(s) but the job has {world}",
-            fix=f"choose sizes whose product is {world}, e.g. "
-            f'{{"data": {max(world // 2, 1)}, "tensor": {min(world, 2)}}}.',
-            rank=rank,
-        )
-    if world > 1:
-        for dim in DIMS:
-            for ranks in mesh.all_groups(dim):
-                made = dist.new_group(ranks)
-                if rank in ranks:
-                    mesh._groups[dim] = made
-    return mesh
+    return create_groups(layout(sizes, world, rank))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .devices import resolve_device
-from .env import DistEnv
+from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .strategies import AUTO, resolve_auto
 from .strategies import get as get_strategy
@@ -126,6 +127,53 @@ def check_same(
 
 def _names(devices: Sequence[torch.device]) -> str:
     return "[" + ", ".join(f"'{d}'" for d in devices) + "]"
+
+
+def as_timeout(timeout: float | timedelta | None) -> timedelta:
+    """``rw.init``'s timeout as a ``timedelta`` (None: the default); positive or refused."""
+    if timeout is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds <= 0:
+        raise ConfigError(
+            f"timeout={timeout!r} must be positive",
+            fix="pass a timeout in seconds, e.g. rw.init(timeout=300).",
+        )
+    return timedelta(seconds=seconds)
+
+
+def check_same_settings(current: Any, backend: str | None, device, timeout) -> None:
+    """A second ``rw.init`` may repeat backend, device and timeout, not ask for others.
+
+    ``current``: the runtime (backend, device, timeout, rank)."""
+    asked = {
+        "backend": None if backend is None else backend,
+        "device": None if device is None else torch.device(device),
+        "timeout": None if timeout is None else as_timeout(timeout),
+    }
+    have = {"backend": current.backend, "device": current.device, "timeout": current.timeout}
+    for key, value in asked.items():
+        if value is None or value == have[key] or have[key] is None:
+            continue
+        if key == "device" and value.type == have[key].type and value.index is None:
+            continue
+        raise RuntimeStateError(
+            f"rw.init() was already called with {key}={have[key]!s}; "
+            f"this call asks for {key}={value!s}",
+            fix="call rw.init() once at the start of the program (later calls return the same "
+            "runtime), or rw.shutdown() first to start over with other settings.",
+            rank=current.rank,
+        )
+
+
+def check_same_precision(current: Any, precision: str | None) -> None:
+    if precision is not None and parse(precision).name != current.precision:
+        raise RuntimeStateError(
+            f"rw.init() was already called with precision={current.precision!r}; this call "
+            f"asks for precision={parse(precision).name!r}",
+            fix="call rw.init() once at the start of the program, or rw.shutdown() first.",
+            rank=current.rank,
+        )
 
 
 # ---- precision: how the prepared model computes (applied by rankwise.precision) ----

@@ -16,7 +16,7 @@ import atexit
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -25,10 +25,20 @@ import torch
 import torch.distributed as dist
 
 from . import env as envmod
+from . import mesh as meshmod
 from . import process_group
 from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
-from .plan import Plan, Precision, check_same, plan
+from .mesh import DeviceMesh
+from .plan import (
+    Plan,
+    Precision,
+    as_timeout,
+    check_same,
+    check_same_precision,
+    check_same_settings,
+    plan,
+)
 from .plan import parse as parse_precision
 from .strategies import Strategy
 from .strategies import get as get_strategy
@@ -75,6 +85,9 @@ class Runtime:
     """The devices this process computes on: DataParallel's under 'dp', else ``(device,)``."""
     precision: str = "32"
     """'32', 'bf16-mixed', 'fp16-mixed' or 'bf16-true': how ``prepare``'s model computes."""
+    mesh: DeviceMesh | None = None
+    """``rw.init(mesh=...)``'s device mesh with its groups (``rt.mesh.group("tensor")``);
+    ``prepare``'s engines average over its data groups, the loader splits over them."""
 
     @property
     def strategy_spec(self) -> Strategy:
@@ -119,18 +132,6 @@ _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
 
 
-def _as_timeout(timeout: float | timedelta | None) -> timedelta:
-    if timeout is None:
-        return timedelta(seconds=DEFAULT_TIMEOUT_S)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if seconds <= 0:
-        raise ConfigError(
-            f"timeout={timeout!r} must be positive",
-            fix="pass a timeout in seconds, e.g. rw.init(timeout=300).",
-        )
-    return timedelta(seconds=seconds)
-
-
 def choose_device(env: DistEnv, device: str | torch.device | None = None) -> torch.device:
     """``cuda:local_rank`` when CUDA is available, else CPU; an explicit ``device`` wins."""
     if device is not None:
@@ -173,27 +174,6 @@ def choose_backend(device: torch.device, backend: str | None = None) -> str:
     return backend
 
 
-def _check_same(current: Runtime, backend: str | None, device, timeout) -> None:
-    asked = {
-        "backend": None if backend is None else backend,
-        "device": None if device is None else torch.device(device),
-        "timeout": None if timeout is None else _as_timeout(timeout),
-    }
-    have = {"backend": current.backend, "device": current.device, "timeout": current.timeout}
-    for key, value in asked.items():
-        if value is None or value == have[key] or have[key] is None:
-            continue
-        if key == "device" and value.type == have[key].type and value.index is None:
-            continue
-        raise RuntimeStateError(
-            f"rw.init() was already called with {key}={have[key]!s}; "
-            f"this call asks for {key}={value!s}",
-            fix="call rw.init() once at the start of the program (later calls return the same "
-            "runtime), or rw.shutdown() first to start over with other settings.",
-            rank=current.rank,
-        )
-
-
 def _adopt_existing(env: DistEnv, device, timeout: timedelta, kind: type[R]) -> R:
     """The user (or another library) already called ``init_process_group``: use it."""
     world = dist.get_world_size()
@@ -223,6 +203,7 @@ def init(
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
     precision: str | None = None,
+    mesh: Mapping[str, int] | None = None,
     debug: bool = False,
     kind: type[R] = Runtime,  # type: ignore[assignment]
 ) -> R:
@@ -230,40 +211,43 @@ def init(
 
     Idempotent: a second call returns the same runtime. Works unlaunched (``python train.py``)
     as world size 1, where no process group is created and every collective is a no-op.
-    ``strategy`` ('auto', 'single', 'dp', 'ddp') and ``devices`` (DataParallel's) decide what
-    ``rt.prepare`` does; 'auto' (the default) is 'ddp' when launched, 'dp' over every GPU
-    when unlaunched with several, else 'single'. ``precision`` ('32', 'bf16-mixed',
+    ``strategy`` (a name of ``rankwise.strategies``; 'auto' by default) and ``devices``
+    (DataParallel's) decide what ``rt.prepare`` does. ``precision`` ('32', 'bf16-mixed',
     'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
-    ``kind``: the class of the runtime made (``rw.init`` asks for ``rankwise.session.Session``).
-    ``debug=True``: torch checks every collective across ranks before it runs (slower;
-    docs/diagnose.md).
+    ``mesh`` (``{"data": 2, "tensor": 2}``, product = world size): ``rt.mesh``, its groups
+    made right after the process group (docs/model-parallel.md). ``kind``: the runtime's
+    class (``rw.init`` asks for a ``Session``). ``debug=True``: torch checks every collective
+    across ranks before it runs (slower; docs/diagnose.md).
 
-    Sync point: all ranks (the rendezvous), when world size > 1.
+    Sync point: all ranks (the rendezvous and the mesh's groups), when world size > 1.
     """
     global _current
     if _current is not None:
-        return _again(kind, backend, device, timeout, strategy, devices, precision)
+        return _again(kind, backend, device, timeout, strategy, devices, precision, mesh)
     policy = parse_precision(precision)  # a bad name fails every rank before the rendezvous
     explicit_env = env is not None
     env = envmod.detect() if env is None else env
-    timeout_td = _as_timeout(timeout)
+    timeout_td = as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         rt = _adopt_existing(env, device, timeout_td, kind)
-        _current = _with_plan(rt, plan(strategy, devices, rt.env, device), policy)
+        the_plan, grid = plan(strategy, devices, rt.env, device), _layout(mesh, rt.env)
+        _current = _with_plan(rt, the_plan, policy, grid)
         return _current
-    # Settled before the rendezvous: a refused strategy fails every rank at once.
-    the_plan = plan(strategy, devices, env, device)
+    # Settled before the rendezvous: a refused strategy or mesh fails every rank at once.
+    the_plan, grid = plan(strategy, devices, env, device), _layout(mesh, env)
     dev = choose_device(env, the_plan.devices[0] if the_plan.devices else device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if env.world_size == 1:
-        rt = kind(env=env, device=dev, backend=None, timeout=timeout_td)
-        _current = _with_plan(rt, the_plan, policy)
-        return _current
-    chosen = _join(env, choose_backend(dev, backend), timeout_td, explicit_env, debug)
-    rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=True)
-    _current = _with_plan(rt, the_plan, policy)
+    chosen, owns = None, env.world_size > 1
+    if owns:
+        chosen = _join(env, choose_backend(dev, backend), timeout_td, explicit_env, debug)
+    rt = kind(env=env, device=dev, backend=chosen, timeout=timeout_td, owns_process_group=owns)
+    _current = _with_plan(rt, the_plan, policy, grid)
     return _current
+
+
+def _layout(sizes: Mapping[str, int] | None, env: DistEnv) -> DeviceMesh | None:
+    return None if sizes is None else meshmod.layout(sizes, env.world_size, env.rank)
 
 
 def _join(env: DistEnv, backend: str, timeout: timedelta, exported: bool, debug: bool) -> str:
@@ -274,27 +258,29 @@ def _join(env: DistEnv, backend: str, timeout: timedelta, exported: bool, debug:
     return backend
 
 
-def _again(kind: type[R], backend, device, timeout, strategy, devices, precision) -> R:
+def _again(kind: type[R], backend, device, timeout, strategy, devices, precision, mesh) -> R:
     """A second ``init``: the same runtime, unless it asks for something else (refused)."""
     global _current
-    _check_same(_current, backend, device, timeout)
+    meshmod.check_same(_current.mesh, mesh, _current.rank)
+    check_same_settings(_current, backend, device, timeout)
     have = Plan(strategy=_current.strategy, devices=_current.devices)
     check_same(have, _current.env, strategy, devices)
-    _check_same_precision(_current, precision)
+    check_same_precision(_current, precision)
     if not isinstance(_current, kind):  # made by a lower layer; same data, richer class
         have = dataclasses.fields(_current)
         _current = kind(**{f.name: getattr(_current, f.name) for f in have if f.init})
     return _current  # type: ignore[return-value]
 
 
-def _with_plan(rt: R, settled: Plan, policy: Precision) -> R:
+def _with_plan(rt: R, settled: Plan, policy: Precision, grid: DeviceMesh | None) -> R:
+    """``rt`` with its plan, precision and mesh (whose groups are made here: sync point,
+    all ranks, when the world size is > 1)."""
+    grid = grid and meshmod.create_groups(grid)
+    devices = settled.devices or (rt.device,)
     return dataclasses.replace(
-        rt,
-        strategy=settled.strategy,
-        auto=settled.auto,
-        devices=settled.devices or (rt.device,),
-        precision=policy.name,
-    )
+        rt, strategy=settled.strategy, auto=settled.auto, devices=devices,
+        precision=policy.name, mesh=grid,
+    )  # fmt: skip
 
 
 def settle_strategy(rt: Runtime, name: str) -> None:
@@ -310,16 +296,6 @@ def settle_strategy(rt: Runtime, name: str) -> None:
         if held is not None and held.env == rt.env:
             object.__setattr__(held, "strategy", name)  # frozen for users; settled here only
             object.__setattr__(held, "auto", False)
-
-
-def _check_same_precision(current: Runtime, precision: str | None) -> None:
-    if precision is not None and parse_precision(precision).name != current.precision:
-        raise RuntimeStateError(
-            f"rw.init() was already called with precision={current.precision!r}; this call "
-            f"asks for precision={parse_precision(precision).name!r}",
-            fix="call rw.init() once at the start of the program, or rw.shutdown() first.",
-            rank=current.rank,
-        )
 
 
 def get_runtime() -> Runtime:
@@ -382,6 +358,9 @@ class Coords:
     source: str = "single"
     """'runtime', 'torch' (a process group made without ``rw.init``) or the environment's
     source ('launcher', 'slurm', 'mpi', 'single')."""
+    data: tuple[int, int] | None = None
+    """Under ``rw.init(mesh=...)``: (coordinate, size) along the data dimension, the share of
+    the data this process reads (tensor and pipeline peers read the same); else None."""
 
 
 def coords() -> Coords:
@@ -391,7 +370,10 @@ def coords() -> Coords:
     The one place that decides which source wins. No sync point.
     """
     if _current is not None:
-        return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime")
+        grid = _current.mesh
+        data = None if grid is None else (grid.coord("data"), grid.sizes["data"])
+        return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime",
+                      data)  # fmt: skip
     if dist.is_available() and dist.is_initialized():
         return Coords(dist.get_rank(), dist.get_world_size(), source="torch")
     e = envmod.detect()

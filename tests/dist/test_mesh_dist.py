@@ -1,5 +1,8 @@
 """A small GPT on a data 2 x tensor 2 mesh (4 Gloo ranks; one job runs every check):
 
+- ``rw.init(mesh=...)`` + ``rt.prepare(model, opt, DataLoader)`` on the tensor-parallel model
+  trains to the parameters of one process on the same global batches; the ranks of a tensor
+  group read the same batches, the two data ranks different halves;
 - it trains to the parameters of one process on the same global batches (10 AdamW steps,
   1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them;
 - each rank holds <= 1/(tensor x data shards) + 5% of the unsplit model's parameters,
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import rankwise as rw
 from rankwise.parallel import tensor as tp
@@ -83,13 +87,33 @@ def _train(engine: str, mesh):
     return wrapped, held
 
 
+def _prepared(rt):
+    """The README loop: ``rt.prepare`` wraps the tensor-parallel model in DDP over the mesh's
+    data group and splits a plain DataLoader over the data dimension only."""
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=rt.mesh.group("tensor"))
+    xs, ys = (torch.cat(t) for t in zip(*_batches(), strict=True))
+    # shuffle=False: data rank r reads samples r, r + 2, ...: half of each global batch
+    plain = DataLoader(TensorDataset(xs, ys), batch_size=GLOBAL_BATCH // 2, shuffle=False)
+    model, opt, loader = rt.prepare(model, _adamw(model.parameters()), plain)
+    seen = []
+    for x, y in loader:
+        seen.append(x)
+        rw.vocab_parallel_cross_entropy(model(x), y, rt.mesh.group("tensor")).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat(seen), _numpy(tp.full_state_dict(model)), type(model).__name__
+
+
 def _numpy(state):
     return {k: v.numpy() for k, v in state.items()}
 
 
 def _mesh_rank(folder: str):
-    mesh = rw.init_mesh({"data": 2, "tensor": 2})
+    rt = rw.init(strategy="ddp", mesh={"data": 2, "tensor": 2}, timeout=300)
+    mesh = rt.mesh
     out = {"coords": mesh.coords(), "tensor ranks": mesh.ranks("tensor")}
+    out["prepare"] = _prepared(rt)
     for engine in ("ddp", "zero3"):
         wrapped, held = _train(engine, mesh)
         out[engine] = (_numpy(tp.full_state_dict(wrapped)), held)
@@ -115,17 +139,23 @@ def _assert_close(got, want, what):
 
 @pytest.mark.slow  # 4 ranks: ~20 s alone, longer on a loaded 2-core machine
 def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
-    results = run_distributed(_mesh_rank, 4, args=(str(tmp_path),), timeout=300)
+    results = run_distributed(_mesh_rank, 4, args=(str(tmp_path),), timeout=300, init=False)
     want, unsplit_bytes = _oracle()
     assert [r["coords"] for r in results] == [
         {"pipeline": 0, "data": d, "tensor": t} for d in (0, 1) for t in (0, 1)
     ]
     assert [r["tensor ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    seen = [r["prepare"][0] for r in results]
+    assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3])  # tensor peers
+    every = torch.cat([x for x, _ in _batches()])  # data rank d reads samples d, d + 2, ...
+    assert torch.equal(seen[0], every[0::2]) and torch.equal(seen[2], every[1::2])
+    assert {r["prepare"][2] for r in results} == {"DistributedDataParallel"}
     for rank, r in enumerate(results):
         for engine, shards in (("ddp", 1), ("zero3", 2)):
             state, held = r[engine]
             _assert_close(state, want, f"rank {rank} {engine}")
             bound = unsplit_bytes * (1 / (2 * shards) + 0.05)
             assert held <= bound, f"rank {rank} {engine}: {held} bytes > {bound:.0f}"
+        _assert_close(r["prepare"][1], want, f"rank {rank} rw.init(mesh=...) + rt.prepare")
         _assert_close(r["loaded 1x1"], want, f"rank {rank} checkpoint at 1 x 1")
         _assert_close(r["loaded 4x1"], want, f"rank {rank} checkpoint at 4 x 1")

@@ -52,3 +52,63 @@ def test_topology_prints_the_mesh_and_warns_when_tensor_groups_cross_nodes(capsy
     assert json.loads(capsys.readouterr().out)["mesh"]["groups"] == {"tensor": [[0, 1, 2, 3]]}
     assert main(["topology", "--nproc-per-node", "2", "--mesh", "data=2,tensor=2"]) == 2
     assert "--nproc-per-node 4" in capsys.readouterr().err
+
+
+def test_init_refuses_a_mesh_that_is_not_the_world_or_names_no_dimension():
+    import rankwise as rw
+
+    rw.shutdown()
+    try:
+        with pytest.raises(ConfigError, match=r"mesh \{'data': 2, 'tensor': 2\} has 4 rank\(s\) "
+                           r"but the job has world size 1") as info:  # fmt: skip
+            rw.init(mesh={"data": 2, "tensor": 2})
+        assert "product is 1" in str(info.value) and "--nproc-per-node 4" in str(info.value)
+        with pytest.raises(ConfigError, match=r"(?s)unknown dimension\(s\) \['model'\].*pipeline"):
+            rw.init(mesh={"model": 1})
+        assert not rw.is_initialized()  # refused before anything was made
+        assert rw.init().mesh is None
+    finally:
+        rw.shutdown()
+
+
+def test_init_keeps_the_mesh_and_a_second_init_may_not_change_it():
+    import rankwise as rw
+    from rankwise import runtime
+    from rankwise.data import _coords
+    from rankwise.errors import RuntimeStateError
+
+    rw.shutdown()
+    try:
+        rt = rw.init(mesh={"data": 1})
+        assert rt.mesh.sizes == {"pipeline": 1, "data": 1, "tensor": 1}
+        assert rt.mesh.group("tensor") is None  # world size 1: collectives are local
+        assert runtime.coords().data == (0, 1) and _coords.coords() == (0, 1)
+        assert rw.init(mesh={"data": 1}) is rt and rw.init() is rt
+        with pytest.raises(RuntimeStateError, match=r"this call asks for mesh=\{'pipeline': 1, "
+                           r"'data': 2, 'tensor': 1\}"):  # fmt: skip
+            rw.init(mesh={"data": 2})
+        rw.shutdown()
+        rw.init()
+        with pytest.raises(RuntimeStateError, match=r"already called with mesh=None"):
+            rw.init(mesh={"data": 1})
+    finally:
+        rw.shutdown()
+
+
+def test_a_pipeline_takes_its_stages_from_the_mesh_or_from_ranks_not_both():
+    import torch
+    from torch import nn
+
+    import rankwise as rw
+
+    rw.shutdown()
+    try:
+        rw.init(mesh={"pipeline": 1})
+        pipe = rw.DistributedPipeline(nn.Sequential(nn.Linear(2, 2)))  # rt.mesh: one stage
+        assert (pipe.ranks, pipe.data_parallel_group) == ([0], None)
+        assert torch.equal(pipe(torch.ones(1, 2)), pipe.stage(torch.ones(1, 2)))
+        with pytest.raises(ConfigError, match=r"got mesh \(1 rank\) and also ranks=") as info:
+            rw.DistributedPipeline(nn.Sequential(nn.Linear(2, 2)), mesh=rw.init().mesh, ranks=[0])
+        assert "pass mesh= alone" in str(info.value)
+    finally:
+        rw.shutdown()

@@ -14,9 +14,11 @@ from ..errors import ConfigError, RuntimeStateError
 
 
 def coords() -> tuple[int, int]:
-    """(rank, world_size) of this process."""
+    """(rank, world_size) of this process among the ranks that read different data: under
+    ``rw.init(mesh=...)`` its coordinate and size along the data dimension (the ranks of one
+    tensor-parallel or pipeline group read the same batches), else its global ones."""
     c = runtime.coords()
-    return c.rank, c.world_size
+    return c.data or (c.rank, c.world_size)
 
 
 def resolve(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

@@ -11,6 +11,13 @@ micro-batch 1. The gradients left in ``.grad`` are those of the loss of the whol
 Data parallel on top: give ``data_parallel_group`` (from ``dist.new_group``), the ranks that
 hold the SAME stage in different pipeline replicas; after the backward the stage's gradients
 are averaged over that group, as DDP would average them.
+
+On a device mesh (``rw.init(mesh={"pipeline": 2, "data": D, "tensor": T})``, the default when
+``rt.mesh`` exists, or ``mesh=``): the stages are this rank's pipeline group and the gradients
+are averaged over its data group. Tensor-parallel stages: split the model first with
+``rw.tensor_parallel(model, plan, group=mesh.group("tensor"))``; tensor rank t of stage k then
+sends to tensor rank t of stage k + 1 (each tensor rank holds the whole activation) and the
+stage's tensor-parallel collectives run inside its group (docs/model-parallel.md).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from .. import comm, runtime
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..flat import FlatParams
+from ..mesh import DeviceMesh
 from ..parallel.ddp.no_sync import gradient_sync_off
 from . import p2p, partition
 from .pipe import _check_chunks
@@ -55,6 +63,23 @@ def _check_ranks(ranks: Sequence[int] | None, world: int, rank: int) -> list[int
     return ranks
 
 
+def _from_mesh(mesh, default, ranks, group, rank: int):
+    """(ranks, data group) from ``mesh`` (or the runtime's ``default`` mesh, when neither
+    ``ranks`` nor ``group`` is given); as given without a mesh."""
+    if mesh is not None and (ranks is not None or group is not None):
+        raise ConfigError(
+            f"DistributedPipeline got mesh ({mesh.describe()}) and also "
+            f"{'ranks=' if ranks is not None else 'data_parallel_group='}",
+            fix="pass mesh= alone (its pipeline groups are the stages, its data group averages "
+            "the gradients), or ranks= and data_parallel_group= without it.",
+            rank=rank,
+        )
+    mesh = mesh if mesh is not None or ranks is not None or group is not None else default
+    if mesh is None:
+        return ranks, group
+    return mesh.ranks("pipeline"), mesh.group("data")
+
+
 class DistributedPipeline(nn.Module):
     """This rank's stage of a sequential model pipelined over ``ranks``.
 
@@ -73,10 +98,14 @@ class DistributedPipeline(nn.Module):
         device: str | torch.device | None = None,
         data_parallel_group: dist.ProcessGroup | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         rt = runtime.get_runtime()
         self.rank = comm.rank()
+        ranks, data_parallel_group = _from_mesh(
+            mesh, rt.mesh, ranks, data_parallel_group, self.rank
+        )
         self.ranks = _check_ranks(ranks, comm.world_size(), self.rank)
         layers = partition.layers_of(model)
         if balance is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -150,6 +150,7 @@ def init(
     strategy: str | None = None,
     devices: Sequence[Any] | None = None,
     precision: str | None = None,
+    mesh: Mapping[str, int] | None = None,
     debug: bool = False,
 ) -> Session:
     """``rw.init``: ``rankwise.runtime.init`` returning a ``Session`` (the one-call API).
@@ -164,6 +165,7 @@ def init(
         strategy=strategy,
         devices=devices,
         precision=precision,
+        mesh=mesh,
         debug=debug,
         kind=Session,
     )

@@ -19,6 +19,7 @@ from torch import nn
 from .. import comm, runtime, strategies
 from ..log import get_logger
 from ..parallel.zero.memory_plan import bytes_per_rank, capacity_bytes, optimizer_states
+from .model import data_replicas
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -38,7 +39,7 @@ def settle(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | Non
         runtime.settle_strategy(rt, rt.strategy)
         return False
     capacity = agreed_capacity(rt)
-    name, why = choose(model, optimizer, rt.world_size, capacity)
+    name, why = choose(model, optimizer, data_replicas(rt), capacity)
     runtime.settle_strategy(rt, name)
     if rt.rank == 0:
         get_logger("rankwise.session").info(f"rankwise prepare [auto -> {name}]: {why}")

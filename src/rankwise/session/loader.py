@@ -172,6 +172,8 @@ def prepare_loader(
         )
     refuse_empty_loader(built, loader, evaluation)
     line = describe_batch(rt.strategy, built, _source(rt, loader, global_batch_size))
+    if rt.mesh is not None and rt.mesh.world_size > rt.mesh.sizes["data"]:
+        line += f" (data ranks of the mesh {rt.mesh.describe()}: their peers read the same)"
     get_logger("rankwise.session").info(line + (" (evaluation: each sample once)" * evaluation))
     return DeviceLoader(built, rt.device)
 

@@ -102,15 +102,27 @@ def data_parallel(
     return DataParallel(model, device_ids=list(rt.devices)), optimizer
 
 
+def data_group(rt: Runtime) -> Any:
+    """The group gradients are averaged over: ``rt.mesh``'s data group under
+    ``rw.init(mesh=...)`` (tensor and pipeline peers hold other parts of the model), else
+    None (every rank)."""
+    return None if rt.mesh is None else rt.mesh.group("data")
+
+
+def data_replicas(rt: Runtime) -> int:
+    """How many replicas the data-parallel engine averages (and ZeRO shards) over."""
+    return rt.world_size if rt.mesh is None else rt.mesh.sizes["data"]
+
+
 def distributed(
     rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
 ) -> tuple[nn.Module, Any]:
-    """'ddp': ``rw.DistributedDataParallel``. Sync point: all ranks (rank 0's state is
-    broadcast)."""
+    """'ddp': ``rw.DistributedDataParallel`` over ``data_group(rt)``. Sync point: all ranks
+    (rank 0's state is broadcast)."""
     spans = _moved(rt, model)
     one_accelerator = rt.device.type != "cpu" and not spans
-    ddp = DistributedDataParallel(model, device_ids=[rt.device] if one_accelerator else None)
-    return ddp, optimizer
+    ids = [rt.device] if one_accelerator else None
+    return DistributedDataParallel(model, device_ids=ids, process_group=data_group(rt)), optimizer
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .model import data_group, data_replicas
 
 if TYPE_CHECKING:
     from ..parallel import ShardedDataParallel
@@ -43,8 +44,9 @@ def prepare_sharded(
         )
     model.to(rt.device)  # pitfall 1: move first, then wrap
     engine = ShardedDataParallel(
-        model, optimizer, stage=rt.strategy_spec.zero_stage, wrap=wrap
-    )
+        model, optimizer, stage=rt.strategy_spec.zero_stage, wrap=wrap,
+        process_group=data_group(rt),
+    )  # fmt: skip
     return engine, engine.optimizer
 
 
@@ -54,6 +56,6 @@ def warn_if_too_big(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimi
     from ..parallel.zero.memory_plan import advice, capacity_bytes
 
     capacity = capacity_bytes(rt.device, rt.env.local_world_size)
-    message = advice(model, rt.world_size, capacity, optimizer, rt.strategy)
+    message = advice(model, data_replicas(rt), capacity, optimizer, rt.strategy)
     if message is not None and rt.rank == 0:
         get_logger().warning(message)

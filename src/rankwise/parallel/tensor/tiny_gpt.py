@@ -4,6 +4,9 @@ The one thing a tensor-parallel attention must do differently: never store the h
 the width it computes with. It reads them from the projection's output, so the same code runs
 whole (all heads) and split (``n_head / size`` heads per rank): ``q.view(B, T, -1, head_dim)``
 and ``y.reshape(B, T, -1)``. The MLP needs nothing; the head is tied to the embedding.
+
+``sequential_gpt`` is the same GPT as an ``nn.Sequential`` (embeddings, blocks, head), the
+form ``rw.DistributedPipeline`` splits into stages; its head is untied (docs/model-parallel.md).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 
 from .plan import Column
 
-__all__ = ["GPT", "GPT_PLAN", "GPTConfig"]
+__all__ = ["GPT", "GPT_PLAN", "SEQUENTIAL_PLAN", "GPTConfig", "sequential_gpt"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,3 +106,44 @@ GPT_PLAN = {
     "lm_head": "column",
 }
 """How ``GPT`` splits: Megatron's pairs (qkv/proj, fc/proj), the vocabulary on both ends."""
+
+
+class Embeddings(nn.Module):
+    """Token ids -> the first residual stream: a pipeline's first layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Head(nn.Module):
+    """The last residual stream -> logits (this rank's vocabulary slice once split)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def sequential_gpt(cfg: GPTConfig) -> nn.Sequential:
+    """``GPT(cfg)`` as ``nn.Sequential(Embeddings, *blocks, Head)`` for pipelines, with an
+    untied head: a weight shared by the first and the last stage would live in two processes."""
+    return nn.Sequential(Embeddings(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg))
+
+
+SEQUENTIAL_PLAN = {
+    "*.wte": "vocab",
+    "*.attn.qkv": Column(chunks=3),
+    "*.attn.proj": "row",
+    "*.mlp.fc": "column",
+    "*.mlp.proj": "row",
+    "*.lm_head": "column",
+}
+"""``GPT_PLAN`` for ``sequential_gpt`` (its layers are named '0', '1', ...)."""
