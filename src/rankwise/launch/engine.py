@@ -22,7 +22,14 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .native_log import NativeStderr, workers_unfiltered
-from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
+from .options import (
+    RANK_PREFIX,
+    LaunchOptions,
+    Rendezvous,
+    check_script,
+    choose_rendezvous,
+    require_options,
+)
 from .output import console, tee_to_files, waiting_message
 from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
 from .restarts import RestartLog, reporting_restarts
@@ -114,6 +121,7 @@ def launch(opts: LaunchOptions) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    require_options(opts)  # rw.launch(fn) is the function launcher; say so, not AttributeError
     check_script(opts, os.getcwd())
     # torch logs each stopped worker and failure itself; our summary says the same, once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigError, DistributedError
+from .options import require_function
 from .spawn import report, spawn_ranks
 
 
@@ -70,6 +71,7 @@ def launch_function(
     ``timeout`` (seconds, None: none) bounds the whole run; a run past it fails with every
     rank's stack. Raises the first failing rank's exception (notes: rank, traceback).
     """
+    require_function(fn)  # a script or LaunchOptions belongs to rankwise.launch.launch
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(
             f"rw.launch(nprocs={nprocs!r}): nprocs must be a positive integer",
