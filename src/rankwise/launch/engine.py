@@ -31,7 +31,14 @@ from .options import (
     require_options,
 )
 from .output import console, tee_to_files, waiting_message
-from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
+from .report import (
+    JobFailed,
+    RankFailure,
+    from_elastic,
+    read_culprits,
+    read_diagnoses,
+    read_finished,
+)
 from .restarts import RestartLog, reporting_restarts
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
@@ -160,6 +167,7 @@ def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) ->
         node_rank=opts.node_rank,
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
+        finished=read_finished(diag),
     )
 
 
