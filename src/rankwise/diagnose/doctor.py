@@ -304,13 +304,24 @@ def check_threads(nproc: int, environ: Mapping[str, str], cores: int) -> list[Fi
     per_rank = threads if threads is not None else cores
     total = per_rank * nproc
     fix = f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks per node)."
+    if raw is None and nproc > 1:  # `rankwise run` (and torchrun) set it: not a problem
+        return [
+            Finding(
+                check="threads",
+                status="info",
+                message=f"OMP_NUM_THREADS is unset: rankwise run and torchrun give each of "
+                f"{nproc} workers 1 thread; started another way (srun, mpirun), each may start "
+                f"{cores} threads ({total} on {cores} cores)",
+                fix=fix,
+            )
+        ]
     if threads is None and nproc > 1:
         return [
             Finding(
                 check="threads",
                 status="warn",
-                message=f"OMP_NUM_THREADS is {'unset' if raw is None else repr(raw)}: each of {nproc} ranks "
-                f"may start {cores} threads ({total} on {cores} cores) unless the launcher sets it",
+                message=f"OMP_NUM_THREADS is {raw!r}, not a number of threads: each of {nproc} "
+                f"ranks may start {cores} threads ({total} on {cores} cores)",
                 fix=fix,
             )
         ]

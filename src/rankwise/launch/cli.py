@@ -47,6 +47,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="port on node 0; one node without it: a free port is picked",
     )
+    _add_rendezvous_arguments(parser)
+    _add_worker_arguments(parser)
+
+
+def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the nodes meet: torch's rendezvous (static by default, c10d for elastic jobs)."""
     _flag(
         parser,
         "rdzv-backend",
@@ -70,7 +76,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"wait this long for the other nodes / the master (default {DEFAULT_RDZV_TIMEOUT_S})",
     )
-    _add_worker_arguments(parser)
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:

@@ -206,23 +206,7 @@ def summarize(
     failed, stopped = split_stopped(failures)
     diagnoses = diagnoses or {}
     quoted = _quoted(failed, diagnoses)
-    ranks = ", ".join(str(f.rank) for f in failed)
-    where = (
-        f"(world size {world_size}, node {node_rank}); every other worker of this node was stopped"
-    )
-    if finished:  # they were not stopped: they had ended, exit code 0
-        done = ", ".join(str(r) for r in finished)
-        where = (
-            f"in a collective that rank(s) {done} never called: those had already finished "
-            f"normally (world size {world_size}, node {node_rank})"
-        )
-    if blamed:
-        lines = [
-            f"rank(s) {', '.join(str(r) for r in blamed)} never reached the collective that "
-            f"rank(s) {ranks} waited in until they failed {where}"
-        ]
-    else:
-        lines = [f"rank(s) {ranks} failed {where}"]
+    lines = [_headline(failed, world_size, node_rank, blamed, finished)]
     for f in failed:
         lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
         tail = [line for line in f.traceback.rstrip().splitlines() if line.strip()]
@@ -240,6 +224,31 @@ def summarize(
         lines.append("  diagnosis:")
         lines.extend(f"    {line}" for line in diagnoses[quoted].splitlines())
     return "\n".join(lines)
+
+
+def _headline(
+    failed: list[RankFailure],
+    world_size: int,
+    node_rank: int,
+    blamed: list[int] | None,
+    finished: list[int] | None,
+) -> str:
+    ranks = ", ".join(str(f.rank) for f in failed)
+    where = (
+        f"(world size {world_size}, node {node_rank}); every other worker of this node was stopped"
+    )
+    if finished:  # they were not stopped: they had ended, exit code 0
+        done = ", ".join(str(r) for r in finished)
+        where = (
+            f"in a collective that rank(s) {done} never called: those had already finished "
+            f"normally (world size {world_size}, node {node_rank})"
+        )
+    if blamed:
+        return (
+            f"rank(s) {', '.join(str(r) for r in blamed)} never reached the collective that "
+            f"rank(s) {ranks} waited in until they failed {where}"
+        )
+    return f"rank(s) {ranks} failed {where}"
 
 
 def from_elastic(failures: dict) -> list[RankFailure]:
