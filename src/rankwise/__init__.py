@@ -77,7 +77,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The public API only: not the submodules imported so far, nor this file's helpers.
+    return sorted(__all__)
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports

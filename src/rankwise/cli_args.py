@@ -1,10 +1,18 @@
 """What every ``rankwise`` sub-command's parser shares: the parser class and flag helpers.
 
-``Parser`` is argparse with one habit added: an unknown flag is an error of the sub-command
+``Parser`` is argparse with two habits added: an unknown flag is an error of the sub-command
 that received it (its own usage, not the top-level one) and names the closest valid flag
-(``--nprocs-per-node`` -> ``did you mean --nproc-per-node?``). ``flag`` adds a flag in both
-torchrun spellings (``--nproc-per-node`` and ``--nproc_per_node``); ``positive_int`` is the
-type of every count.
+(``--nprocs-per-node`` -> ``did you mean --nproc-per-node?``), and a mistyped sub-command or
+choice names the closest valid one (``rankwise runn`` -> ``did you mean 'run'?``; Python 3.14's
+``suggest_on_error`` does this, ours runs on 3.10+). ``flag`` adds a flag in both torchrun
+spellings (``--nproc-per-node`` and ``--nproc_per_node``), and its older names as aliases;
+``positive_int`` is the type of every count.
+
+The command-line conventions (tests/unit/test_cli_consistency.py enforces them on every
+parser): one name per concept (``--nproc-per-node``, ``--node-rank``, ``--comm-max-bytes``,
+``--json``...), every long flag in both spellings, every value's metavar explicit in one
+style (``N``, ``HOST:PORT``, ``auto|cpu|cuda``, ``NAME,...``), and ``--json`` wherever a
+command prints a table.
 """
 
 from __future__ import annotations
@@ -16,7 +24,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-_SUGGESTED = ("unrecognized arguments", "invalid choice", "the following arguments are required")
+_SUGGESTED = (
+    "unrecognized arguments",
+    "unknown command",
+    "unknown choice",
+    "the following arguments are required",
+)
 """argparse messages an unknown flag can cause (a mistyped flag's value is then taken for a
 sub-command or a positional); those are replaced by the unknown flag and its closest match."""
 
@@ -51,6 +64,20 @@ class Parser(argparse.ArgumentParser):
                 flags.append(name)
         return flags
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check, with the closest valid choice named (a mistyped sub-command).
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(c) for c in action.choices]
+        match = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+        command = isinstance(action, argparse._SubParsersAction)
+        hint = f"did you mean {match[0]!r}? " if match else ""
+        raise argparse.ArgumentError(
+            None if command else action,  # "argument COMMAND:" says nothing a user can use
+            f"unknown {'command' if command else 'choice'} {value!r} "
+            f"({hint}choose from {', '.join(map(repr, choices))})",
+        )
+
     def _is_known(self, name: str) -> bool:
         if name in self._option_string_actions:
             return True
@@ -65,11 +92,20 @@ class Parser(argparse.ArgumentParser):
         return f" (did you mean {match[0]}?)" if match else f"; see {self.prog} --help"
 
 
-def flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> argparse.Action:
-    """Add ``--name`` and, when it has a dash, its torchrun underscore spelling as well."""
-    spellings = [f"--{name}"]
-    if "-" in name:
-        spellings.append("--" + name.replace("-", "_"))
+def flag(
+    parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any
+) -> argparse.Action:
+    """Add ``--name`` (and ``aliases``, older names) each in both spellings, ``-`` and ``_``.
+
+    The dest is always ``name``'s, so an alias (``--nproc`` for ``--nproc-per-node``) fills
+    the same field.
+    """
+    spellings: list[str] = []
+    for n in (name, *aliases):
+        for s in (f"--{n}", "--" + n.replace("-", "_"), "--" + n.replace("_", "-")):
+            if s not in spellings:
+                spellings.append(s)
+    kwargs.setdefault("dest", name.replace("-", "_"))
     return parser.add_argument(*spellings, **kwargs)
 
 

@@ -299,6 +299,12 @@ def set_rank_prefix_for_workers(prefixed: bool) -> None:
     os.environ["RANKWISE_RANK_PREFIX"] = "1" if prefixed else "0"
 
 
+def rank_prefix_env(prefixed: bool) -> dict[str, str]:
+    """The variable ``set_rank_prefix_for_workers`` sets, for an ``env=`` mapping of workers
+    started by ``rw.launch`` (which prefixes their lines itself)."""
+    return {"RANKWISE_RANK_PREFIX": "1" if prefixed else "0"}
+
+
 def set_collective_debug() -> None:
     """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this process and the workers it starts: torch then
     checks op, shapes and dtypes of every collective (docs/diagnose.md)."""

@@ -6,6 +6,10 @@ log of twelve interleaved processes still says which process and what to do abou
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class RankwiseError(Exception):
     """Base of every error rankwise raises on purpose."""
@@ -49,3 +53,35 @@ class DistributedError(RankwiseError, RuntimeError):
 class NoProcessGroupError(RuntimeStateError, ValueError):
     """A launched process (WORLD_SIZE > 1) has no process group yet. Also a ``ValueError``:
     what torch raises when the default process group is missing."""
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _internal(filename: str) -> bool:
+    """rankwise's own files, torch's (a DataLoader drives our sampler) and frozen modules."""
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(getattr(torch, "__file__", None) or "/nonexistent") + os.sep
+    return filename.startswith((_HERE, torch_dir, "<frozen"))
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first frame outside rankwise and
+    torch (a sampler's warning is raised inside torch's DataLoader, several frames below the
+    ``for`` loop that caused it; a fixed ``stacklevel`` points into torch)."""
+    frame = sys._getframe(1)
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=module_globals.get("__name__", "<unknown>"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )

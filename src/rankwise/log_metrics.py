@@ -43,7 +43,11 @@ def _as_float(name: str, value: Any) -> float:
                 fix=f"log a scalar, e.g. {name}.mean() or {name}.item().",
             )
         return float(value.detach().float().cpu().item())
+    # A number, or a one-element array (numpy): float() would also parse a string ("1.5",
+    # "nan"), which is not a metric.
     try:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+            raise TypeError(name)
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(
@@ -95,7 +99,7 @@ class MetricsLogger:
         fresh = not csv_path.exists() or csv_path.stat().st_size == 0
         self._csv = open(csv_path, "a", newline="")  # noqa: SIM115 (closed in close())
         if fresh:
-            csv.writer(self._csv).writerow(["step", "name", "value", "time"])
+            csv.writer(self._csv, lineterminator="\n").writerow(["step", "name", "value", "time"])
         self._jsonl = open(self.log_dir / "metrics.jsonl", "a")  # noqa: SIM115
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -118,7 +122,7 @@ class MetricsLogger:
 
     def _write(self, values: dict[str, float], step: int) -> None:
         now = time.time()
-        rows = csv.writer(self._csv)
+        rows = csv.writer(self._csv, lineterminator="\n")  # the csv module's default is \r\n
         for name, value in values.items():
             rows.writerow([step, name, repr(value), f"{now:.3f}"])
             if self._writer is not None:

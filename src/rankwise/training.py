@@ -51,6 +51,8 @@ class LoopState:
     loss_divisor: int = 1
     """Set inside ``accumulate(..., reduction="mean")`` (the default): ``rt.backward`` divides
     by it."""
+    accumulation_told: set[int] = field(default_factory=set)
+    """The ``steps`` values whose global batch per optimizer step has been logged."""
     metrics: MetricsLogger | None = None
 
 
@@ -62,6 +64,22 @@ class Accumulation:
     """True on the last micro-batch of ``steps`` (or of the epoch): step the optimizer then."""
     index: int
     """This micro-batch's position in its group, from 0."""
+
+
+def _tell_accumulation(loop: LoopState, steps: int) -> None:
+    """Once per ``steps``: the prepare line's global batch is per micro-batch; say what an
+    optimizer step sees with accumulation (``rt.accumulate(steps=4)`` on a global batch of
+    32 steps the optimizer every 128 samples)."""
+    if steps < 2 or steps in loop.accumulation_told or not loop.loaders:
+        return
+    loop.accumulation_told.add(steps)
+    from .log import get_logger
+
+    g = loop.loaders[-1].global_batch_size
+    get_logger("rankwise.session").info(
+        f"rankwise accumulate: steps={steps}: global batch per optimizer step {g * steps} = "
+        f"{g} per micro-batch (the prepare line's global batch) x {steps} micro-batches"
+    )
 
 
 class TrainingLoop:
@@ -164,6 +182,7 @@ class TrainingLoop:
                 fix="pass the number of micro-batches per optimizer step, e.g. steps=4.",
             )
         reduction = _reduction(reduction, scale_loss)
+        _tell_accumulation(self.loop, steps)
         index = self.loop.micro_batches.get(id(model), 0)
         sync = index + 1 >= steps or any(
             getattr(dl, "at_last_batch", False) for dl in self.loop.loaders

@@ -161,6 +161,27 @@ def test_a_rank_killed_mid_step_is_named_with_its_last_collective() -> None:
     assert "Fix: rank(s) 1 stopped: read the log of the rank that stopped" in text
 
 
+def _collective_on_rank0_after_rank1_finished() -> None:
+    rank = _start()
+    if rank == 1:
+        rw.shutdown()  # shutdown-site
+        return
+    time.sleep(0.5)  # rank 1 is gone by now
+    rw.all_reduce_mean(torch.ones(3))  # rank0-only-site
+
+
+def test_a_collective_on_rank0_after_rank1_finished_says_so() -> None:
+    text = _failure_text(_collective_on_rank0_after_rank1_finished)
+    s, c = _line("shutdown-site"), _line("rank0-only-site")
+    assert f"rank 0 is waiting in all_reduce #2 (mean, float32[3], from {HERE}:{c})" in text
+    assert (
+        f"rank 1 had already finished normally (rw.shutdown at {HERE}:{s}), after all_reduce #1"
+    ) in text
+    assert "all_reduce #2 was called on rank(s) 0 only: rank(s) 1 finished normally" in text
+    assert "never reported" not in text and "died" not in text
+    assert "Fix: every rank must call each collective" in text
+
+
 def _healthy(n_steps: int) -> list:
     rank = _start()
     fp.configure(check_first=4, check_every=3)  # exercise both kinds of check

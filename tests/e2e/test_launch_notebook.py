@@ -44,3 +44,37 @@ def test_launch_a_function_defined_in_main_and_reraise_a_failed_rank():
     assert "caught KeyError 'no such column on rank 1' rank 1" in lines
     assert "notes [rank 1 of 2] raised this in rw.launch; its traceback:" in lines
     assert "traceback names broken: True" in lines
+
+
+NOTEBOOK_FORMS = textwrap.dedent(
+    """
+    import functools
+    import rankwise as rw
+
+    def train(scale, *, offset=0):
+        rt = rw.init()
+        rw.print0("on rank 0 only")
+        rw.get_logger().info("a log line")
+        return (rt.rank + 1) * scale + offset
+
+    print("kwargs", rw.launch(train, nprocs=2, args=(10,), kwargs={"offset": 1}))
+    print("partial", rw.launch(functools.partial(train, 100, offset=2), nprocs=2))
+    print("lambda", rw.launch(lambda: rw.init().rank, nprocs=2))
+    """
+)
+
+
+def test_notebook_forms_partial_kwargs_lambda_and_one_prefix_per_line():
+    """Was: a partial of a notebook function died in the processes (AttributeError: no
+    'train' in __main__), no kwargs=, and log lines read '[rank 0] [rank 0/2] ...'."""
+    out = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK_FORMS], capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines() + out.stderr.splitlines()
+    assert "kwargs [11, 21]" in lines
+    assert "partial [102, 202]" in lines
+    assert "lambda [0, 1]" in lines  # a notebook's lambda works: its processes are forked
+    assert "[rank 0] on rank 0 only" in lines
+    assert "[rank 0] a log line" in lines, lines
+    assert not [ln for ln in lines if ln.count("[rank ") > 1], lines

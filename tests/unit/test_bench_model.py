@@ -136,7 +136,7 @@ def test_recommendation_says_when_nothing_beats_one_process():
     ("kwargs", "message"),
     [
         ({"strategies": ("ddp", "horovod")}, "--strategies 'ddp,horovod': unknown ['horovod']"),
-        ({"nproc": 1}, "--nproc 1 must be an integer >= 2"),
+        ({"nproc": 1}, "--nproc-per-node 1 must be an integer >= 2"),
         ({"model": "resnet"}, "--model 'resnet' is neither a reference model (mlp, cnn)"),
         ({"model": "no_such_module_xyz:f"}, "--model 'no_such_module_xyz:f': cannot import"),
         ({"network": "10G"}, "--network '10G' is not BANDWIDTH,LATENCY"),
@@ -163,7 +163,7 @@ def test_register_adds_bench_and_bench_comm():
     args = parser.parse_args(["bench", "--strategies", "ddp, local-sgd"])
     assert cli.config_from(args).strategies == ("ddp", "local_sgd")
     args = parser.parse_args(["bench", "comm", "--nproc", "3"])
-    assert (args.func, args.nproc) == (cli.run_comm, 3)
+    assert (args.func, args.nproc_per_node) == (cli.run_comm, 3)
 
 
 def test_validation_times_gloo_only_ddp_when_ddp_would_share_memory():

@@ -100,3 +100,37 @@ def test_a_port_in_use_is_named_with_the_fix_not_the_timeout():
     assert text.startswith("port 29500 is already in use on this machine"), text
     assert "pass another --master-port" in text and "leave --master-port out" in text
     assert "rdzv-timeout" not in text
+
+
+def test_a_rank_that_finished_normally_is_neither_dead_nor_blamed():
+    from rankwise.diagnose.report import failure_report
+
+    views = [RankView(0, _AR, True), RankView(1, _DONE4, None, 2.0, None, finished=True)]
+    msg, fix = failure_report(0, _AR, views, "a peer closed its connection", 0.1)
+    assert "rank 1 had already finished normally, after all_reduce #4" in msg, msg
+    assert "it will never reach #5" in msg
+    assert "all_reduce #5 was called on rank(s) 0 only: rank(s) 1 finished normally" in msg
+    assert "stopped responding" not in msg and "never reported" not in msg
+    assert fix.startswith("every rank must call each collective")
+    assert culprits(views, 5) == [0]  # the rank that called the extra collective
+
+
+def test_summary_says_the_other_rank_had_finished_not_stopped(tmp_path):
+    import json
+
+    from rankwise.launch.report import read_finished
+
+    (tmp_path / "rank0.json").write_text(json.dumps({"culprits": [0], "finished": [1]}))
+    diag = "[rank 0] all_reduce #1 failed on rank 0 ... rank 1 had already finished normally"
+    failures = [RankFailure(rank=0, local_rank=0, pid=10, exitcode=1, traceback=diag)]
+    err = JobFailed(
+        failures, world_size=2, node_rank=0, diagnoses={0: diag}, culprits={0: [0]},
+        finished=read_finished(tmp_path),
+    )  # fmt: skip
+    text = str(err)
+    assert text.startswith(
+        "rank(s) 0 failed in a collective that rank(s) 1 never called: those had already "
+        "finished normally (world size 2, node 0)"
+    ), text
+    assert "was stopped" not in text and "were stopped" not in text
+    assert "Fix: rank 0 called a collective that rank(s) 1 never call" in text

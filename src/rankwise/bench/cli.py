@@ -1,8 +1,8 @@
 """``rankwise bench``: which strategy for this model on this machine, measured side by side.
 
-    rankwise bench [--model mlp|cnn|module:factory] [--strategies single,threads,dp,ddp,...]
-                   [--nproc N] [--steps S] [--batch B] [--out DIR] [--network 100Gbps,5us]
-    rankwise bench comm [--nproc N] [--out DIR]
+    rankwise bench [--model mlp|cnn|MODULE:FN] [--strategies single,threads,dp,ddp,...]
+                   [--nproc-per-node N] [--steps N] [--batch N] [--out DIR] [--json]
+    rankwise bench comm [--nproc-per-node N] [--comm-max-bytes BYTES] [--out DIR] [--json]
 
 Flags -> ``BenchConfig`` -> ``runner.run`` -> ``report.build`` -> table, JSON, PNG.
 Top-level imports stay light: the ``rankwise`` command imports this module to build its parser.
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..cli_args import Parser, positive_int
+from ..cli_args import Parser, flag, positive_int
 from ..errors import ConfigError
 from . import rows
 
@@ -54,7 +54,7 @@ def config_from(args: argparse.Namespace):
         model=args.model,
         data=args.data,
         strategies=_strategies(args.strategies),
-        nproc=args.nproc,
+        nproc=args.nproc_per_node,
         steps=args.steps,
         batch=args.batch,
         repeats=args.repeats,
@@ -107,6 +107,9 @@ def run_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     write_png(doc, out / "bench.png")
+    if args.json:  # the files are written all the same; stdout is the document alone
+        print(json.dumps(doc, indent=2))
+        return 0
     print(report.format_table(doc))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
@@ -117,80 +120,118 @@ def run_comm(args: argparse.Namespace) -> int:
     from . import commbench
     from .runner import BenchConfig, device_and_backend
 
-    if args.nproc < 2:
+    nproc = args.nproc_per_node
+    if nproc < 2:
         raise ConfigError(
-            f"--nproc {args.nproc}: an all-reduce needs at least 2 ranks", fix="--nproc 2"
+            f"--nproc-per-node {nproc}: an all-reduce needs at least 2 ranks",
+            fix="--nproc-per-node 2",
         )
-    _, backend = device_and_backend(BenchConfig(nproc=args.nproc, device=args.device))
-    sizes = _sizes(args.max_bytes, "--max-bytes")
-    report = commbench.run(args.nproc, backend, sizes, args.repeats)
+    _, backend = device_and_backend(BenchConfig(nproc=nproc, device=args.device))
+    sizes = _sizes(args.comm_max_bytes, "--comm-max-bytes")
+    report = commbench.run(nproc, backend, sizes, args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comm.json").write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
     print(commbench.format_table(report))
     print(f"wrote {out / 'comm.json'}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="mlp", help="mlp, cnn, or module:factory (default mlp)")
-    p.add_argument(
-        "--data", default=None, help="module:function(size, seed) -> (x, y); default <module>:batch"
+    flag(p, "model", default="mlp", metavar="mlp|cnn|MODULE:FN", help="model (default mlp)")
+    flag(
+        p,
+        "data",
+        default=None,
+        metavar="MODULE:FN",
+        help="function(size, seed) -> (x, y); default <module>:batch",
     )
-    p.add_argument(
-        "--strategies",
+    flag(
+        p,
+        "strategies",
         default=STRATEGIES,
+        metavar="NAME,...",
         help=f"comma-separated, of {','.join(rows.ALL)} (default {STRATEGIES})",
     )
-    p.add_argument(
-        "--nproc", type=int, default=2, help="processes / threads / replicas (default 2)"
+    _nproc(p, "processes / threads / replicas (default 2)")
+    flag(p, "steps", type=int, default=5, metavar="N", help="steps per timed repeat; loss after N")
+    flag(p, "batch", type=int, default=32, metavar="N", help="samples per worker per step (32)")
+    flag(p, "repeats", type=int, default=5, metavar="N", help="interleaved timed repeats (5)")
+    flag(p, "lr", type=float, default=0.01, metavar="LR", help="SGD learning rate (default 0.01)")
+    flag(p, "local-sgd-every", type=int, default=4, metavar="N", help="local_sgd period (steps)")
+    flag(p, "async-staleness", type=int, default=None, metavar="N", help="async staleness bound")
+    _device(p, "auto: GPUs when there are --nproc-per-node of them, else CPU")
+    flag(
+        p,
+        "validate",
+        default="2,3,4",
+        metavar="N,...",
+        help="world sizes to check the projection at",
     )
-    p.add_argument(
-        "--steps", type=int, default=5, help="steps per timed repeat; loss after S steps"
+    flag(
+        p,
+        "network",
+        default=None,
+        metavar="BANDWIDTH,LATENCY",
+        help="projection network, e.g. 100Gbps,5us",
     )
-    p.add_argument("--batch", type=int, default=32, help="samples per worker per step (default 32)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats (default 5)")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    p.add_argument("--local-sgd-every", type=int, default=4, help="local_sgd averaging period")
-    p.add_argument("--async-staleness", type=int, default=None, help="async staleness bound")
-    p.add_argument(
-        "--device",
+    _max_bytes(p, "largest all-reduce in the fit (default 64 MiB)")
+    flag(
+        p,
+        "out",
+        default="rankwise-bench",
+        metavar="DIR",
+        help="directory for bench.json and bench.png",
+    )
+    flag(p, "json", action="store_true", help="print the report as JSON instead of the table")
+
+
+def _nproc(p: argparse.ArgumentParser, help: str) -> None:
+    # --nproc was bench's own name; --nproc-per-node is every other command's (and torchrun's).
+    flag(p, "nproc-per-node", "nproc", type=positive_int, default=2, metavar="N", help=help)
+
+
+def _device(p: argparse.ArgumentParser, help: str) -> None:
+    flag(
+        p,
+        "device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
-        help="auto: GPUs when there are --nproc of them, else CPU",
+        metavar="auto|cpu|cuda",
+        help=help,
     )
-    p.add_argument("--validate", default="2,3,4", help="world sizes to check the projection at")
-    p.add_argument("--network", default=None, help="projection network, e.g. 100Gbps,5us")
-    p.add_argument(
-        "--comm-max-bytes", type=int, default=None, help="largest all-reduce in the fit (64 MiB)"
+
+
+def _max_bytes(p: argparse.ArgumentParser, help: str) -> None:
+    # One name for bench and bench comm; --max-bytes was bench comm's.
+    flag(
+        p,
+        "comm-max-bytes",
+        "max-bytes",
+        type=positive_int,
+        default=None,
+        metavar="BYTES",
+        help=help,
     )
-    p.add_argument("--out", default="rankwise-bench", help="directory for bench.json and bench.png")
 
 
 def _add_comm(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "comm",
         help="all-reduce latency and bus bandwidth, 4 KiB..64 MiB",
-        description="Measure all-reduce latency and bus bandwidth between --nproc local ranks "
-        "for message sizes 4 KiB..--max-bytes, and memcpy bandwidth for comparison. "
-        "Writes comm.json to --out.",
+        description="Measure all-reduce latency and bus bandwidth between --nproc-per-node "
+        "local ranks for message sizes 4 KiB..--comm-max-bytes, and memcpy bandwidth for "
+        "comparison. Writes comm.json to --out.",
     )
-    c.add_argument(
-        "--nproc", type=positive_int, default=2, help="ranks taking part, at least 2 (default 2)"
-    )
-    c.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed repeats per size (default 5)"
-    )
-    c.add_argument(
-        "--max-bytes", type=int, default=None, help="largest message in bytes (default 64 MiB)"
-    )
-    c.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="auto: NCCL on GPUs when there are --nproc of them, else Gloo on CPU",
-    )
-    c.add_argument("--out", default="rankwise-bench", help="directory for comm.json")
+    _nproc(c, "ranks taking part, at least 2 (default 2)")
+    flag(c, "repeats", type=positive_int, default=5, metavar="N", help="timed repeats per size (5)")
+    _max_bytes(c, "largest message in bytes (default 64 MiB)")
+    _device(c, "auto: NCCL on GPUs when there are --nproc-per-node of them, else Gloo on CPU")
+    flag(c, "out", default="rankwise-bench", metavar="DIR", help="directory for comm.json")
+    flag(c, "json", action="store_true", help="print the report as JSON instead of the table")
     c.set_defaults(func=run_comm)
 
 
@@ -206,7 +247,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _configure(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.set_defaults(func=run_bench)
-    _add_comm(p.add_subparsers(dest="bench_command", metavar="{comm}"))
+    _add_comm(p.add_subparsers(dest="bench_command", metavar="COMMAND"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -79,7 +79,7 @@ class BenchConfig:
                 fix=f"choose from {','.join(st.ALL)}.",
             )
         for flag, value, low in (
-            ("--nproc", self.nproc, 2),
+            ("--nproc-per-node", self.nproc, 2),
             ("--steps", self.steps, 1),
             ("--batch", self.batch, 1),
             ("--repeats", self.repeats, 1),
@@ -112,8 +112,9 @@ def device_and_backend(cfg: BenchConfig) -> tuple[str, str]:
     count = torch.cuda.device_count()
     if count < cfg.nproc:
         raise ConfigError(
-            f"--nproc {cfg.nproc} needs {cfg.nproc} GPUs (one per process), {count} visible",
-            fix=f"use --nproc {count} if that is at least 2, or --device cpu.",
+            f"--nproc-per-node {cfg.nproc} needs {cfg.nproc} GPUs (one per process), "
+            f"{count} visible",
+            fix=f"use --nproc-per-node {count} if that is at least 2, or --device cpu.",
         )
     return "cuda", "nccl"
 

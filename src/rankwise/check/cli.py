@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
-from ..cli_args import Parser
+from ..cli_args import Parser, flag
 from ..errors import ConfigError
 from .report import exit_code, to_json, to_text
 from .rules import RULES
@@ -27,18 +28,30 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="*", metavar="PATH", help="scripts or directories to check")
-    p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument(
-        "--select", type=_csv, default=[], help="only these rules (ids or slugs, comma-separated)"
+    flag(p, "json", action="store_true", help="print the findings (or --list-rules) as JSON")
+    flag(
+        p,
+        "select",
+        type=_csv,
+        default=[],
+        metavar="RULE,...",
+        help="only these rules (ids or slugs, comma-separated)",
     )
-    p.add_argument("--ignore", type=_csv, default=[], help="skip these rules (ids or slugs)")
-    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
-    p.add_argument("--list-rules", action="store_true", help="list the rules and exit")
+    flag(p, "ignore", type=_csv, default=[], metavar="RULE,...", help="skip these rules")
+    flag(p, "strict", action="store_true", help="exit 1 on warnings too")
+    flag(p, "list-rules", action="store_true", help="list the rules and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the check described by parsed arguments; return the exit status."""
     if args.list_rules:
+        if args.json:
+            rules = [
+                {"id": r.id, "severity": r.severity.value, "slug": r.slug, "summary": r.summary}
+                for r in RULES
+            ]
+            print(json.dumps(rules, indent=2))
+            return 0
         for r in RULES:
             print(f"{r.id}  {r.severity.value:<7}  {r.slug:<34} {r.summary}")
         return 0

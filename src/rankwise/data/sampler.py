@@ -19,14 +19,13 @@ What torch does not do:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-from ..errors import ConfigError, RuntimeStateError
+from ..errors import ConfigError, RuntimeStateError, warn_user
 from . import _coords
 
 
@@ -161,13 +160,11 @@ class DistributedSampler(Sampler[int]):
     def _warn_if_epoch_repeats(self) -> None:
         if self.shuffle and self._iterated and not self._epoch_set and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn_user(  # at the user's loop, not inside torch's DataLoader
                 f"DistributedSampler: a new pass over the data started with epoch={self.epoch} "
                 "again, so it repeats the previous pass's shuffled order (set_epoch() was not "
                 "called). Fix: call sampler.set_epoch(epoch) at the start of every epoch, or use "
-                "rw.loader(...), which does it for you.",
-                UserWarning,
-                stacklevel=3,
+                "rw.loader(...), which does it for you."
             )
         self._iterated = True
         self._epoch_set = False

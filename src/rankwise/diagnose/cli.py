@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag(parser, "nnodes", type=positive_int, default=1, metavar="N", help="nodes (default 1)")
     flag(
         parser,
+        "node-rank",
+        type=int,
+        default=0,
+        metavar="N",
+        help="index of this node, 0..nnodes-1 (default 0, the master's node)",
+    )
+    flag(
+        parser,
         "master-addr",
         default=None,
         metavar="HOST",
@@ -63,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     findings = run_checks(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
+        node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
     )

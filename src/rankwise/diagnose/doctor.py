@@ -214,20 +214,28 @@ def _is_local(address: str) -> bool:
     return netif.is_loopback(address) or netif.source_address_towards(address) == address
 
 
-def check_port(master: str, port: int) -> list[Finding]:
-    """On the master's machine: is the port free for the rendezvous store?"""
+def check_port(master: str, port: int, node_rank: int = 0, nnodes: int = 1) -> list[Finding]:
+    """On the master's machine (node 0): is the port free for the rendezvous store?
+
+    On another node, whether the master's address fits the node's rank: node 0 binds the
+    port, every other node connects to it.
+    """
+    if not 0 <= node_rank < nnodes:
+        return [
+            Finding(
+                check="port",
+                status="error",
+                message=f"--node-rank {node_rank} is out of range for --nnodes {nnodes}",
+                fix=f"node ranks count from 0: give the nodes --node-rank 0 .. {nnodes - 1}.",
+            )
+        ]
     try:
         address = socket.gethostbyname(master)
     except OSError:
         return []  # reported by the network check
-    if not _is_local(address):
-        return [
-            Finding(
-                check="port",
-                status="info",
-                message=f"master {master} is another machine: run doctor there to check port {port}",
-            )
-        ]
+    local = _is_local(address)
+    if node_rank > 0 or not local:
+        return [_not_the_master(master, port, node_rank, nnodes, local)]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
         try:
@@ -250,6 +258,32 @@ def check_port(master: str, port: int) -> list[Finding]:
     return [Finding(check="port", status="ok", message=f"master port {port} is free on {master}")]
 
 
+def _not_the_master(master: str, port: int, node_rank: int, nnodes: int, local: bool) -> Finding:
+    """The port check for a machine that does not bind the master port."""
+    if local:  # node_rank > 0 yet the master is here: every node would be its own master
+        return Finding(
+            check="port",
+            status="warn",
+            message=f"--node-rank {node_rank} with master {master} on this machine: right only "
+            "when node 0 runs here too (a test); other machines cannot reach it",
+            fix="on a cluster pass --master-addr with node 0's address on every node.",
+        )
+    if node_rank == 0 and nnodes > 1:
+        return Finding(
+            check="port",
+            status="warn",
+            message=f"--node-rank 0 is the master's node but master {master} is another machine",
+            fix=f"on node 0 pass its own address (--master-addr), or give this machine its "
+            f"rank --node-rank 1 .. {nnodes - 1}.",
+        )
+    return Finding(
+        check="port",
+        status="info",
+        message=f"master {master} is another machine: run doctor --node-rank 0 there to "
+        f"check port {port}",
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -270,13 +304,24 @@ def check_threads(nproc: int, environ: Mapping[str, str], cores: int) -> list[Fi
     per_rank = threads if threads is not None else cores
     total = per_rank * nproc
     fix = f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks per node)."
+    if raw is None and nproc > 1:  # `rankwise run` (and torchrun) set it: not a problem
+        return [
+            Finding(
+                check="threads",
+                status="info",
+                message=f"OMP_NUM_THREADS is unset: rankwise run and torchrun give each of "
+                f"{nproc} workers 1 thread; started another way (srun, mpirun), each may start "
+                f"{cores} threads ({total} on {cores} cores)",
+                fix=fix,
+            )
+        ]
     if threads is None and nproc > 1:
         return [
             Finding(
                 check="threads",
                 status="warn",
-                message=f"OMP_NUM_THREADS is {'unset' if raw is None else repr(raw)}: each of {nproc} ranks "
-                f"may start {cores} threads ({total} on {cores} cores) unless the launcher sets it",
+                message=f"OMP_NUM_THREADS is {raw!r}, not a number of threads: each of {nproc} "
+                f"ranks may start {cores} threads ({total} on {cores} cores)",
                 fix=fix,
             )
         ]
@@ -297,6 +342,7 @@ def run_checks(
     *,
     nproc_per_node: int = 1,
     nnodes: int = 1,
+    node_rank: int = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
     environ: Mapping[str, str] | None = None,
@@ -318,7 +364,7 @@ def run_checks(
         *check_gpus(nproc_per_node, gpus, environ),
         *check_env(environ, nproc_per_node, nnodes),
         *check_network(master, environ),
-        *check_port(master, port),
+        *check_port(master, port, node_rank, nnodes),
         *check_threads(nproc_per_node, environ, cores or _cores()),
     ]
 
@@ -332,7 +378,6 @@ def format_text(findings: Sequence[Finding]) -> str:
         if f.fix:
             lines.append(f"  {'':<5}  {'':<8}  fix: {f.fix}")
     return "\n".join(lines)
-
 
 
 if __name__ == "__main__":  # python -m rankwise.diagnose.doctor: the argparse lives in cli.py

@@ -51,6 +51,7 @@ class _Peer:
     beat: float | None
     frame: Site | None
     latest: Record | None
+    finished: bool = False
 
 
 def _read(channel: Channel, group: str, rank: int) -> _Peer:
@@ -65,7 +66,10 @@ def _read(channel: Channel, group: str, rank: int) -> _Peer:
         if latest is None or wired.seq > latest.seq:
             latest = wired
     frame = Site(*state["frame"]) if state and state.get("frame") else None
-    return _Peer(state["t"] if state else None, frame, latest)
+    done = channel.finished(rank)
+    if done is not None:  # it ended normally: where it called rw.shutdown, if it did
+        frame = Site(*done["site"]) if done.get("site") else None
+    return _Peer(state["t"] if state else None, frame, latest, done is not None)
 
 
 def collect_views(
@@ -76,12 +80,12 @@ def collect_views(
     me = g.global_rank
     others = [r for r in g.ranks if r != me]
     first = {r: _read(channel, g.name, r) for r in others}
-    latest, alive = dict(first), set()
+    latest, alive, done = dict(first), set(), set()
     deadline = time.monotonic() + (2.5 * interval if settle else 0.0)
     while True:
         now = time.time()
         for r in others:
-            if r in alive:
+            if r in alive or r in done:
                 continue
             cur = latest[r] = _read(channel, g.name, r)
             advanced = (
@@ -91,7 +95,9 @@ def collect_views(
             failed = cur.latest is not None and cur.latest.state == "failed"
             if advanced or recent or failed:  # a rank that reported its own failure is no corpse
                 alive.add(r)
-        if len(alive) == len(others) or time.monotonic() >= deadline:
+            elif cur.finished:  # settled too: it ended normally, no heartbeat will come
+                done.add(r)
+        if len(alive | done) == len(others) or time.monotonic() >= deadline:
             break
         time.sleep(interval / 4)
     views = [RankView(me, mine, True)]
@@ -99,7 +105,8 @@ def collect_views(
         cur = latest[r]
         state = True if r in alive else (None if cur.beat is None and cur.latest is None else False)
         silent = None if cur.beat is None else max(0.0, time.time() - cur.beat)
-        views.append(RankView(r, cur.latest, state, silent, cur.frame))
+        finished = r not in alive and cur.finished
+        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished))
     return views
 
 
@@ -133,7 +140,8 @@ def failure_error(
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
     if mark:
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
-    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq))
+    finished = [v.rank for v in views if v.finished]
+    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq), finished)
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -168,9 +176,16 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
-def write_diag_file(rank: int, message: str, fix: str, culprits: list[int] | None = None) -> None:
+def write_diag_file(
+    rank: int,
+    message: str,
+    fix: str,
+    culprits: list[int] | None = None,
+    finished: list[int] | None = None,
+) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
-    and ``rank<r>.json`` naming the ranks to blame (the launcher's headline)."""
+    and ``rank<r>.json`` naming the ranks to blame and those that had finished normally (the
+    launcher's headline)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -179,7 +194,7 @@ def write_diag_file(rank: int, message: str, fix: str, culprits: list[int] | Non
         with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
         with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump({"culprits": culprits or []}, f)
+            json.dump({"culprits": culprits or [], "finished": finished or []}, f)
     except OSError:
         pass
 

@@ -55,7 +55,10 @@ class RankView:
     silent_s: float | None = None
     """Seconds since its last heartbeat."""
     frame: Site | None = None
-    """Where its main thread was at its last heartbeat (user code)."""
+    """Where its main thread was at its last heartbeat (user code); for a finished rank, where
+    it called ``rw.shutdown`` (None at a clean exit)."""
+    finished: bool = False
+    """It ended normally (``rw.shutdown`` or a clean exit): it will issue no more collectives."""
 
 
 @lru_cache(maxsize=64)
@@ -105,6 +108,10 @@ def describe(rec: Record, *, context: bool = True) -> str:
 def rank_sentence(view: RankView, want_seq: int) -> str:
     """What one rank is doing, relative to the collective ``want_seq`` that failed."""
     r, rec = view.rank, view.latest
+    if view.finished:
+        where = f" (rw.shutdown at {view.frame.short()})" if view.frame else ""
+        last = f"after {describe(rec)}" if rec else "without issuing any collective"
+        return f"rank {r} had already finished normally{where}, {last}: it will never reach #{want_seq}"
     if view.alive is None and rec is None:
         return f"rank {r} never reported (not started yet, or died before its first collective)"
     if view.alive is False:
@@ -153,6 +160,11 @@ FIX_DEAD = (
     "read the log of the rank that stopped: its first error is the cause (a rank killed by the "
     "OS, e.g. out of memory, leaves no Python traceback; `dmesg` shows it)."
 )
+FIX_FINISHED = (
+    "every rank must call each collective: this one ran on some ranks only (look at its call "
+    "site above: a collective under `if rank == 0:`), and the others ended their script without "
+    "it. Call it on every rank and use its result on rank 0 only, or drop it."
+)
 FIX_BEHIND = (
     "every rank must reach the same collectives; the rank(s) named above are busy elsewhere "
     "(a collective skipped under a condition, an endless loop, or a much slower step). "
@@ -175,12 +187,20 @@ def failure_report(
     text = head + "; ".join(sentences) + "."
     current = {v.rank: v.latest for v in views if v.latest is not None and v.latest.seq == want}
     disagree = disagreement(current)
-    dead = [v.rank for v in views if v.alive is False]
+    dead = [v.rank for v in views if v.alive is False and not v.finished]
+    finished = [v.rank for v in views if v.finished]
     behind = [v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want)]
     if disagree:
         return f"{text} {disagree}", FIX_MISMATCH
     if dead:
         return text, f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD
+    if finished:
+        called = [v.rank for v in views if not v.finished]
+        return (
+            f"{text} {failed.op} #{want} was called on rank(s) {_ranks(called)} only: rank(s) "
+            f"{_ranks(finished)} finished normally without it.",
+            FIX_FINISHED,
+        )
     if behind:
         return f"{text} Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND
     return (
@@ -191,10 +211,14 @@ def failure_report(
 
 def culprits(views: list[RankView], want: int) -> list[int]:
     """The ranks to blame for collective ``want`` not completing: those that stopped
-    responding, else those alive that never reached it (the waiting ranks are their victims)."""
-    dead = [v.rank for v in views if v.alive is False]
+    responding, else those alive that never reached it (the waiting ranks are their victims).
+    When ranks finished normally instead, the ranks that issued the extra collective are
+    to blame: they called it where the others never would."""
+    dead = [v.rank for v in views if v.alive is False and not v.finished]
     if dead:
         return sorted(dead)
+    if any(v.finished for v in views):
+        return sorted(v.rank for v in views if not v.finished and v.latest and v.latest.seq >= want)
     return sorted(v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want))
 
 

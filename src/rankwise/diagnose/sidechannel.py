@@ -10,6 +10,9 @@ Keys (under the store's own prefix):
 - ``rankwise/diag/state/{rank}``: JSON heartbeat from the watchdog thread: time, where the main
   thread is, the states (waiting/done/failed) of the last entries of every group.
 - ``rankwise/diag/{group}/ring/{rank}``: a rank's whole history, written only on a mismatch.
+- ``rankwise/diag/finished/{rank}``: JSON written once when a rank ends normally (``rw.shutdown``
+  or a clean exit): time, where, how many collectives it issued. A rank waiting in a collective
+  that a finished rank will never issue can then say so instead of "never reported".
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def key_state(rank: int) -> str:
 
 def key_ring(group: str, rank: int) -> str:
     return f"{_PREFIX}/{group}/ring/{rank}"
+
+
+def key_finished(rank: int) -> str:
+    return f"{_PREFIX}/finished/{rank}"
 
 
 SEP = "\x1f"
@@ -95,6 +102,14 @@ class Channel:
             return self.store.get(key).decode("utf-8", "replace")
         except Exception as exc:
             self._off(exc)
+            return None
+
+    def finished(self, rank: int) -> dict[str, Any] | None:
+        """What ``rank`` published when it ended normally; None while it has not."""
+        raw = self.get(key_finished(rank))
+        try:
+            return None if raw is None else json.loads(raw)
+        except ValueError:
             return None
 
     def state(self, rank: int) -> dict[str, Any] | None:

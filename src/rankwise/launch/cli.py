@@ -24,18 +24,50 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="workers on this node: a number, or 'auto' (one per GPU, else per CPU core)",
     )
     _flag(parser, "nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
-    _flag(parser, "node-rank", type=int, default=0, help="index of this node, 0..nnodes-1")
-    _flag(parser, "master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    _flag(
+        parser,
+        "node-rank",
+        type=int,
+        default=0,
+        metavar="N",
+        help="index of this node, 0..nnodes-1",
+    )
+    _flag(
+        parser,
+        "master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address of node 0 (default 127.0.0.1)",
+    )
     _flag(
         parser,
         "master-port",
         type=int,
         default=None,
+        metavar="PORT",
         help="port on node 0; one node without it: a free port is picked",
     )
-    _flag(parser, "rdzv-backend", default="static", help="'static' (default) or 'c10d' (elastic)")
-    _flag(parser, "rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (c10d)")
-    _flag(parser, "rdzv-id", default="none", help="job id shared by all nodes (c10d)")
+    _add_rendezvous_arguments(parser)
+    _add_worker_arguments(parser)
+
+
+def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the nodes meet: torch's rendezvous (static by default, c10d for elastic jobs)."""
+    _flag(
+        parser,
+        "rdzv-backend",
+        default="static",
+        metavar="BACKEND",
+        help="'static' (default) or 'c10d' (elastic)",
+    )
+    _flag(
+        parser,
+        "rdzv-endpoint",
+        default="",
+        metavar="HOST:PORT",
+        help="where the nodes meet (c10d)",
+    )
+    _flag(parser, "rdzv-id", default="none", metavar="ID", help="job id shared by all nodes (c10d)")
     _flag(
         parser,
         "rdzv-timeout",
@@ -44,7 +76,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"wait this long for the other nodes / the master (default {DEFAULT_RDZV_TIMEOUT_S})",
     )
-    _add_worker_arguments(parser)
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +91,16 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "max-restarts",
         type=int,
         default=0,
+        metavar="N",
         help="restart the worker group this many times after a failure (default 0)",
     )
-    _flag(parser, "log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    _flag(
+        parser,
+        "log-dir",
+        default=None,
+        metavar="DIR",
+        help="keep each worker's stdout/stderr files here",
+    )
     _flag(parser, "no-prefix", action="store_true", help="do not prefix output lines with [rankN]:")
     _flag(
         parser,
@@ -71,12 +109,21 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="check every torch.distributed collective across ranks before it runs "
         "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slower, see docs/diagnose.md)",
     )
-    _flag(parser, "monitor-interval", type=float, default=0.1, help=argparse.SUPPRESS)
+    _flag(
+        parser,
+        "monitor-interval",
+        type=float,
+        default=0.1,
+        metavar="SECONDS",
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the target as a module, like python -m"
     )
-    parser.add_argument("script", help="training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
+    )
 
 
 def options_from_args(args: argparse.Namespace, *, pass_local_rank: bool = False):

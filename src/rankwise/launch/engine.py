@@ -22,9 +22,23 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from .native_log import NativeStderr, workers_unfiltered
-from .options import RANK_PREFIX, LaunchOptions, Rendezvous, check_script, choose_rendezvous
+from .options import (
+    RANK_PREFIX,
+    LaunchOptions,
+    Rendezvous,
+    check_script,
+    choose_rendezvous,
+    require_options,
+)
 from .output import console, tee_to_files, waiting_message
-from .report import JobFailed, RankFailure, from_elastic, read_culprits, read_diagnoses
+from .report import (
+    JobFailed,
+    RankFailure,
+    from_elastic,
+    read_culprits,
+    read_diagnoses,
+    read_finished,
+)
 from .restarts import RestartLog, reporting_restarts
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
@@ -114,6 +128,7 @@ def launch(opts: LaunchOptions) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    require_options(opts)  # rw.launch(fn) is the function launcher; say so, not AttributeError
     check_script(opts, os.getcwd())
     # torch logs each stopped worker and failure itself; our summary says the same, once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -152,6 +167,7 @@ def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) ->
         node_rank=opts.node_rank,
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
+        finished=read_finished(diag),
     )
 
 

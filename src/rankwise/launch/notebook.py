@@ -18,17 +18,22 @@ How ``fn`` reaches the processes:
 
 from __future__ import annotations
 
+import functools
 import pickle
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import env as envmod
 from ..errors import ConfigError, DistributedError
+from .options import require_function
 from .spawn import report, spawn_ranks
 
 
 def _interactive(fn: Callable[..., Any]) -> bool:
     """True for a function of a ``__main__`` that has no file (a notebook, ``python -c``)."""
+    while isinstance(fn, functools.partial):  # partial(train, lr=0.1): where train lives
+        fn = fn.func
     main = sys.modules.get("__main__")
     return getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None)
 
@@ -62,19 +67,26 @@ def launch_function(
     nprocs: int = 2,
     *,
     args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` in ``nprocs`` new processes forming one job; return their results.
+    """Run ``fn(*args, **kwargs)`` in ``nprocs`` new processes forming one job; return their
+    results.
 
     ``timeout`` (seconds, None: none) bounds the whole run; a run past it fails with every
     rank's stack. Raises the first failing rank's exception (notes: rank, traceback).
     """
+    require_function(fn)  # a script or LaunchOptions belongs to rankwise.launch.launch
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(
             f"rw.launch(nprocs={nprocs!r}): nprocs must be a positive integer",
             fix="pass the number of processes to start, e.g. nprocs=2.",
         )
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
+    # Each line is printed here with "[rank r] ": the rank-aware logger leaves out its own.
+    env = {**envmod.rank_prefix_env(True), **(env or {})}
     values, failures, timed_out = spawn_ranks(
         fn,
         nprocs,

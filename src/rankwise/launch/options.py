@@ -218,3 +218,40 @@ def check_script(opts: LaunchOptions, cwd: str) -> None:
             f"training script {opts.script!r} not found (looked for {path})",
             fix="check the path; to run a module instead use -m, e.g. rankwise run -m pkg.train.",
         )
+
+
+def require_options(opts: object) -> None:
+    """``rankwise.launch.launch`` runs a script; refuse a function (that is ``rw.launch``)."""
+    if isinstance(opts, LaunchOptions):
+        return
+    if callable(opts):
+        name = getattr(opts, "__name__", repr(opts))
+        raise ConfigError(
+            f"rankwise.launch.launch({name}) got a function; it runs a script from "
+            "LaunchOptions (what `rankwise run` does)",
+            fix=f"to run a function in N processes use rw.launch({name}, nprocs=2) "
+            "(rankwise.launch.launch_function).",
+        )
+    script = opts if isinstance(opts, str) else "train.py"
+    raise ConfigError(
+        f"rankwise.launch.launch({opts!r}): expected LaunchOptions, got {type(opts).__name__}",
+        fix=f"rankwise.launch.launch(LaunchOptions(script={script!r}, nproc_per_node=2)); to "
+        "run a Python function instead use rw.launch(fn, nprocs=2).",
+    )
+
+
+def require_function(fn: object) -> None:
+    """``rw.launch`` runs a function; refuse a script or LaunchOptions (that is ``launch``)."""
+    if isinstance(fn, (LaunchOptions, str)):
+        script = fn.script if isinstance(fn, LaunchOptions) else fn
+        raise ConfigError(
+            f"rw.launch({fn!r}) runs a Python function in N processes, not a script",
+            fix=f"for a script use `rankwise run --nproc-per-node 2 {script}` or "
+            f"rankwise.launch.launch(LaunchOptions(script={script!r}, nproc_per_node=2)); "
+            "for a function pass it: rw.launch(train, nprocs=2).",
+        )
+    if not callable(fn):
+        raise ConfigError(
+            f"rw.launch(fn={fn!r}): fn must be a function, got {type(fn).__name__}",
+            fix="pass the function each process runs, e.g. rw.launch(train, nprocs=2).",
+        )

@@ -56,16 +56,26 @@ class JobFailed(DistributedError):
         node_rank: int,
         diagnoses: dict[int, str] | None = None,
         culprits: dict[int, list[int]] | None = None,
+        finished: list[int] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
         self.root = split_stopped(failures)[0][0]
         self.blamed = blame(failures, diagnoses or {}, culprits or {})
+        self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
+        """Ranks that had ended normally before the failure (their diagnosis said so)."""
         text = summarize(
             failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
-            blamed=self.blamed,
+            blamed=self.blamed, finished=self.finished,
         )  # fmt: skip
-        if self.blamed:
+        if self.finished and not self.blamed:
+            fix = (
+                f"rank {self.root.rank} called a collective that rank(s) "
+                f"{', '.join(map(str, self.finished))} never call (the diagnosis names its "
+                "file and line): every rank must call each collective, not only under "
+                "`if rank == 0:`."
+            )
+        elif self.blamed:
             who = ", ".join(str(r) for r in self.blamed)
             fix = (
                 f"look at where rank(s) {who} were (the diagnosis names the file and line; "
@@ -131,6 +141,20 @@ def read_culprits(folder: str | os.PathLike) -> dict[int, list[int]]:
     return found
 
 
+def read_finished(folder: str | os.PathLike) -> list[int]:
+    """Ranks that a diagnosis found already finished normally (``rank<r>.json``)."""
+    import json
+
+    found: set[int] = set()
+    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
+        try:
+            ranks = json.loads(path.read_text(encoding="utf-8")).get("finished", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        found.update(r for r in ranks if isinstance(r, int))
+    return sorted(found)
+
+
 def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
     """The ``rank<r>.txt`` diagnoses that ranks wrote (``rankwise.diagnose``), by rank."""
     found: dict[int, str] = {}
@@ -170,6 +194,7 @@ def summarize(
     node_rank: int,
     diagnoses: dict[int, str] | None = None,
     blamed: list[int] | None = None,
+    finished: list[int] | None = None,
 ) -> str:
     """A few lines per failed rank, the first failure (usually the root cause) first.
 
@@ -181,15 +206,7 @@ def summarize(
     failed, stopped = split_stopped(failures)
     diagnoses = diagnoses or {}
     quoted = _quoted(failed, diagnoses)
-    ranks = ", ".join(str(f.rank) for f in failed)
-    where = f"(world size {world_size}, node {node_rank}); every other worker of this node was stopped"
-    if blamed:
-        lines = [
-            f"rank(s) {', '.join(str(r) for r in blamed)} never reached the collective that "
-            f"rank(s) {ranks} waited in until they failed {where}"
-        ]
-    else:
-        lines = [f"rank(s) {ranks} failed {where}"]
+    lines = [_headline(failed, world_size, node_rank, blamed, finished)]
     for f in failed:
         lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
         tail = [line for line in f.traceback.rstrip().splitlines() if line.strip()]
@@ -207,6 +224,31 @@ def summarize(
         lines.append("  diagnosis:")
         lines.extend(f"    {line}" for line in diagnoses[quoted].splitlines())
     return "\n".join(lines)
+
+
+def _headline(
+    failed: list[RankFailure],
+    world_size: int,
+    node_rank: int,
+    blamed: list[int] | None,
+    finished: list[int] | None,
+) -> str:
+    ranks = ", ".join(str(f.rank) for f in failed)
+    where = (
+        f"(world size {world_size}, node {node_rank}); every other worker of this node was stopped"
+    )
+    if finished:  # they were not stopped: they had ended, exit code 0
+        done = ", ".join(str(r) for r in finished)
+        where = (
+            f"in a collective that rank(s) {done} never called: those had already finished "
+            f"normally (world size {world_size}, node {node_rank})"
+        )
+    if blamed:
+        return (
+            f"rank(s) {', '.join(str(r) for r in blamed)} never reached the collective that "
+            f"rank(s) {ranks} waited in until they failed {where}"
+        )
+    return f"rank(s) {ranks} failed {where}"
 
 
 def from_elastic(failures: dict) -> list[RankFailure]:

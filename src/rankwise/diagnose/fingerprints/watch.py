@@ -4,7 +4,9 @@ and reports collectives that outlive the timeout on backends that never raise (N
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -101,3 +103,28 @@ def _overdue() -> None:
                 e.reported = True
                 note = f"the timeout of {STATE.timeout_s():.0f}s is near"
                 gather.log_overdue(failure(e, TimeoutError(note), mark=False))
+
+
+def announce_finished() -> None:
+    """This rank ends normally (``runtime.shutdown``, also at a clean exit): say so in the store.
+
+    A rank still waiting in a collective this one never issued then reads "rank 1 had already
+    finished normally" instead of "never reported" (gather.collect_views). One store write;
+    never raises (the store may be gone already).
+    """
+    try:
+        channel = STATE.channel or sidechannel.Channel(c10d._get_default_store())
+        site = sidechannel.user_site(sys._getframe(1), SKIP)
+        done = {
+            "t": time.time(),
+            "site": [site.file, site.line, site.func] if site else None,
+            "issued": {g.name: g.seq for g in STATE.groups.values()},
+        }
+        channel.set(sidechannel.key_finished(dist.get_rank()), json.dumps(done))
+    except Exception:  # diagnosis never breaks a clean exit
+        pass
+
+
+# Registered at import (comm imports the fingerprints): a rank that issued no collective, whose
+# side channel never started, still announces its end. Runs before STATE.reset (registered later).
+runtime.on_shutdown(announce_finished)
