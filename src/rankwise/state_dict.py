@@ -27,14 +27,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def model_class_name(model: nn.Module) -> str:
-    """The class name of the user's model under any wrappers, without reading the wrapped
-    module through ``.module`` (a stage-3 model refuses that: its parameters are sharded)."""
+def registered_inner(model: nn.Module) -> nn.Module:
+    """The user's model under any wrappers, found through the registered submodules rather
+    than the ``.module`` attribute (a stage-3 model refuses that outside ``full_parameters``:
+    its parameters are sharded). For its structure (class, submodule names), not its values."""
     while True:
         inner = model._modules.get("_orig_mod") or model._modules.get("module")
         if not isinstance(inner, nn.Module) or inner is model:
-            return type(model).__name__
+            return model
         model = inner
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The class name of the user's model under any wrappers (see ``registered_inner``)."""
+    return type(registered_inner(model)).__name__
 
 
 def strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...state_dict import strip_prefixes, unwrap_model
+from ...state_dict import registered_inner, strip_prefixes
 from .shards import shard, unshard
 
 __all__ = ["FullState", "full_state_dict", "load_full_state_dict"]
@@ -40,7 +40,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Sync point: all ranks of the mesh (one all-gather per split tensor in each tensor group,
     and ZeRO's gather over the data group).
     """
-    bare = unwrap_model(model)
+    bare = registered_inner(model)  # its structure: ZeRO-3's values come from its state_dict
     splits = _split_keys(bare)
     collective = getattr(model, "collective_state_dict", False)
     out = {}
@@ -60,7 +60,7 @@ def load_full_state_dict(
     """Load an unsplit model's state dict into a tensor-parallel ``model`` (bare, or wrapped
     by our DDP or ZeRO): each split tensor is sliced for this rank first. No sync point (none
     beyond ZeRO's own ``load_state_dict``)."""
-    bare = unwrap_model(model)
+    bare = registered_inner(model)
     splits = _split_keys(bare)
     local = {}
     for key, value in strip_prefixes(dict(state)).items():
