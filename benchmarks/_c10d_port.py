@@ -37,7 +37,7 @@ _REWRITES = [
     (re.compile(r"@skip_if_lt_x_gpu\((\d+)\)"), r"@skip_if_lt_x_gpu(\1, allow_cpu=True)"),
     (re.compile(r"torch\.accelerator\.set_device_index\([^)]*\)"), "None"),
     (re.compile(r"device=self\.rank\b"), 'device="cpu"'),
-    (re.compile(r"\.to\(self\.rank\)"), '.to("cpu")'),
+    (re.compile(r"\.to\(\s*self\.rank\s*\)"), '.to("cpu")'),
 ]
 
 

@@ -37,7 +37,7 @@ from ..agreement import (
 )
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from . import compression as comp
-from . import shared_reduce
+from . import passes, shared_reduce
 from .comm_hooks import HookFn, check_hook
 from .devices import check_devices, group_size_and_rank
 from .join import DDPJoinHook, sync_flag
@@ -189,6 +189,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
             self._forward_sync = self.require_backward_grad_sync
             self._iterations += self.require_backward_grad_sync
+            self.reducer.forward_in_backward = passes.nested()
         if self._join_config.enable:  # uneven inputs: tell the joined ranks what to shadow
             Join.notify_join_context(self)
             buffers = sync_flag(self, joined=False).item() > 0

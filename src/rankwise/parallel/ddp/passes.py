@@ -62,6 +62,12 @@ def current_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def nested() -> bool:
+    """Running inside another backward (a reentrant checkpoint's backward, or its recomputed
+    forward)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def finish_in_outer(callback: Callable[[], None]) -> bool:
     """Inside a nested backward, arrange for ``callback`` to run at the end of the enclosing one
     and return True; in the outermost backward return False (run it now)."""

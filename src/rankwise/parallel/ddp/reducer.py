@@ -110,6 +110,7 @@ class Reducer:
         self.last_used = [False] * len(self.params)  # ... and which parameters it used
         self.times: dict[str, int] = {}  # the last synchronised pass's host times (ns)
         self.on_pass_end: Callable[[], None] | None = None  # after each synchronised pass
+        self.forward_in_backward = False  # the last forward was a reentrant recomputation
         self._reset()
         self._handles: list[Any] = []
         self._install_hooks()
@@ -267,10 +268,22 @@ class Reducer:
     def _on_pass_end(self) -> None:
         """End of an autograd graph task: finalize, unless it is a nested one (reentrant
         checkpointing) and gradients are still to come from the enclosing backward."""
+        if self._active and self._syncing and self._hidden_from_forward():
+            name = self.names[self.order[0]] if self.order else self.names[0]
+            self._reset()
+            raise passes.reentrant_unused_error(name, self.rank)
         pending = self._active and self._syncing and not self._complete()
         if pending and passes.finish_in_outer(self._on_pass_end):
             return
         self._finalize()
+
+    def _hidden_from_forward(self) -> bool:
+        """find_unused_parameters without static_graph, and this pass's gradients came from a
+        nested backward that the forward did not run in: torch's search for unused parameters
+        could not have seen them, and torch refuses (passes.py)."""
+        if not self.find_unused_parameters or self.counts is not None or self.forward_in_backward:
+            return False
+        return passes.nested()
 
     def _complete(self) -> bool:
         """Every bucket launched and every sparse gradient in (nothing more can arrive)."""
