@@ -10,11 +10,12 @@ found differences (docs/ddp.md, "torch's own DDP tests"):
 - ``_get_ddp_logging_data()`` and torch's wording for the errors its tests match.
 
 One spawned world of 2 runs every case (each part reports its own traceback); the parent compares.
+No ``from __future__ import annotations`` here: the hooks' annotations must be real objects, as
+torch's annotation checks compare them.
 """
 
-from __future__ import annotations
-
 import copy
+import re
 import traceback
 
 import numpy as np
@@ -315,7 +316,8 @@ def test_batchnorm_called_twice_before_one_backward_trains_like_torch(world2):
     for res in _part(world2, "two_forwards"):
         assert _close(res["ours"], res["torch"])
         assert _close(res["ours_shm"], res["torch_wide"], 1e-4)
-    assert _close(world2[0]["two_forwards"]["ours"], world2[1]["two_forwards"]["ours"], 0)
+    # replicas hold the same parameters (buffers are rank-local after the last forward, as in torch)
+    assert _close(world2[0]["two_forwards"]["ours"][:6], world2[1]["two_forwards"]["ours"][:6], 0)
 
 
 def test_activation_checkpointing_trains_or_refuses_as_torch_does(world2):
@@ -354,7 +356,9 @@ def test_logging_data_and_error_wording_match_torch(world2):
         for case in ("annotated", "not_callable", "second", "not_a_future"):
             kind, _, text = theirs[case].split("|", 2)
             assert kind in ours[case].split("|")[1].split(","), (case, ours[case])
+            # torch's text without its C++ trace or pybind11's preamble
             torch_text = text.split("\nException raised from")[0].strip()
+            torch_text = re.sub(r"^Unable to cast .*?details\)\. ", "", torch_text)
             assert torch_text.split(" but got")[0] in ours[case], (case, ours[case], torch_text)
             assert "Fix:" in ours[case], case
         assert ours["logged_error"][0] == 1 and "return annotation" in ours["logged_error"][1]

@@ -72,7 +72,7 @@ RETURN_ANNOTATION = (
     "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
 )
 ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once."
-NOT_A_FUTURE = "Communication hook: callback must return a torch.futures.Future object, but got"
+NOT_A_FUTURE = "DDP communication hook's callback must return a torch.futures.Future object, but got"
 
 
 def check_hook(hook: Any, already: bool, compression: object) -> None:
@@ -123,7 +123,7 @@ def check_future(result: Any) -> Any:
     """What a hook returned, if it is a future (torch's RuntimeError otherwise, at backward)."""
     if not isinstance(result, torch._C.Future):
         raise ModelError(
-            f"{NOT_A_FUTURE} {type(result).__name__}",
+            f"{NOT_A_FUTURE} {type(result).__module__}.{type(result).__qualname__}",
             fix="return a torch.futures.Future from the hook, e.g. "
             "dist.all_reduce(bucket.buffer(), async_op=True).get_future().",
         )

@@ -6,7 +6,8 @@ strings. :class:`DDPLogger` keeps the same keys with the same meanings, from our
 
 - construction: module name, devices, ``broadcast_buffers``, bucket cap and bucket sizes (bytes,
   in reduction order), parameter count/bytes/dtypes, ``find_unused_parameters``,
-  ``gradient_as_bucket_view`` (as passed; our ``.grad`` is always a bucket view), ``static_graph``,
+  ``gradient_as_bucket_view`` (as passed; our ``.grad`` is always a bucket view), ``static_graph``
+  (only when set, as torch),
   backend, world size, rank, the launch environment (``MASTER_ADDR`` ..., "N/A" when unset);
 - ``comm_hook``: the registered hook's name (absent without one);
 - per sampled iteration (every one of the first ten, then every ``sample_rate``-th, as torch):
@@ -85,7 +86,6 @@ class DDPLogger:
             bucket_cap_bytes=int(ddp.bucket_cap_mb * 1024 * 1024),
             find_unused_parameters=int(ddp.find_unused_parameters),
             gradient_as_bucket_view=int(requested_view),
-            static_graph=int(ddp.static_graph),
             backend_name=backend,
             world_size=ddp.world_size,
             rank=ddp.rank,
@@ -96,6 +96,8 @@ class DDPLogger:
             dtypes=", ".join(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
             bucket_sizes=", ".join(str(n) for n in bucket_bytes),
         )
+        if ddp.static_graph:  # torch records it only when set
+            self.data["static_graph"] = 1
         environ = env.snapshot()
         names = {**_ENV_KEYS, **(_GLOO_ENV if backend == "gloo" else {})}
         names.update(_NCCL_ENV if backend == "nccl" else {})
