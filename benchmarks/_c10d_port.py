@@ -11,6 +11,8 @@ in torch's file                                  run here
 ``@skip_if_lt_x_gpu(N)``                         ``@skip_if_lt_x_gpu(N, allow_cpu=True)``
 ``torch.accelerator.set_device_index(rank)``     nothing (one CPU device)
 ``device=self.rank``, ``.to(self.rank)``         ``device="cpu"``, ``.to("cpu")``
+``torch.device("cuda:" + str(i))``               ``torch.device("cpu")``
+``f"cuda:{self.rank}"`` (devices, placements)    ``"cpu"``
 ``gpus_for_rank(world)``                         ``[["cpu"]] * world``
 ``DistributedDataParallel(m, device_ids=...)``   ``device_ids`` / ``output_device`` dropped for a
                                                  CPU module (both engines refuse CPU device ids)
@@ -37,12 +39,14 @@ _REWRITES = [
     (re.compile(r"@skip_if_lt_x_gpu\((\d+)\)"), r"@skip_if_lt_x_gpu(\1, allow_cpu=True)"),
     (re.compile(r"torch\.accelerator\.set_device_index\([^)]*\)"), "None"),
     (re.compile(r"device=self\.rank\b"), 'device="cpu"'),
+    (re.compile(r'torch\.device\("cuda:" \+ str\(\w+\)\)'), 'torch.device("cpu")'),
+    (re.compile(r"cuda:\{self\.rank(?::d)?\}"), "cpu"),
     (re.compile(r"\.to\(\s*self\.rank\s*\)"), '.to("cpu")'),
 ]
 
 
 def port_source(text: str) -> str:
-    """The CPU port of one test file's source (the table above, lines 1-3)."""
+    """The CPU port of one test file's source (the table above, but the last two lines)."""
     for pattern, repl in _REWRITES:
         text = pattern.sub(repl, text)
     return text

@@ -120,12 +120,19 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _agree(self, with_buffers: bool) -> None:
         """Same model on every rank, then rank 0's parameters (and buffers). Sync point."""
         verify_same_model(self.module, self.process_group, self.rank)
-        state = [p.detach() for p in _unique(self.module.parameters())]
-        buffers = [b.detach() for b in self.module.buffers()] if with_buffers else []
+        ignore = _ignored(self.module)
+        named = [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
+        state = [p.detach() for p in _unique(p for _, p in named)]
+        buffers = [b.detach() for n, b in self.module.named_buffers() if n not in ignore]
+        buffers = buffers if with_buffers else []
         broadcast_tensors(state + buffers, self.process_group)
 
     def _build_reducer(self, shared_memory_reduce: bool | None = False) -> None:
         names, params = trainable_parameters(self.module, self.rank)
+        ignore = _ignored(self.module)  # torch's _set_params_and_buffers_to_ignore_for_model
+        names, params = [n for n in names if n not in ignore], [
+            p for n, p in zip(names, params, strict=True) if n not in ignore
+        ]
         sparse = sparse_flags(self.module, params)  # each travels alone: sparse.py
         dense = [i for i, s in enumerate(sparse) if not s]
         buckets = [
@@ -147,9 +154,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
-            for mod in self.module.modules()
+            for prefix, mod in self.module.named_modules()
             for name, buf in mod._buffers.items()
-            if buf is not None
+            if buf is not None and f"{prefix}.{name}".lstrip(".") not in ignore
         ]
         self.reducer = Reducer(
             params,
@@ -305,6 +312,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.set_static_graph()
         self._logger.data["static_graph"] = 1
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterator[str]
+    ) -> None:
+        """torch's (private, used by tooling) way to keep named parameters and buffers out of
+        DDP: neither checked, broadcast nor averaged (e.g. a ShardedTensor that is synced
+        elsewhere). Call before wrapping."""
+        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
+
     # -- pickling / deepcopy: drop the process group and the hooks, rebuild them on load -------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -320,6 +336,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.world_size, self.rank = group_size_and_rank(None, strict=False)
         Joinable.__init__(self)
         self._build_reducer()
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:

@@ -45,9 +45,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ...diagnose import fingerprints
 from ..buckets import Bucket
 from . import compression as comp
-from . import passes
-from . import sparse as sp
-from .comm_hooks import GradBucket, check_future, take_result
+from . import end_of_pass, passes
+from .comm_hooks import GradBucket, check_future
 from .grad_views import copy_higher_order, grad_view, reducible_in_place
 from .shared_reduce import SharedBuckets
 
@@ -346,20 +345,20 @@ class Reducer:
         done = False
         try:
             if self.counts is not None and self.counts.learning:
-                self._catch_up()
+                end_of_pass.catch_up(self)
             lenient = self.find_unused_parameters or self.counts is not None
             missing: list[int] = []
             if not self._complete() or self.counts is not None:
                 missing = [i for i, seen in enumerate(self._seen) if not seen]
                 if missing and not lenient:
                     raise passes.unused_error(self.names, missing, len(self.params), self.rank)
-                self._fill_unused([i for i in missing if not self._is_sparse[i]])
+                end_of_pass.fill_unused(self, [i for i in missing if not self._is_sparse[i]])
             # Used anywhere since the last sync, on any rank: a gradient from a no_sync()
             # micro-batch counts too, or that replica alone would step with it.
-            used = self._global_use() if lenient else None
-            sparse_works = self._launch_sparse(used)
-            self._wait_all()
-            self._take_sparse(sparse_works)
+            used = end_of_pass.global_use(self) if lenient else None
+            sparse_works = end_of_pass.launch_sparse(self, used)
+            end_of_pass.wait_all(self)
+            end_of_pass.take_sparse(self, sparse_works)
             self.times["comm_end"] = time.time_ns()
             for i in missing:
                 # Torch's rule: a parameter unused on every rank keeps its .grad untouched.
@@ -374,88 +373,6 @@ class Reducer:
             self._reset()
         if self.on_pass_end is not None:
             self.on_pass_end()
-
-    def _catch_up(self) -> None:
-        """First static-graph pass: every gradient that arrived is complete now; place them."""
-        for i, n in enumerate(self.counts.count):  # type: ignore[union-attr]
-            if n and not self._seen[i]:
-                self._seen[i] = True
-                self.order.append(i)
-                b = self._bucket_of[i]
-                if b < 0:
-                    continue
-                if self.communicates:
-                    self._place(i, b, self.params[i], self._solo_now(b))
-                self._pending[b] -= 1
-        self._launch_ready()
-
-    def _launch_sparse(self, used: list[int] | None) -> list[tuple[int, Any, torch.Tensor]]:
-        """Start each sparse gradient's reduction, in parameter order. Sync point: all ranks."""
-        if not self.communicates:
-            return []
-        works = []
-        for k, i in enumerate(self._sparse):
-            if used is not None and used[i] == 0:
-                continue  # unused on every rank: .grad stays as it is, as for dense ones
-            grad, p = sp.local_grad(self.params[i], self._scale), self.params[i]
-            label = f"sparse gradient {self.names[i]}"
-            if self._comm_hook is not None:
-                state, comm_hook = self._comm_hook
-                last = k == len(self._sparse) - 1
-                bucket = sp.SparseBucket(len(self.buckets) + k, p, grad, last)
-                works.append((i, check_future(comm_hook(state, bucket)), grad))
-            else:
-                works.append((i, sp.all_reduce(grad, self.group, label), grad))
-        return works
-
-    def _take_sparse(self, works: list[tuple[int, Any, torch.Tensor]]) -> None:
-        for i, work, grad in works:
-            if isinstance(work, torch._C.Future):
-                self.params[i].grad = sp.hook_result(work.wait())
-            else:
-                work.wait()
-                self.params[i].grad = grad  # Gloo's sparse all-reduce leaves the sum in it
-
-    def _fill_unused(self, missing: list[int]) -> None:  # dense ones only
-        """Put what each locally unused parameter has (its .grad or zeros) into its slot."""
-        scale = self._scale
-        for i in missing if self.communicates else ():
-            view, g = self._slot(i), self.params[i].grad
-            if g is None:
-                view.zero_()
-            elif g is view:
-                view.mul_(scale)
-            else:
-                copy_higher_order(g, scale, view)
-        for b in {self._bucket_of[i] for i in missing}:
-            self._pending[b] = 0
-        self._launch_ready()
-
-    def _global_use(self) -> list[int] | None:
-        """How many ranks gave each parameter a gradient. Sync point: all ranks."""
-        if not self.communicates:
-            return None
-        device = self.buckets[0].device
-        used = torch.tensor(self._used, dtype=torch.int32, device=device)
-        with fingerprints.collective(
-            "all_reduce", used, label="used-parameter map", group=self.group, extra="sum"
-        ):
-            dist.all_reduce(used, group=self.group)
-        return used.tolist()
-
-    def _wait_all(self) -> None:
-        for b, entry in enumerate(self._works):
-            if entry is None:
-                continue
-            if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
-                take_result(entry.wait(), self._flat_of(b), b)
-                continue
-            entry.wait()  # a failure raises the diagnosis: every rank's last collective
-            wire = self._wire[b]
-            if wire is not None:
-                comp.decompress(wire, self._flat_of(b))
-        if self._fence is not None:
-            self._fence.wait()  # no rank writes its slot while another still reads it
 
     def _reset(self) -> None:
         self._active = False
