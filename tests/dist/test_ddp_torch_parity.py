@@ -9,17 +9,15 @@ found differences (docs/ddp.md, "torch's own DDP tests"):
 - sparse gradients (``nn.EmbeddingBag(sparse=True)``), with and without a communication hook;
 - ``_get_ddp_logging_data()`` and torch's wording for the errors its tests match.
 
-One spawned world of 2 runs every case (each part reports its own traceback); the parent compares.
+Each part runs in a spawned world of 2 of its own; the parent compares.
 No ``from __future__ import annotations`` here: the hooks' annotations must be real objects, as
 torch's annotation checks compare them.
 """
 
 import copy
 import re
-import traceback
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -282,27 +280,21 @@ def _logging(rank: int) -> dict:
     return out
 
 
-def _world() -> dict:
-    rank = dist.get_rank()
-    out = {}
-    for name, part in (("two_forwards", _two_forwards), ("checkpointing", _checkpointing),
-                       ("sparse", _sparse), ("logging", _logging)):  # fmt: skip
-        try:
-            out[name] = part(rank)
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-    return out
+PARTS = {
+    "two_forwards": _two_forwards,
+    "checkpointing": _checkpointing,
+    "sparse": _sparse,
+    "logging": _logging,
+}
 
 
-@pytest.fixture(scope="module")
-def world2() -> list[dict]:
-    return run_distributed(_world, 2, timeout=400)
+def _in_ranks(name: str) -> dict:
+    return PARTS[name](dist.get_rank())
 
 
-def _part(world: list[dict], name: str) -> list[dict]:
-    for res in world:
-        assert "error" not in res[name], res[name].get("error")
-    return [res[name] for res in world]
+def _part(name: str) -> list[dict]:
+    """Run one part in a world of its own (a failure in one part cannot hide another)."""
+    return run_distributed(_in_ranks, 2, args=(name,), timeout=300)
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:
@@ -312,17 +304,18 @@ def _close(a: list, b: list, tol: float = 1e-5) -> bool:
     )
 
 
-def test_batchnorm_called_twice_before_one_backward_trains_like_torch(world2):
-    for res in _part(world2, "two_forwards"):
+def test_batchnorm_called_twice_before_one_backward_trains_like_torch():
+    world = _part("two_forwards")
+    for res in world:
         assert _close(res["ours"], res["torch"])
         assert _close(res["ours_shm"], res["torch_wide"], 1e-4)
     # replicas hold the same parameters (buffers are rank-local after the last forward, as in torch)
-    assert _close(world2[0]["two_forwards"]["ours"][:6], world2[1]["two_forwards"]["ours"][:6], 0)
+    assert _close(world[0]["ours"][:6], world[1]["ours"][:6], 0)
 
 
-def test_activation_checkpointing_trains_or_refuses_as_torch_does(world2):
+def test_activation_checkpointing_trains_or_refuses_as_torch_does():
     refused = 0
-    for res in _part(world2, "checkpointing"):
+    for res in _part("checkpointing"):
         for case, outcome in res.items():
             theirs, ours = outcome["torch"], outcome["ours"]
             if isinstance(theirs, str):  # torch refuses: so do we, with its reason first
@@ -337,19 +330,20 @@ def test_activation_checkpointing_trains_or_refuses_as_torch_does(world2):
     assert refused == 2 * 6
 
 
-def test_sparse_gradients_are_averaged_like_torch(world2):
-    for res in _part(world2, "sparse"):
+def test_sparse_gradients_are_averaged_like_torch():
+    world = _part("sparse")
+    for res in world:
         for hook in (False, True):
             ours, theirs = res[f"ours hook={hook}"], res[f"torch hook={hook}"]
             assert ours[0] is True and ours[3] is True  # .grad stays sparse
             assert _close([x for x in ours if not isinstance(x, bool)],
                           [x for x in theirs if not isinstance(x, bool)])  # fmt: skip
         assert res["hook_saw"]["ours"].count((True, 10)) == res["hook_saw"]["torch"].count((True, 10)) == 2
-    assert _close(world2[0]["sparse"]["ours hook=False"][1:2], world2[1]["sparse"]["ours hook=False"][1:2], 0)
+    assert _close(world[0]["ours hook=False"][1:2], world[1]["ours hook=False"][1:2], 0)
 
 
-def test_logging_data_and_error_wording_match_torch(world2):
-    for res in _part(world2, "logging"):
+def test_logging_data_and_error_wording_match_torch():
+    for res in _part("logging"):
         for config in ("default", "options"):
             assert res[f"{config} ours"] == res[f"{config} torch"], config
         ours, theirs = res["wording ours"], res["wording torch"]
