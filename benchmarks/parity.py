@@ -9,8 +9,8 @@ with torch), selected as every test whose body constructs a ``DistributedDataPar
 run exactly as torch's CI runs them (``test_distributed_spawn.py``: one spawned process per
 rank, Gloo, world size 2), once as they are and once with ``DistributedDataParallel`` replaced
 by ``rankwise.DistributedDataParallel`` everywhere the tests can reach it. Tests that read
-torch's internals (the C++ reducer, DDP logging data) are listed in ``INTERNALS`` with the
-reason, and docs/ddp.md lists them too.
+torch's internals no other engine can offer would be listed in ``INTERNALS`` with the reason
+(docs/ddp.md too).
 
 ``--torch-tests DIR`` also runs ``DistributedDataParallelTest`` of ``test_c10d_gloo.py`` and the
 ``CommonDistributedDataParallelTest`` it inherits from ``test_c10d_common.py``, read from DIR (a
@@ -44,13 +44,9 @@ IMPL = os.environ.get("RANKWISE_PARITY_IMPL", "")
 TORCH_DIR = os.environ.get("RANKWISE_PARITY_TORCH_DIR", "")  # set: run the c10d files
 DT = "distributed_test.py"
 
-INTERNALS = {
-    "test_ddp_logging_data_cpu": "reads torch's C++ logger (model._get_ddp_logging_data(): "
-    "bucket sizes, comm-hook name, unused-parameter counts recorded by the C++ reducer)",
-    "test_static_graph_api_cpu": "after the expected RuntimeError (which ours raises, same "
-    "message) it checks the error was recorded in torch's C++ DDP logger "
-    "(verify_ddp_error_logged reads model._get_ddp_logging_data())",
-}
+INTERNALS: dict[str, str] = {}
+"""Tests that read torch's internals no other engine can offer, with the reason (none now: the
+two that read the DDP logging record pass since ``_get_ddp_logging_data()`` exists)."""
 
 if IMPL:  # set in this process and, through the environment, in the ranks it spawns
     os.environ.setdefault("BACKEND", "gloo")
