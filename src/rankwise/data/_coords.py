@@ -33,7 +33,9 @@ def resolve(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         )
     if not isinstance(r, int) or not 0 <= r < world:
         raise ConfigError(
-            f"rank={r!r} is out of range for num_replicas={world}: expected 0 <= rank < {world}",
+            # torch's DistributedSampler wording first (code and tests match it), then ours
+            f"Invalid rank {r}, rank should be in the interval [0, {world - 1}]: "
+            f"rank={r!r} is out of range for num_replicas={world}",
             fix="leave rank unset (the runtime's rank is used) or pass a rank below num_replicas.",
         )
     return r, world

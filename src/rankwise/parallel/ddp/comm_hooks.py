@@ -70,17 +70,29 @@ class GradBucket:
         return self.is_last()
 
 
+# torch's DistributedDataParallel wording for each refusal, kept verbatim before our own text
+# (code and torch's tests match it).
+NOT_CALLABLE = "Communication hook must be callable."
+BUCKET_ANNOTATION = "Communication hook: bucket annotation should be dist.GradBucket."
+RETURN_ANNOTATION = (
+    "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
+)
+ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once."
+NOT_A_FUTURE = "DDP communication hook's callback must return a torch.futures.Future object, but got"
+
+
 def check_hook(hook: Any, already: bool, compression: object) -> None:
-    """Refuse what torch refuses (a second hook, a non-callable) and our compression with it."""
+    """Refuse what torch refuses (not callable, a second hook, wrong annotations) with torch's
+    reason first, and our compression with a hook."""
     if not callable(hook):
         raise HookError(
-            f"communication hook {hook!r} is not callable",
+            f"{NOT_CALLABLE} Got {hook!r}",
             fix="pass a function hook(state, bucket) -> torch.futures.Future[torch.Tensor], "
             "e.g. torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook.",
         )
     if already:
         raise ModelError(
-            "register_comm_hook can only be called once",
+            ONCE,
             fix="register one hook; to combine behaviours, write one hook that does both.",
         )
     if compression is not None:
@@ -91,13 +103,37 @@ def check_hook(hook: Any, already: bool, compression: object) -> None:
     sig = inspect.signature(hook)
     params = list(sig.parameters.values())
     bucket_ann = params[1].annotation if len(params) > 1 else inspect.Parameter.empty
-    if bucket_ann not in (inspect.Parameter.empty, dist.GradBucket, "dist.GradBucket") and (
-        bucket_ann is not GradBucket
-    ):
+    if not _names(bucket_ann, (dist.GradBucket, GradBucket), "GradBucket"):
         raise ConfigError(
-            f"communication hook: the bucket argument is annotated {bucket_ann!r}",
+            f"{BUCKET_ANNOTATION} The bucket argument is annotated {bucket_ann!r}",
             fix="annotate it dist.GradBucket (or not at all).",
         )
+    returns = sig.return_annotation
+    if not _names(returns, (torch.futures.Future[torch.Tensor], torch.futures.Future), "Future"):
+        raise ConfigError(
+            f"{RETURN_ANNOTATION} The hook is annotated -> {returns!r}",
+            fix="return a torch.futures.Future whose value is the reduced bucket.buffer(), "
+            "annotated -> torch.futures.Future[torch.Tensor] (or not annotated).",
+        )
+
+
+def _names(annotation: Any, accepted: tuple, word: str) -> bool:
+    """Unannotated, one of ``accepted``, or (``from __future__ import annotations``) a string
+    naming it."""
+    if annotation is inspect.Parameter.empty or annotation in accepted:
+        return True
+    return isinstance(annotation, str) and word in annotation
+
+
+def check_future(result: Any) -> Any:
+    """What a hook returned, if it is a future (torch's RuntimeError otherwise, at backward)."""
+    if not isinstance(result, torch._C.Future):
+        raise ModelError(
+            f"{NOT_A_FUTURE} {type(result).__module__}.{type(result).__qualname__}",
+            fix="return a torch.futures.Future from the hook, e.g. "
+            "dist.all_reduce(bucket.buffer(), async_op=True).get_future().",
+        )
+    return result
 
 
 HookFn = Callable[[Any, GradBucket], torch.futures.Future]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,8 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from ... import runtime
-from ...errors import ConfigError, ModelError, NoProcessGroupError
+from ...errors import ConfigError, ModelError
 from ...state_dict import add_module_prefix, strip_module_prefix
 from .. import buckets as bucketing
 from ..agreement import (
@@ -37,12 +37,15 @@ from ..agreement import (
 )
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from . import compression as comp
-from . import shared_reduce
+from . import passes, shared_reduce
 from .comm_hooks import HookFn, check_hook
+from .devices import check_devices, group_size_and_rank
 from .join import DDPJoinHook, sync_flag
+from .logging_data import DDPLogger, clock
 from .no_sync import gradient_sync_off
 from .options import buffer_sync, group_from_mesh, refuse_unsupported
 from .reducer import Reducer
+from .sparse import sparse_flags
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -93,16 +96,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         refuse_unsupported(*unsupported, bucket_cap_mb_list, check_reduction)
         self.module = module
         self.process_group = process_group = group_from_mesh(process_group, device_mesh)
-        self.world_size, self.rank = _group_size_and_rank(process_group)
-        self.device_ids, self.output_device = _check_devices(
+        self.world_size, self.rank = group_size_and_rank(process_group)
+        self.device_ids, self.output_device = check_devices(
             module, device_ids, output_device, self.rank
         )
-        _check_no_sparse(module, self.rank, compression)  # before any collective
+        comp.wire_dtype(compression)  # a bad compression name is refused before any collective
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.dim, self.bucket_cap_mb = dim, cap
         self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view = True  # always: .grad is a view of its bucket
+        self._requested_view = gradient_as_bucket_view  # what the logging record reports
+        self._iterations = 0  # synchronised forwards with autograd on (the logger's iteration)
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy, self.compression = batched_grad_copy, compression
         self.require_backward_grad_sync = self._forward_sync = True
@@ -115,13 +120,27 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _agree(self, with_buffers: bool) -> None:
         """Same model on every rank, then rank 0's parameters (and buffers). Sync point."""
         verify_same_model(self.module, self.process_group, self.rank)
-        state = [p.detach() for p in _unique(self.module.parameters())]
-        buffers = [b.detach() for b in self.module.buffers()] if with_buffers else []
+        ignore = _ignored(self.module)
+        named = [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
+        state = [p.detach() for p in _unique(p for _, p in named)]
+        buffers = [b.detach() for n, b in self.module.named_buffers() if n not in ignore]
+        buffers = buffers if with_buffers else []
         broadcast_tensors(state + buffers, self.process_group)
 
     def _build_reducer(self, shared_memory_reduce: bool | None = False) -> None:
         names, params = trainable_parameters(self.module, self.rank)
-        buckets = assign_buckets(params, self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES)
+        ignore = _ignored(self.module)  # torch's _set_params_and_buffers_to_ignore_for_model
+        names, params = [n for n in names if n not in ignore], [
+            p for n, p in zip(names, params, strict=True) if n not in ignore
+        ]
+        sparse = sparse_flags(self.module, params)  # each travels alone: sparse.py
+        dense = [i for i, s in enumerate(sparse) if not s]
+        buckets = [
+            replace(b, indices=tuple(dense[j] for j in b.indices))
+            for b in assign_buckets(
+                [params[i] for i in dense], self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES
+            )
+        ]
         # Collective: only from __init__, where every rank is (not when one rank unpickles).
         shared = None
         if self.compression is not None and shared_memory_reduce:
@@ -135,9 +154,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
-            for mod in self.module.modules()
+            for prefix, mod in self.module.named_modules()
             for name, buf in mod._buffers.items()
-            if buf is not None
+            if buf is not None and f"{prefix}.{name}".lstrip(".") not in ignore
         ]
         self.reducer = Reducer(
             params,
@@ -150,7 +169,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             compression=self.compression,
             should_sync=self._should_sync,
             shared=shared,
+            static_graph=self.static_graph,
+            sparse=sparse,
         )
+        self.reducer.on_pass_end = self._log_pass
+        self._logger = DDPLogger()
+        sizes = [b.nbytes for b in buckets] + [
+            p.numel() * p.element_size() for p, s in zip(params, sparse, strict=True) if s
+        ]
+        self._logger.construction(self, params, sizes, self._requested_view)
+
+    def _log_pass(self) -> None:
+        order = [i for b in self.reducer.buckets for i in b.indices] + self.reducer._sparse
+        self._logger.pass_end(self.reducer, self._iterations - 1, order)
 
     def _should_sync(self) -> bool:
         # Asked when backward's first hook fires: no_sync() around the backward call counts, and
@@ -159,10 +190,13 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; broadcast rank 0's buffers first (Sync point: all ranks)."""
+        start = clock()
         self.reducer.prepare_for_forward()
         grad_on = torch.is_grad_enabled()
         if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
             self._forward_sync = self.require_backward_grad_sync
+            self._iterations += self.require_backward_grad_sync
+            self.reducer.forward_in_backward = passes.nested()
         if self._join_config.enable:  # uneven inputs: tell the joined ranks what to shadow
             Join.notify_join_context(self)
             buffers = sync_flag(self, joined=False).item() > 0
@@ -172,13 +206,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_buffers()
         if self.device_ids:
             inputs, kwargs = move_to_device((inputs, kwargs), self.device_ids[0])
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        self._logger.forward(start, clock())
+        return out
 
     def _sync_buffers(self) -> None:
+        """Rank 0's buffers into every replica's, leaving autograd's version counters alone.
+
+        A forward may have saved a buffer for backward (BatchNorm's running statistics in a
+        model called twice before one backward: siamese nets, D(real) + D(fake)); writing it
+        through the buffer itself would bump its version and fail that backward on every rank
+        but 0. ``.data`` is the same memory with a version counter of its own, which is what
+        torch's C++ broadcast amounts to. The values written are rank 0's, as in torch.
+        """
         # Read the buffers through their modules each time: a module may have reassigned one.
         bufs = [mod._buffers.get(name) for mod, name in self._buffer_slots]
         with torch.no_grad():
-            broadcast_tensors([b for b in bufs if b is not None], self.process_group)
+            broadcast_tensors([b.data for b in bufs if b is not None], self.process_group)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally: backward passes inside this block communicate nothing.
@@ -197,8 +241,28 @@ class DistributedDataParallel(nn.Module, Joinable):
         torch's signature, so torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``)
         run unchanged. Call once, before the first backward pass.
         """
-        check_hook(hook, self.reducer._comm_hook is not None, self.compression)
+        try:
+            check_hook(hook, self.reducer._comm_hook is not None, self.compression)
+        except Exception as exc:
+            raise self._logger.error(exc) from None
         self.reducer.set_comm_hook(state, hook)
+        self._logger.data["comm_hook"] = getattr(hook, "__qualname__", repr(hook))
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's DDP logging record (construction, runtime, errors): logging_data.py."""
+        return dict(self._logger.data)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Record runtime fields every ``sample_rate``-th iteration (after the first ten)."""
+        if sample_rate < 1:
+            raise self._logger.error(
+                ConfigError(
+                    f"DDP runtime logging sample rate should be equal or greater than 1, got "
+                    f"{sample_rate}",
+                    fix="pass a positive integer.",
+                )
+            )
+        self._logger.sample_rate = sample_rate
 
     def join(
         self,
@@ -239,12 +303,25 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _set_static_graph(self) -> None:
         """torch's (private, but used) switch for ``static_graph=True``; before training only."""
         if self.reducer.started:
-            raise ModelError(
-                "_set_static_graph() should be called before training loop starts",
-                fix="pass static_graph=True to DistributedDataParallel(...) instead.",
-                rank=self.rank,
+            raise self._logger.error(
+                ModelError(
+                    "_set_static_graph() should be called before training loop starts",
+                    fix="pass static_graph=True to DistributedDataParallel(...) instead.",
+                    rank=self.rank,
+                )
             )
         self.static_graph = True
+        self.reducer.set_static_graph()
+        self._logger.data["static_graph"] = 1
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterator[str]
+    ) -> None:
+        """torch's (private, used by tooling) way to keep named parameters and buffers out of
+        DDP: neither checked, broadcast nor averaged (e.g. a ShardedTensor that is synced
+        elsewhere). Call before wrapping."""
+        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
 
     # -- pickling / deepcopy: drop the process group and the hooks, rebuild them on load -------
 
@@ -258,97 +335,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         # Like torch: a loaded or copied wrapper talks to the default group (if any).
         self.process_group = None
-        self.world_size, self.rank = _group_size_and_rank(None, strict=False)
+        self.world_size, self.rank = group_size_and_rank(None, strict=False)
         Joinable.__init__(self)
         self._build_reducer()
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     return [p for p in params if id(p) not in seen and not seen.add(id(p))]
-
-
-def _group_size_and_rank(group: dist.ProcessGroup | None, strict: bool = True) -> tuple[int, int]:
-    """(world size, rank) of ``group``; (1, 0) when running alone without a process group."""
-    if group is not None:
-        return dist.get_world_size(group), dist.get_rank(group)
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    env = runtime.coords()
-    if env.world_size > 1 and strict:
-        raise NoProcessGroupError(
-            f"DistributedDataParallel needs a process group: this process is rank {env.rank} "
-            f"of WORLD_SIZE={env.world_size} (from {env.source}), but torch.distributed is "
-            "not initialised",
-            fix="call `rt = rw.init()` at the start of the program, before wrapping the model.",
-            rank=env.rank,
-        )
-    return 1, 0
-
-
-def _check_devices(
-    module: nn.Module,
-    device_ids: Sequence[int | torch.device] | None,
-    output_device: int | torch.device | None,
-    rank: int,
-) -> tuple[list[torch.device] | None, torch.device | None]:
-    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    if device_ids is None:
-        return None, None if output_device is None else _as_device(output_device)
-    ids = [_as_device(d) for d in device_ids]
-    shown = sorted(str(d) for d in devices)
-    if len(ids) != 1:
-        raise ConfigError(
-            f"device_ids={list(device_ids)!r} names {len(ids)} devices; DistributedDataParallel "
-            "drives one device per process",
-            fix="pass device_ids=[local_rank] (one process per device), or device_ids=None for "
-            "a module that spans several devices.",
-            rank=rank,
-        )
-    if len(devices) > 1:
-        raise ConfigError(
-            f"the module spans devices {shown} but device_ids={list(device_ids)!r}",
-            fix="pass device_ids=None for a module split over several devices.",
-            rank=rank,
-        )
-    if devices and devices != {ids[0]}:
-        raise ConfigError(
-            f"the module's parameters are on {shown[0]} but device_ids={list(device_ids)!r} "
-            f"asks for {ids[0]}",
-            fix=f"move the model to {_fix_device(ids[0])} (or rt.device) before wrapping: "
-            "model = Net().to(rt.device); DistributedDataParallel(model, "
-            "device_ids=[rt.local_rank]).",
-            rank=rank,
-        )
-    out = ids[0] if output_device is None else _as_device(output_device)
-    return ids, out
-
-
-def _fix_device(device: torch.device) -> str:
-    return "cuda:K" if device.type == "cuda" else str(device)
-
-
-def _as_device(d: int | str | torch.device) -> torch.device:
-    if isinstance(d, int):
-        return torch.device("cuda", d)
-    dev = torch.device(d)
-    if dev.type == "cuda" and dev.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return torch.device("cuda", index)
-    return dev
-
-
-def _check_no_sparse(
-    module: nn.Module, rank: int, compression: str | torch.dtype | None = None
-) -> None:
-    comp.wire_dtype(compression)  # a bad compression name is refused here too
-    for name, mod in module.named_modules():
-        if getattr(mod, "sparse", False) is True and isinstance(
-            mod, (nn.Embedding, nn.EmbeddingBag)
-        ):
-            raise ConfigError(
-                f"module {name or type(mod).__name__} has sparse=True; sparse gradients are not "
-                "supported by rankwise's DistributedDataParallel",
-                fix="construct the embedding with sparse=False (the default).",
-                rank=rank,
-            )

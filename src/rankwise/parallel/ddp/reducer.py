@@ -23,12 +23,17 @@ replica would step with it and another without (docs/pitfalls.md: replicas that 
 A communication hook (``register_comm_hook``, torch's signature) replaces the all-reduce of
 each bucket: the bucket then holds the plain local sum, as in torch, and the hook divides.
 
+Sparse gradients travel alone, at the end of backward (``sparse.py``). Reentrant activation
+checkpointing splits a pass over nested autograd graph tasks, and ``static_graph`` lets a
+gradient arrive more than once (``passes.py``).
+
 At world size 1 nothing is copied or sent, but the bookkeeping still runs, so a parameter that
 never gets a gradient is reported on a laptop just as it would be on 64 GPUs.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,15 +43,12 @@ from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...diagnose import fingerprints
-from ...errors import ModelError
 from ..buckets import Bucket
 from . import compression as comp
-from .comm_hooks import GradBucket, take_result
+from . import end_of_pass, passes
+from .comm_hooks import GradBucket, check_future
 from .grad_views import copy_higher_order, grad_view, reducible_in_place
 from .shared_reduce import SharedBuckets
-
-_MAX_NAMES = 10
-"""How many parameter names an error lists before '... and N more'."""
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """parameter -> the hook handle of the reducer that averages it. Wrapping a module again (say
@@ -74,6 +76,8 @@ class Reducer:
         compression: str | torch.dtype | None,
         should_sync: Callable[[], bool],
         shared: SharedBuckets | None = None,
+        static_graph: bool = False,
+        sparse: Sequence[bool] | None = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -84,7 +88,9 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.should_sync = should_sync
         self.communicates = world_size > 1
-        self._bucket_of = [0] * len(self.params)
+        self._is_sparse = list(sparse) if sparse is not None else [False] * len(self.params)
+        self._sparse = [i for i, s in enumerate(self._is_sparse) if s]
+        self._bucket_of = [-1] * len(self.params)  # -1: a sparse gradient, in no bucket
         for b, bucket in enumerate(self.buckets):
             for i in bucket.indices:
                 self._bucket_of[i] = b
@@ -98,6 +104,12 @@ class Reducer:
         # bucket -> the gradient all-reduced where autograd left it (see _make_hook), this pass
         self._in_place: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.started = False  # a backward pass has run (static graph must be set before)
+        self.counts = passes.ArrivalCounts(len(self.params)) if static_graph else None
+        self.order: list[int] = []  # the last synchronised pass's gradient-ready order
+        self.last_used = [False] * len(self.params)  # ... and which parameters it used
+        self.times: dict[str, int] = {}  # the last synchronised pass's host times (ns)
+        self.on_pass_end: Callable[[], None] | None = None  # after each synchronised pass
+        self.forward_in_backward = False  # the last forward was a reentrant recomputation
         self._reset()
         self._handles: list[Any] = []
         self._install_hooks()
@@ -110,6 +122,10 @@ class Reducer:
                 previous.remove()
             _OWNER[p] = handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
             self._handles.append(handle)
+
+    def set_static_graph(self) -> None:
+        """Gradients may arrive several times per pass, as often as in the first one."""
+        self.counts = passes.ArrivalCounts(len(self.params))
 
     def set_comm_hook(self, state: Any, hook: Callable[..., torch.futures.Future]) -> None:
         """Let ``hook(state, bucket)`` reduce each bucket (gradients summed, not averaged)."""
@@ -165,11 +181,9 @@ class Reducer:
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         b = self._bucket_of[i]
-        communicates = self.communicates
-        # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
-        # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
-        solo = communicates and self._solo[b] and self._comm_hook is None
-        used = self._used
+        communicates = self.communicates and b >= 0  # sparse: reduced in _finalize
+        solo = self._solo_now(b)
+        used, order, clock = self._used, self.order, time.time_ns
 
         def hook(p: torch.Tensor) -> None:
             if not self._active:
@@ -177,10 +191,19 @@ class Reducer:
             used[i] = True
             if not self._syncing:
                 return
+            counts = self.counts
+            if counts is not None and not counts.arrive(i):
+                return  # static graph: more arrivals to come (or still learning how many)
+            if self.find_unused_parameters and counts is None:
+                self._same_task(i)
             seen = self._seen
             if seen[i]:
                 self._fired_twice(i)
             seen[i] = True
+            order.append(i)
+            self.times["compute_end"] = clock()
+            if b < 0:
+                return
             if communicates:
                 self._place(i, b, p, solo)
             pending = self._pending
@@ -189,6 +212,21 @@ class Reducer:
                 self._launch_ready()
 
         return hook
+
+    def _solo_now(self, b: int) -> bool:
+        # A parameter alone in its bucket, with plain all-reduce: its gradient is reduced where
+        # autograd left it, with no copy (the flat slot is only used when .grad is the slot).
+        return b >= 0 and self.communicates and self._solo[b] and self._comm_hook is None
+
+    def _same_task(self, i: int) -> None:
+        """find_unused_parameters without static_graph: refuse gradients from a nested
+        (reentrant) backward, as torch does (passes.py says why)."""
+        task = passes.current_task()
+        if self._task is None:
+            self._task = task
+        elif task != self._task:
+            self._reset()
+            raise passes.reentrant_unused_error(self.names[i], self.rank)
 
     def _place(self, i: int, b: int, p: torch.Tensor, solo: bool) -> None:
         """Leave ``p``'s gradient, divided by the world size, where bucket ``b`` reduces it."""
@@ -222,7 +260,35 @@ class Reducer:
         self._active = True
         self.started = True
         self._syncing = bool(self.should_sync())
-        Variable._execution_engine.queue_callback(self._finalize)
+        self.order.clear()
+        self.times = {"compute_end": time.time_ns()}
+        Variable._execution_engine.queue_callback(self._on_pass_end)
+
+    def _on_pass_end(self) -> None:
+        """End of an autograd graph task: finalize, unless it is a nested one (reentrant
+        checkpointing) and gradients are still to come from the enclosing backward."""
+        if self._active and self._syncing and self._hidden_from_forward():
+            name = self.names[self.order[0]] if self.order else self.names[0]
+            self._reset()
+            raise passes.reentrant_unused_error(name, self.rank)
+        pending = self._active and self._syncing and not self._complete()
+        if pending and passes.finish_in_outer(self._on_pass_end):
+            return
+        self._finalize()
+
+    def _hidden_from_forward(self) -> bool:
+        """find_unused_parameters without static_graph, and this pass's gradients came from a
+        nested backward that the forward did not run in: torch's search for unused parameters
+        could not have seen them, and torch refuses (passes.py)."""
+        if not self.find_unused_parameters or self.counts is not None or self.forward_in_backward:
+            return False
+        return passes.nested()
+
+    def _complete(self) -> bool:
+        """Every bucket launched and every sparse gradient in (nothing more can arrive)."""
+        if self.counts is not None and self.counts.learning:
+            return False
+        return self._next == len(self._sizes) and all(self._seen[i] for i in self._sparse)
 
     def _grad_bucket(self, b: int) -> GradBucket:
         """Bucket ``b`` as torch's communication hooks see it."""
@@ -241,9 +307,10 @@ class Reducer:
         while self._next < n and pending[self._next] == 0:
             b = self._next
             self._next += 1
+            self.times.setdefault("comm_start", time.time_ns())
             if self.communicates and self._comm_hook is not None:
                 state, comm_hook = self._comm_hook
-                self._works[b] = comm_hook(state, self._grad_bucket(b))
+                self._works[b] = check_future(comm_hook(state, self._grad_bucket(b)))
             elif self.communicates:
                 wire = self._wire[b]
                 tensor = self._in_place[b]
@@ -286,65 +353,18 @@ class Reducer:
         self._active = False
         if not self._syncing:
             return
+        done = False
         try:
-            missing: list[int] = []
-            if self._next < len(self._sizes):
-                missing = [i for i, seen in enumerate(self._seen) if not seen]
-                if not self.find_unused_parameters:
-                    raise self._unused_error(missing)
-                self._fill_unused(missing)
-            # Used anywhere since the last sync, on any rank: a gradient from a no_sync()
-            # micro-batch counts too, or that replica alone would step with it.
-            used = self._global_use() if self.find_unused_parameters else None
-            self._wait_all()
-            for i in missing:
-                # Torch's rule: a parameter unused on every rank keeps its .grad untouched.
-                if used is not None and used[i] > 0:
-                    self.params[i].grad = self._views[i]
+            end_of_pass.run(self)
+            done = True
         finally:
+            if self.counts is not None:
+                self.counts.end_pass(done)
+            self.last_used = list(self._used)
             self._used[:] = [False] * len(self._used)
             self._reset()
-
-    def _fill_unused(self, missing: list[int]) -> None:
-        """Put what each locally unused parameter has (its .grad or zeros) into its slot."""
-        scale = self._scale
-        for i in missing if self.communicates else ():
-            view, g = self._slot(i), self.params[i].grad
-            if g is None:
-                view.zero_()
-            elif g is view:
-                view.mul_(scale)
-            else:
-                copy_higher_order(g, scale, view)
-        for b in {self._bucket_of[i] for i in missing}:
-            self._pending[b] = 0
-        self._launch_ready()
-
-    def _global_use(self) -> list[int] | None:
-        """How many ranks gave each parameter a gradient. Sync point: all ranks."""
-        if not self.communicates:
-            return None
-        device = self.buckets[0].device
-        used = torch.tensor(self._used, dtype=torch.int32, device=device)
-        with fingerprints.collective(
-            "all_reduce", used, label="used-parameter map", group=self.group, extra="sum"
-        ):
-            dist.all_reduce(used, group=self.group)
-        return used.tolist()
-
-    def _wait_all(self) -> None:
-        for b, entry in enumerate(self._works):
-            if entry is None:
-                continue
-            if isinstance(entry, torch._C.Future):  # a comm hook's (then() gives a _C.Future)
-                take_result(entry.wait(), self._flat_of(b), b)
-                continue
-            entry.wait()  # a failure raises the diagnosis: every rank's last collective
-            wire = self._wire[b]
-            if wire is not None:
-                comp.decompress(wire, self._flat_of(b))
-        if self._fence is not None:
-            self._fence.wait()  # no rank writes its slot while another still reads it
+        if self.on_pass_end is not None:
+            self.on_pass_end()
 
     def _reset(self) -> None:
         self._active = False
@@ -352,6 +372,7 @@ class Reducer:
         self._seen = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._next = 0
+        self._task: int | None = None  # the graph task of this pass's first gradient
         self._works: list[Any] = [None] * len(self.buckets)
         self._fence: Any = None  # True once a shared bucket is launched, then its Work
         self._in_place[:] = [None] * len(self.buckets)
@@ -359,6 +380,8 @@ class Reducer:
     def prepare_for_forward(self) -> None:
         """Forget a backward pass that died half-way (an exception inside autograd)."""
         if self._active:
+            if self.counts is not None:
+                self.counts.end_pass(False)
             self._reset()
 
     def remove_hooks(self) -> None:
@@ -369,29 +392,8 @@ class Reducer:
 
     # -- errors -------------------------------------------------------------------------------
 
-    def _names_of(self, indices: list[int]) -> str:
-        shown = ", ".join(self.names[i] for i in indices[:_MAX_NAMES])
-        extra = len(indices) - _MAX_NAMES
-        return shown + (f" ... and {extra} more" if extra > 0 else "")
-
-    def _unused_error(self, missing: list[int]) -> ModelError:
-        return ModelError(
-            f"{len(missing)} of {len(self.params)} parameters got no gradient in this backward "
-            f"pass: {self._names_of(missing)}. DistributedDataParallel cannot average a gradient "
-            "that was never computed, and with find_unused_parameters=False it does not look "
-            "for such parameters",
-            fix="set find_unused_parameters=True in DistributedDataParallel(...) if these "
-            "parameters are unused on purpose (a branch that is skipped, an auxiliary head), or "
-            "freeze them with requires_grad_(False) before wrapping if they never train.",
-            rank=self.rank,
-        )
-
     def _fired_twice(self, i: int) -> None:
         self._reset()
-        raise ModelError(
-            f"parameter {self.names[i]} received its gradient twice in one backward pass "
-            "(reentrant activation checkpointing, or a nested backward through the model)",
-            fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or run the "
-            "inner backward outside DistributedDataParallel.",
-            rank=self.rank,
-        )
+        if self.counts is not None:
+            self.counts.end_pass(False)
+        raise passes.twice_error(self.names[i], self.rank)

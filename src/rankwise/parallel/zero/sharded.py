@@ -34,8 +34,9 @@ from torch.autograd import Variable
 from ...errors import ConfigError
 from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from ..ddp.distributed import _check_no_sparse, _group_size_and_rank
+from ..ddp.devices import group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
+from ..ddp.sparse import refuse_sparse
 from . import sharded_optim
 from .engine_view import OptimizerFactory
 from .grad_norm import clip_shards_
@@ -94,11 +95,11 @@ class ShardedDataParallel(nn.Module):
                 fix="pass stage=1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters).",
             )
         self.module, self.stage, self.process_group = module, stage, process_group
-        self.world_size, self.rank = _group_size_and_rank(process_group)
+        self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self._forward_sync = True
-        _check_no_sparse(module, self.rank)
+        refuse_sparse(module, self.rank, "ShardedDataParallel (ZeRO)")
         if self.world_size > 1:
             verify_same_model(module, process_group, self.rank)
             everything = [t.detach() for t in module.parameters()]
