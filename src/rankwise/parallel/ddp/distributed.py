@@ -97,12 +97,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = process_group = group_from_mesh(process_group, device_mesh)
         self.world_size, self.rank = group_size_and_rank(process_group)
-        self.device_ids, self.output_device = check_devices(
-            module, device_ids, output_device, self.rank
-        )
+        checked = check_devices(module, device_ids, output_device, self.rank)
+        self.device_ids, self.output_device = checked
         comp.wire_dtype(compression)  # a bad compression name is refused before any collective
-        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        self.dim, self.bucket_cap_mb = dim, cap
+        self.dim = dim
+        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view = True  # always: .grad is a view of its bucket
@@ -114,6 +113,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.world_size > 1 and init_sync:
             self._agree(sync_at_init)
         self._build_reducer(shared_memory_reduce)
+        self._without_module_prefix()
+
+    def _without_module_prefix(self) -> None:
+        """``state_dict()`` without ``module.``; ``load_state_dict`` accepts both forms."""
         self.register_state_dict_post_hook(strip_module_prefix)
         self.register_load_state_dict_pre_hook(add_module_prefix)
 
@@ -141,16 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 [params[i] for i in dense], self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES
             )
         ]
-        # Collective: only from __init__, where every rank is (not when one rank unpickles).
-        shared = None
-        if self.compression is not None and shared_memory_reduce:
-            raise ConfigError(
-                f"shared_memory_reduce=True with compression={self.compression!r}: compressed "
-                "buckets go through the process group's all-reduce",
-                fix="drop one of them: shared memory already avoids the copy compression saves.",
-            )
-        if self.world_size > 1 and self.compression is None:
-            shared = shared_reduce.attach(buckets, self.process_group, shared_memory_reduce)
+        shared = self._shared_buckets(buckets, shared_memory_reduce)
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
@@ -178,6 +172,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             p.numel() * p.element_size() for p, s in zip(params, sparse, strict=True) if s
         ]
         self._logger.construction(self, params, sizes, self._requested_view)
+
+    def _shared_buckets(self, buckets: list, shared_memory_reduce: bool | None) -> Any:
+        """The shared-memory file for ``buckets``, or None (Gloo's all-reduce). Collective:
+        only from ``__init__``, where every rank is (not when one rank unpickles)."""
+        if self.compression is not None and shared_memory_reduce:
+            raise ConfigError(
+                f"shared_memory_reduce=True with compression={self.compression!r}: compressed "
+                "buckets go through the process group's all-reduce",
+                fix="drop one of them: shared memory already avoids the copy compression saves.",
+            )
+        if self.world_size > 1 and self.compression is None:
+            return shared_reduce.attach(buckets, self.process_group, shared_memory_reduce)
+        return None
 
     def _log_pass(self) -> None:
         order = [i for b in self.reducer.buckets for i in b.indices] + self.reducer._sparse
