@@ -10,6 +10,7 @@ naming the file and the record. Files without CRCs (torch's legacy format) are n
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zipfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 _CHUNK = 8 * 1024 * 1024
+_PIECE = 64 * 1024 * 1024  # large records are split so that every thread has work
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = 0x04034B50
 
@@ -63,16 +65,57 @@ def corrupt(file: Path, entry: str, why: str) -> ConfigError:
     )
 
 
-def _crc_of(fd: int, record: Record) -> int:
-    crc, done, buf = 0, 0, bytearray(min(_CHUNK, max(record.size, 1)))
-    view = memoryview(buf)
-    while done < record.size:
-        n = os.preadv(fd, [view[: min(len(buf), record.size - done)]], record.offset + done)
-        if n <= 0:
-            return -1  # the file is shorter than its directory says
-        crc = zlib.crc32(view[:n], crc)
-        done += n
+def _crc_piece(mapped: memoryview, start: int, end: int) -> int:
+    """CRC-32 of ``mapped[start:end]``, read in place from the mapped file (no copy)."""
+    crc = 0
+    for at in range(start, end, _CHUNK):
+        crc = zlib.crc32(mapped[at : min(at + _CHUNK, end)], crc)
     return crc
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, row) for row in matrix]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)`` (zlib's method, which
+    Python's zlib does not expose): pieces of one large record are checked in parallel."""
+    if len2 == 0:
+        return crc1
+    # The operator that appends one zero bit to the message, then 2, 4, 8 ... by squaring.
+    odd = [0xEDB88320] + [1 << n for n in range(31)]
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # 8 bits (one byte), then 32, 128 ...
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _pieces(record: Record) -> list[tuple[int, int]]:
+    """The record cut into ``_PIECE``-byte ranges (one task each)."""
+    end = record.offset + record.size
+    return [(a, min(a + _PIECE, end)) for a in range(record.offset, end, _PIECE)] or [(end, end)]
 
 
 class Verifier:
@@ -87,22 +130,28 @@ class Verifier:
             self.records = records(file)
         except (OSError, zipfile.BadZipFile, ValueError):
             self.records = []  # torch.load names the damage; nothing here to compare against
-        self._fd = os.open(file, os.O_RDONLY) if self.records else -1
+        self._map: mmap.mmap | None = None
+        if self.records:
+            with open(file, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self._view = view
         workers = threads or min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rankwise-verify")
-        # Largest first: a big tensor's record must not start last.
-        order = sorted(self.records, key=lambda r: -r.size)
-        self._futures: list[tuple[Record, Future]] = [
-            (r, self._pool.submit(_crc_of, self._fd, r)) for r in order
+        self._futures: list[tuple[Record, list[tuple[int, Future]]]] = [
+            (r, [(b - a, self._pool.submit(_crc_piece, view, a, b)) for a, b in _pieces(r)])
+            for r in self.records
         ]
 
     def check(self) -> None:
         """Wait for every record; raise ``ConfigError`` naming the first that does not match."""
         try:
-            for record, future in self._futures:
-                got = future.result()
-                if got == -1:
+            for record, pieces in self._futures:
+                if record.offset + record.size > len(self._view):
                     raise corrupt(self.file, record.name, "is cut short")
+                got = 0
+                for length, future in pieces:
+                    got = crc32_combine(got, future.result(), length)
                 if got != record.crc:
                     raise corrupt(
                         self.file,
@@ -113,9 +162,11 @@ class Verifier:
             self.close()
 
     def close(self) -> None:
-        for _, future in self._futures:
-            future.cancel()
+        for _, pieces in self._futures:
+            for _, future in pieces:
+                future.cancel()
         self._pool.shutdown(wait=True)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._view.release()
+        if self._map is not None:
+            self._map.close()
+            self._map = None

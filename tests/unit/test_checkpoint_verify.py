@@ -64,3 +64,23 @@ def test_an_intact_file_loads_and_every_record_is_checked(tmp_path):
     fresh = nn.Linear(64, 32)
     assert rw.load_checkpoint(path, model=fresh)["step"] == 3
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_crc32_combine_matches_zlib_over_the_concatenation():
+    import os
+    import zlib
+
+    for a_len, b_len in [(0, 5), (5, 0), (1, 1), (1000, 3), (70_000, 65_537)]:
+        a, b = os.urandom(a_len), os.urandom(b_len)
+        got = checkpoint_verify.crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len)
+        assert got == zlib.crc32(a + b), (a_len, b_len)
+
+
+def test_a_record_split_into_pieces_is_still_checked_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_verify, "_PIECE", 1000)  # the weight: 9 pieces
+    _, path = _saved(tmp_path)
+    checkpoint_verify.Verifier(path).check()  # intact: the combined CRCs match
+    name = _flip(path, _tensor_record(path), at=4321)  # inside the 5th piece
+    with pytest.raises(rw.ConfigError, match="CRC-32") as info:
+        checkpoint_verify.Verifier(path).check()
+    assert repr(name) in str(info.value)
