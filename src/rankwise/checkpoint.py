@@ -152,8 +152,8 @@ def save_checkpoint(
     if status[0] != "ok":
         raise DistributedError(
             f"saving the checkpoint at {os.fspath(path)!r} failed on rank 0: {status[1]}",
-            fix="check that the directory is writable and has space; the previous checkpoint "
-            "is untouched.",
+            fix="check that the directory is writable, has space and allows a file this large "
+            "(ulimit -f, the filesystem's size limit); the previous checkpoint is untouched.",
             rank=comm.rank(),
         )
     return Path(status[1])
@@ -178,6 +178,7 @@ def _share_status(status: list[str]) -> list[str]:
 
 
 def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None) -> list[str]:
+    target = path
     try:
         is_dir = files.is_dir_target(path)
         target = files.dir_target(path, step) if is_dir else path
@@ -187,8 +188,8 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
             files.write_text_atomic(target.name + "\n", target.parent / LATEST)
             files.prune(target.parent, keep_last, target)
         return ["ok", str(target)]
-    except Exception as exc:  # reported to every rank by the caller
-        return ["error", f"{type(exc).__name__}: {exc}"]
+    except Exception as exc:  # reported to every rank by the caller, in the disk's words
+        return ["error", files.describe_write_error(exc, target)]
 
 
 def resolve(path: str | os.PathLike) -> Path:
