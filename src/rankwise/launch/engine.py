@@ -137,7 +137,8 @@ def launch(opts: LaunchOptions) -> None:
             _tell_native_log(native)
         except ChildFailedError as exc:
             _tell_native_log(native)
-            raise _job_failed(opts, exc, config.logs_specs.root_log_dir, diag) from None
+            log_dir = config.logs_specs.root_log_dir
+            raise _job_failed(opts, exc, log_dir, diag, restarts.signalled) from None
         except SignalException as exc:
             _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
@@ -145,13 +146,16 @@ def launch(opts: LaunchOptions) -> None:
             raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
 
 
-def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) -> JobFailed:
+def _job_failed(
+    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, signalled: set[int]
+) -> JobFailed:
     return JobFailed(
         [_with_stderr(f, log_dir) for f in from_elastic(exc.failures)],
         world_size=opts.world_size,
         node_rank=opts.node_rank,
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
+        signalled=signalled or None,
     )
 
 
