@@ -26,6 +26,7 @@ from typing import IO
 from .errors import ConfigError
 
 LATEST = "latest"
+MAX_STEP = 2**63 - 1
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
@@ -152,6 +153,13 @@ def check_step(step: object) -> None:
             fix="pass the training step counted from 0 (a negative step names a file that "
             "rotation and loading would never find).",
         )
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step={step} is larger than {MAX_STEP} (2**63 - 1), the largest step a tensor, a "
+            "sampler position or another tool can hold",
+            fix="pass the training step (a count of optimizer steps), not a sample count or a "
+            "hash.",
+        )
 
 
 def dir_target(directory: Path, step: int | None) -> Path:
@@ -207,6 +215,14 @@ def read_latest(directory: Path) -> Path:
             "(e.g. ckpt-00000700.pt), or load a checkpoint file directly.",
         )
     candidate = directory / name
+    if candidate.is_symlink() and candidate.resolve().parent != directory.resolve():
+        raise ConfigError(
+            f"{os.fspath(pointer)!r} names {name!r}, a link to {os.fspath(candidate.resolve())!r} "
+            f"outside {os.fspath(directory)!r}; a checkpoint folder's 'latest' is loaded only "
+            "from inside it",
+            fix="load that file by its own path if you trust it, or replace the link with the "
+            "checkpoint itself.",
+        )
     if not candidate.is_file():
         raise ConfigError(
             f"{os.fspath(pointer)!r} names {name!r}, which does not exist",
