@@ -54,12 +54,21 @@ def test_a_rank_killed_inside_the_window_leaves_no_file(victim, how, tmp_path):
     assert _files_of(pid) == []
 
 
-def test_a_file_left_by_a_sigkilled_rank_0_is_swept_at_the_next_start(tmp_path):
+def test_a_file_left_by_a_sigkilled_rank_0_is_swept_when_the_job_ends(tmp_path):
+    # SIGKILL leaves rank 0 no chance to unlink; the launcher (here run_distributed, as
+    # `rankwise run` and rw.launch) sweeps files of dead processes when the job ends, and so
+    # does the next construction.
     pid = _run(0, "SIGKILL", tmp_path)
-    left = _files_of(pid)
-    assert len(left) == 1  # SIGKILL leaves no chance to unlink: today's behaviour
-    removed = shm_file.sweep_stale()
-    assert left[0] in removed and _files_of(pid) == []
+    assert _files_of(pid) == []
+
+
+def test_the_next_construction_sweeps_a_file_of_a_dead_rank_0(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm_file, "SHM_DIR", str(tmp_path))
+    stale = tmp_path / f"{shm_file.PREFIX}999999999-left"
+    stale.write_bytes(b"x" * 64)
+    made = shm_file.create(4096)
+    assert made is not None and not stale.exists()
+    os.unlink(made[0])
 
 
 def test_the_sweep_spares_files_of_live_processes(tmp_path, monkeypatch):

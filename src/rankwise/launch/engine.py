@@ -144,6 +144,16 @@ def launch(opts: LaunchOptions) -> None:
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
             raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
+        finally:
+            _sweep_shared_memory()
+
+
+def _sweep_shared_memory() -> None:
+    """Remove shared-memory bucket files whose rank 0 is gone: a worker SIGKILLed in the
+    moment between creating and unlinking one cannot (docs/ddp.md)."""
+    from ..parallel.ddp import shm_file
+
+    shm_file.sweep_stale()
 
 
 def _job_failed(

@@ -191,6 +191,9 @@ def spawn_ranks(
             p.join(5)
         del store
         tmp.cleanup()
+        from ..parallel.ddp import shm_file  # what a SIGKILLed rank 0 could not unlink
+
+        shm_file.sweep_stale()
 
 
 def _print_line(rank: int, stream: str, line: str) -> None:
