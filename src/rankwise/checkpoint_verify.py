@@ -132,8 +132,11 @@ class Verifier:
             self.records = []  # torch.load names the damage; nothing here to compare against
         self._map: mmap.mmap | None = None
         if self.records:
-            with open(file, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with open(file, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # a filesystem that cannot map: load unverified
+                self.records = []
         view = memoryview(self._map) if self._map is not None else memoryview(b"")
         self._view = view
         workers = threads or min(8, os.cpu_count() or 1)

@@ -55,3 +55,25 @@ def test_on_a_restart_only_the_failed_rank_is_named(tmp_path):
     assert "rankwise run: stopped by the launcher: rank(s) 0" in lines
     assert not any("rank 0 failed" in ln for ln in lines), lines
     assert any("the job recovered after 1 restart(s)" in ln for ln in lines), lines
+
+
+FIRST = textwrap.dedent("""
+    import time, torch, rankwise as rw
+    rt = rw.init(timeout=8)
+    if rt.rank == 1:
+        time.sleep(30)  # never reaches the job's first collective in time
+    rw.all_reduce_sum(torch.ones(3))
+""")
+
+
+def test_a_rank_that_never_reached_the_first_collective_is_blamed(tmp_path):
+    (tmp_path / "first.py").write_text(FIRST)
+    out = subprocess.run(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "first.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert "rankwise run: rank(s) 1 never reached the collective that rank(s) 0 waited in" in (
+        out.stderr
+    ), out.stderr[-3000:]
+    assert "rank 1 has not issued any collective yet, running user code at first.py:5" in out.stderr
+    assert "stopped by the launcher: rank(s) 1" in out.stderr
