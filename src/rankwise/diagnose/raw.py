@@ -22,7 +22,8 @@ import torch
 
 from .report import Site
 
-C10D = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "distributed") + os.sep
+TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+C10D = os.path.join(TORCH, "distributed") + os.sep
 RANKWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 OPS = frozenset(
     {
@@ -43,9 +44,9 @@ def find(frame: Any) -> tuple[str, Site, int] | None:
     op_frame = None
     while frame is not None:
         code = frame.f_code
-        if code.co_filename.startswith(C10D):
-            if code.co_name in OPS:
-                op_frame = frame
+        if code.co_filename.startswith(TORCH):  # torch's own callers (its DDP) are not the site
+            if code.co_filename.startswith(C10D) and code.co_name in OPS:
+                op_frame = frame  # the outermost: all_gather_object, not the all_gather inside
         elif op_frame is not None:
             if code.co_filename.startswith(RANKWISE):
                 return None
