@@ -122,11 +122,7 @@ def _child(
             # through file descriptors that vanish when this process exits.
             results.put(("result", rank, True, pickle.dumps(value)))
         except SystemExit as exc:
-            if exc.code not in (None, 0):  # sys.exit(3), sys.exit("message"): a failure
-                text = f"SystemExit: sys.exit({exc.code!r}) in rank {rank}\n"
-                results.put(("result", rank, False, (text, None)))
-            else:  # sys.exit() / sys.exit(0): a normal end, with nothing returned
-                results.put(("result", rank, True, pickle.dumps(None)))
+            results.put(_exited(rank, exc))
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             sys.stdout.flush()
@@ -140,6 +136,13 @@ def _child(
             except Exception:
                 pass
     sys.stdout.flush()
+
+
+def _exited(rank: int, exc: SystemExit) -> tuple:
+    """``sys.exit()``/``sys.exit(0)`` is a normal end (nothing returned); another code fails."""
+    if exc.code in (None, 0):
+        return ("result", rank, True, pickle.dumps(None))
+    return ("result", rank, False, (f"SystemExit: sys.exit({exc.code!r}) in rank {rank}\n", None))
 
 
 def spawn_ranks(
@@ -183,17 +186,22 @@ def spawn_ranks(
             p.start()
         return _collect(procs, results, stack_files, timeout)
     finally:
-        for p in procs:
-            if p.pid is None:  # never started (spawning an earlier rank failed)
-                continue
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        _end(procs)
         del store
         tmp.cleanup()
-        from ..parallel.ddp import shm_file  # what a SIGKILLed rank 0 could not unlink
 
-        shm_file.sweep_stale()
+
+def _end(procs: list) -> None:
+    """Kill what still runs; sweep the shared-memory files a SIGKILLed rank 0 left."""
+    for p in procs:
+        if p.pid is None:  # never started (spawning an earlier rank failed)
+            continue
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    from ..parallel.ddp import shm_file
+
+    shm_file.sweep_stale()
 
 
 def _print_line(rank: int, stream: str, line: str) -> None:
