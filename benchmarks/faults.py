@@ -16,9 +16,20 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
 - ``hang``: rank 1 sleeps before a collective; the stall report (``RANKWISE_STALL_REPORT_S``,
   rankwise's default unless --stall-s) must come within a minute of the sleep, before the
   timeout, and the final summary must blame rank 1. Its seconds count from the sleep.
+- ``sigstop_rank`` (benchmarks/_faults_more.py, as the four below): rank 1 frozen with
+  SIGSTOP while training with shared-memory buckets; seconds to the stall report naming it,
+  and the final summary must blame it and list it as stopped by the launcher.
+- ``kill_in_ddp_construction``: a random rank SIGKILLed while rank 0's shared-memory bucket
+  file is named; seconds to stop, and ``shm_left`` counts files left in /dev/shm.
+- ``full_disk``: rank 0 saves past RLIMIT_FSIZE; every rank's error must name EFBIG and the
+  file, and the previous checkpoint must load.
+- ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
+  runs where it ran on rank 0, and the error must name rank 1.
 
-Prints one JSON row per fault: trials, runs that lost data or hung, and the worst and median
-seconds to stop (or to report, for the hang). --out also writes the JSON to a file.
+Prints one JSON row per fault: trials, runs that lost data or hung (and, where they apply,
+executed payloads, shared-memory files left, errors that did not name the cause), and the
+worst and median seconds to stop (or to report, for the hang and the frozen rank). --out also
+writes the JSON to a file.
 
     flock /tmp/bench.lock python benchmarks/faults.py --out benchmarks/results/faults.json
 """
@@ -200,11 +211,17 @@ def hang(tmp: Path, stall_s: float | None) -> dict:
 
 def _row(fault: str, results: list[dict], **extra) -> dict:
     secs = [r["seconds"] for r in results if r["seconds"] is not None]
+    counted = {
+        key: sum(int(r[key]) for r in results)
+        for key in ("executed", "shm_left", "unnamed")
+        if any(key in r for r in results)
+    }
     return {
         "fault": fault,
         "trials": len(results),
         "lost_data": sum(r["lost"] for r in results),
         "hung": sum(r["hung"] for r in results),
+        **counted,
         "max_s": round(max(secs), 2) if secs else None,
         "median_s": round(statistics.median(secs), 2) if secs else None,
         **extra,
@@ -222,12 +239,23 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     random.seed(0)
+    import _faults_more as more  # beside this script
+
+    from rankwise.env import STALL_REPORT_S
+
+    stall = STALL_REPORT_S if args.stall_s is None else args.stall_s
     plan = {
         "sigkill_rank": lambda: [sigkill_rank(_tmp()) for _ in range(args.kills)],
         "sigkill_launcher": lambda: [sigkill_launcher(_tmp()) for _ in range(args.kills)],
         "kill_during_save": lambda: [kill_during_save(_tmp()) for _ in range(args.saves)],
         "fuzzed_ps_frames": lambda: fuzzed_ps_frames(args.frames),
         "hang": lambda: [hang(_tmp(), args.stall_s)],
+        "sigstop_rank": lambda: [more.sigstop_rank(_tmp(), ENV, stall) for _ in range(1)],
+        "kill_in_ddp_construction": lambda: [
+            more.kill_in_ddp_construction(_tmp(), ENV) for _ in range(args.kills)
+        ],
+        "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
+        "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],
     }
     rows = []
     for fault, run in plan.items():
@@ -235,10 +263,7 @@ def main() -> None:
             continue
         began = time.monotonic()
         results = run()
-        from rankwise.env import STALL_REPORT_S
-
-        stall = STALL_REPORT_S if args.stall_s is None else args.stall_s
-        extra = {"stall_report_s": stall} if fault == "hang" else {}
+        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank") else {}
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)

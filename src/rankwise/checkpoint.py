@@ -9,7 +9,8 @@ checkpoint intact.
 
 Loading uses ``torch.load(weights_only=True)``: unpickling an untrusted file can run arbitrary
 code, so a checkpoint holding objects outside torch's allow-list is refused unless the caller
-says it trusts the file.
+says it trusts the file. Every record's CRC-32 is checked while it loads: a flipped byte is an
+error naming the file and the record, never a silently wrong weight.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from . import checkpoint_files as files
-from . import comm, rng, runtime
+from . import checkpoint_verify, comm, rng, runtime, wire
 from .checkpoint_files import LATEST, list_checkpoints
 from .errors import ConfigError, DistributedError
 from .state_dict import model_class_name, model_state, strip_prefixes, unwrap_model
@@ -138,9 +139,9 @@ def save_checkpoint(
             f"keep_last={keep_last} must be at least 1",
             fix="keep at least the checkpoint just written, e.g. keep_last=3.",
         )
-    rng_states = comm.all_gather_object(rng.capture())
+    rng_states = _gather_rng()
     states = _collective_states(model, optimizer)
-    status: tuple[str, str] = ("ok", "")
+    status: list[str] = ["ok", ""]
     if comm.rank() == 0:
         status = _write_on_master(
             Path(path),
@@ -148,18 +149,37 @@ def save_checkpoint(
             _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states),
             step,
         )
-    status = comm.broadcast_object(status)
+    status = _share_status(status)
     if status[0] != "ok":
         raise DistributedError(
             f"saving the checkpoint at {os.fspath(path)!r} failed on rank 0: {status[1]}",
-            fix="check that the directory is writable and has space; the previous checkpoint "
-            "is untouched.",
+            fix="check that the directory is writable, has space and allows a file this large "
+            "(ulimit -f, the filesystem's size limit); the previous checkpoint is untouched.",
             rank=comm.rank(),
         )
     return Path(status[1])
 
 
-def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None):
+def _gather_rng() -> list[Any]:
+    """Every rank's RNG state, as ``torch.save`` bytes read back with ``weights_only=True``
+    (never unpickled: a peer cannot run code here). Sync point: all ranks."""
+    if comm.world_size() == 1:
+        return [rng.capture()]
+    return wire.all_gather_tensors_state(rng.capture(), label="checkpoint RNG states")
+
+
+def _share_status(status: list[str]) -> list[str]:
+    """Rank 0's ``[outcome, path or error]`` on every rank, as JSON. Sync point: all ranks."""
+    if comm.world_size() == 1:
+        return status
+    got = wire.broadcast_json(status, label="checkpoint save status")
+    if not (isinstance(got, list) and len(got) == 2 and all(isinstance(x, str) for x in got)):
+        return ["error", f"rank 0 sent a malformed save status {str(got)[:80]!r}"]
+    return got
+
+
+def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None) -> list[str]:
+    target = path
     try:
         is_dir = files.is_dir_target(path)
         target = files.dir_target(path, step) if is_dir else path
@@ -168,9 +188,9 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
             # latest first: a crash between the two leaves extra files, never a wrong pointer
             files.write_text_atomic(target.name + "\n", target.parent / LATEST)
             files.prune(target.parent, keep_last, target)
-        return ("ok", str(target))
-    except Exception as exc:  # reported to every rank by the caller
-        return ("error", f"{type(exc).__name__}: {exc}")
+        return ["ok", str(target)]
+    except Exception as exc:  # reported to every rank by the caller, in the disk's words
+        return ["error", files.describe_write_error(exc, target)]
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -192,6 +212,18 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read(file: Path, map_location: Any, trusted: bool) -> Any:
+    """``torch.load`` while every record's CRC-32 is checked alongside (``checkpoint_verify``)."""
+    verifier = checkpoint_verify.Verifier(file)
+    try:
+        ckpt = _load(file, map_location, trusted)
+    except ConfigError:
+        verifier.check()  # a damaged record is the clearer cause of an unreadable file
+        raise
+    verifier.check()
+    return ckpt
+
+
+def _load(file: Path, map_location: Any, trusted: bool) -> Any:
     import pickle
 
     try:

@@ -13,8 +13,10 @@ Rules that keep a checkpoint from ever being lost (docs/checkpoints.md):
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from typing import IO
 from .errors import ConfigError
 
 LATEST = "latest"
+MAX_STEP = 2**63 - 1
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
@@ -55,6 +58,35 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(dir_fd)  # the rename itself must reach the disk
     finally:
         os.close(dir_fd)
+
+
+def first_os_error(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``exc``'s chain (torch's writer hides ENOSPC/EFBIG under an
+    ``[enforce fail at inline_container.cc]`` RuntimeError, with the OSError as its context)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def describe_write_error(exc: BaseException, target: Path) -> str:
+    """What went wrong writing ``target``, in the disk's words: errno, path, free space."""
+    os_error = first_os_error(exc)
+    if os_error is None:
+        return f"{type(exc).__name__}: {exc}"
+    code = errno.errorcode.get(os_error.errno or 0, "?")
+    where = os_error.filename or target
+    try:
+        free = f"{shutil.disk_usage(target.parent).free / 2**20:.0f} MiB free in {target.parent}"
+    except OSError:
+        free = f"free space in {target.parent} unknown"
+    return (
+        f"{type(os_error).__name__} [Errno {os_error.errno} {code}] {os_error.strerror} "
+        f"writing {os.fspath(where)!r} ({free})"
+    )
 
 
 def remove_leftovers(target: Path) -> None:
@@ -121,6 +153,13 @@ def check_step(step: object) -> None:
             fix="pass the training step counted from 0 (a negative step names a file that "
             "rotation and loading would never find).",
         )
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step={step} is larger than {MAX_STEP} (2**63 - 1), the largest step a tensor, a "
+            "sampler position or another tool can hold",
+            fix="pass the training step (a count of optimizer steps), not a sample count or a "
+            "hash.",
+        )
 
 
 def dir_target(directory: Path, step: int | None) -> Path:
@@ -176,6 +215,14 @@ def read_latest(directory: Path) -> Path:
             "(e.g. ckpt-00000700.pt), or load a checkpoint file directly.",
         )
     candidate = directory / name
+    if candidate.is_symlink() and candidate.resolve().parent != directory.resolve():
+        raise ConfigError(
+            f"{os.fspath(pointer)!r} names {name!r}, a link to {os.fspath(candidate.resolve())!r} "
+            f"outside {os.fspath(directory)!r}; a checkpoint folder's 'latest' is loaded only "
+            "from inside it",
+            fix="load that file by its own path if you trust it, or replace the link with the "
+            "checkpoint itself.",
+        )
     if not candidate.is_file():
         raise ConfigError(
             f"{os.fspath(pointer)!r} names {name!r}, which does not exist",

@@ -119,7 +119,11 @@ def all_reduce_max(value):
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (pickled). Sync point: all ranks."""
+    """Rank ``src``'s ``obj`` on every rank. Sync point: all ranks.
+
+    Pickled: every rank unpickles what ``src`` sends, so it trusts ``src`` to run code in it.
+    Fine between the ranks of your own job; rankwise's own messages never use it (``wire``).
+    """
     if world_size() == 1:
         return obj
     box = [obj]
@@ -129,7 +133,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank. Sync point: all ranks."""
+    """Every rank's ``obj``, in rank order, on every rank. Sync point: all ranks.
+
+    Pickled: every rank unpickles what every other rank sends, so it trusts them all to run
+    code in it. Fine between the ranks of your own job; rankwise's own messages never use it
+    (they go through ``rankwise.wire``: JSON and tensors).
+    """
     if world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
@@ -139,7 +148,10 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Every rank's ``obj`` in rank order on ``dst``; None elsewhere. Sync point: all ranks."""
+    """Every rank's ``obj`` in rank order on ``dst``; None elsewhere. Sync point: all ranks.
+
+    Pickled, like ``all_gather_object``: it trusts every rank.
+    """
     if world_size() == 1:
         return [obj]
     # gather_object is not supported by every backend; all_gather costs little more for objects.

@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import rankwise as rw
 from rankwise.diagnose import fingerprints
 from rankwise.errors import ConfigError, DistributedError
-from rankwise.parallel.ddp import shared_reduce
+from rankwise.parallel.ddp import shared_reduce, shm_file
 from rankwise.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(
@@ -149,9 +149,9 @@ def _hooks(rank: int) -> dict:
 
 def _fallback(rank: int) -> dict:
     before = set(glob.glob(LEFTOVERS))
-    real_map = shared_reduce._map
+    real_map = shm_file.map_file
     if rank == 1:  # as if rank 1 ran on another machine: rank 0's file is not there
-        shared_reduce._map = lambda *args: None
+        shm_file.map_file = lambda *args: None
     try:
         model = rw.DistributedDataParallel(_net())
         out = {"shared": model.reducer.shared is not None}
@@ -169,7 +169,7 @@ def _fallback(rank: int) -> dict:
         except ConfigError as exc:
             out["with_compression"] = str(exc)
     finally:
-        shared_reduce._map = real_map
+        shm_file.map_file = real_map
     dist.barrier()
     out["leftovers"] = sorted(set(glob.glob(LEFTOVERS)) - before)
     return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rankwise.parallel.buckets import Bucket
-from rankwise.parallel.ddp import shared_reduce
+from rankwise.parallel.ddp import shared_reduce, shm_file
 
 
 def _bucket(numel: int, dtype: torch.dtype = torch.float32) -> Bucket:
@@ -28,28 +28,28 @@ def test_only_large_buckets_are_laid_out_each_on_its_own_cache_line():
 
 
 def test_a_full_dev_shm_gives_no_file_and_leaves_none(monkeypatch, tmp_path):
-    monkeypatch.setattr(shared_reduce, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm_file, "SHM_DIR", str(tmp_path))
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.warns(RuntimeWarning) as caught:
-        assert shared_reduce._create(3 << 20) is None
+        assert shm_file.create(3 << 20) is None
     assert list(tmp_path.iterdir()) == []
     message = str(caught[0].message)
     assert "3 MiB" in message and "--shm-size" in message and "shared_memory_reduce=False" in message
 
 
 def test_the_file_is_reserved_and_only_its_token_maps(monkeypatch, tmp_path):
-    monkeypatch.setattr(shared_reduce, "SHM_DIR", str(tmp_path))
-    path, token = shared_reduce._create(4096)
+    monkeypatch.setattr(shm_file, "SHM_DIR", str(tmp_path))
+    path, token = shm_file.create(4096)
     assert os.path.getsize(path) == 4096 and os.stat(path).st_blocks > 0  # allocated, not sparse
-    arena = shared_reduce._map(path, token, 4096)
+    arena = shm_file.map_file(path, token, 4096)
     assert arena is not None and arena.numel() == 4096
     assert bytes(arena[: len(token)].tolist()) == token
-    assert shared_reduce._map(path, bytes(len(token)), 4096) is None  # another job's file
-    assert shared_reduce._map(str(tmp_path / "absent"), token, 4096) is None  # another machine
+    assert shm_file.map_file(path, bytes(len(token)), 4096) is None  # another job's file
+    assert shm_file.map_file(str(tmp_path / "absent"), token, 4096) is None  # another machine
 
 
 def test_work_waits_times_out_and_reraises_the_workers_error():

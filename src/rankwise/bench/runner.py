@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..errors import ConfigError
 from ..log import TaskBar, task_bar
 from . import rows
@@ -192,8 +193,7 @@ def memory_and_loss(
         peak = meter.peak_mb() if trainer.works else None  # the steps, not what close() does
         trainer.close()
         loss = trainer.loss() if setup.rank == 0 else None
-        peaks: list = [None] * setup.world
-        dist.all_gather_object(peaks, peak)
+        peaks = wire.all_gather_json(peak, label="bench peak memory")
         out[name] = {"peak_mb": peaks, "loss": loss, "memory_method": meter.method}
         del trainer
         (bar or TaskBar()).update(f"memory and loss: {name}")

@@ -262,6 +262,7 @@ def loader(
     rank, num_replicas = _coords.resolve(num_replicas, rank)
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
+    _check_not_empty(dataset)
     process_batch = per_device * replicas_in_process
     dataset, sampler = _share(
         dataset, sampler, num_replicas, rank, shuffle, seed, drop_last, evaluation, shard,
@@ -280,6 +281,19 @@ def loader(
         replicas_in_process=replicas_in_process,
         generator_seed=seed * 8191 + rank if own_generator else None,
     )
+
+
+def _check_not_empty(dataset: Any) -> None:
+    """An empty map-style data set would give 0 batches every epoch, silently."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return
+    if len(dataset) == 0:
+        raise ConfigError(
+            f"rw.loader got an empty data set ({type(dataset).__name__} of length 0): every "
+            "epoch would have 0 batches and training would silently do nothing",
+            fix="check the path, split or filter that built the data set (len(dataset) must be "
+            "at least 1).",
+        )
 
 
 def _share(

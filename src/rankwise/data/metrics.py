@@ -5,7 +5,8 @@ padding sampler evaluates some samples twice. The exact way is to evaluate with
 ``rw.loader(..., evaluation=True)`` (no padding, each sample once), keep this rank's outputs,
 and gather them once at the end. ``DistributedSampler`` strides the data (rank ``r`` holds
 positions ``r, r + world, r + 2 * world, ...``), so the gathered rows are interleaved back into
-the sampler's order: dataset order when it does not shuffle.
+the sampler's order: dataset order when it does not shuffle. Descriptions and lists travel as
+JSON, never pickled: a peer cannot run code here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import comm
+from .. import comm, wire
 from ..errors import ConfigError, DistributedError
 from . import _coords
 from .sampler import share_size
@@ -44,7 +45,7 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
         gathered = leaves
         total = counts[0] if counts else 0
     else:
-        everyone = comm.all_gather_object([_describe(leaf) for leaf in leaves])
+        everyone = wire.all_gather_json([_describe(leaf) for leaf in leaves], label="metrics")
         per_rank = _check_agreement(everyone)
         total = sum(per_rank)
         gathered = [
@@ -85,14 +86,30 @@ def _count(leaf: Any) -> int:
     return len(leaf) if isinstance(leaf, list) else (leaf.shape[0] if leaf.dim() else 1)
 
 
-def _describe(leaf: Any) -> tuple:
+def _describe(leaf: Any) -> list:
+    """[kind, samples, trailing shape, dtype name]: JSON, as it travels between ranks."""
     if isinstance(leaf, list):
-        return ("list", len(leaf), None, None)
-    return ("tensor", _count(leaf), tuple(leaf.shape[1:]), leaf.dtype)
+        return ["list", len(leaf), None, None]
+    return ["tensor", _count(leaf), list(leaf.shape[1:]), str(leaf.dtype).removeprefix("torch.")]
 
 
-def _check_agreement(everyone: list[list[tuple]]) -> list[int]:
+def _well_formed(m: Any) -> bool:
+    return isinstance(m, list) and all(
+        isinstance(d, list) and len(d) == 4 and isinstance(d[1], int) and d[1] >= 0 for d in m
+    )
+
+
+def _check_agreement(everyone: list[Any]) -> list[int]:
     """Per-rank sample counts, after checking every rank passed the same kind of data."""
+    for r, m in enumerate(everyone):
+        if not _well_formed(m) or len(m) != len(everyone[0]):
+            raise DistributedError(
+                f"rank {r} described its gather_for_metrics data as {str(m)[:120]!r}, not as "
+                "every other rank did",
+                fix="every rank must call gather_for_metrics with the same structure and run "
+                "the same rankwise version.",
+                rank=comm.rank(),
+            )
     shapes = [[(kind, trailing, dtype) for kind, _, trailing, dtype in m] for m in everyone]
     # A rank with no samples may describe an empty tensor loosely (e.g. shape (0,)).
     filled = [s for s, m in zip(shapes, everyone, strict=True) if all(d[1] for d in m)]
@@ -119,9 +136,23 @@ def _check_agreement(everyone: list[list[tuple]]) -> list[int]:
 def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int) -> Any:
     most = max(per_rank)
     if isinstance(leaf, list):
-        parts = comm.all_gather_object(leaf)
+        parts = wire.all_gather_json(_json_list(leaf), label="gather_for_metrics")
+        for r, part in enumerate(parts):
+            if not isinstance(part, list) or len(part) != per_rank[r]:
+                raise DistributedError(
+                    f"rank {r} sent {str(part)[:80]!r} where {per_rank[r]} samples were announced",
+                    fix="every rank must run the same rankwise version.",
+                    rank=comm.rank(),
+                )
         return [parts[r][j] for j in range(most) for r in range(world) if j < per_rank[r]]
-    trailing, dtype = next((m[2], m[3]) for m in metas if m[1] == most)
+    trailing, name = next((m[2], m[3]) for m in metas if m[1] == most)
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise DistributedError(
+            f"a rank described its gather_for_metrics dtype as {str(name)[:40]!r}",
+            fix="every rank must run the same rankwise version.",
+            rank=comm.rank(),
+        )
     device = comm._comm_device()
     mine = leaf.detach().reshape(-1, *trailing).to(device=device, dtype=dtype)
     padded = torch.zeros((most, *trailing), dtype=dtype, device=device)
@@ -131,6 +162,19 @@ def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int)
     # strided split leaves the missing rows (j >= per_rank[r]) at the very end.
     rows = torch.stack(slots, dim=1).reshape(most * world, *trailing)
     return rows[: sum(per_rank)].to(leaf.device)
+
+
+def _json_list(leaf: list) -> list:
+    """The list, checked to travel as JSON: rankwise never unpickles what other ranks send."""
+    try:
+        wire.encode_json(leaf)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"gather_for_metrics sends lists between ranks as JSON, and this one cannot be: {exc}",
+            fix="pass tensors, or lists of str/int/float/bool/None (tuples arrive as lists); for "
+            "other objects use rw.all_gather_object, which unpickles and so trusts every rank.",
+        ) from None
+    return leaf
 
 
 def _truncate(leaf: Any, num_samples: int, total: int) -> Any:

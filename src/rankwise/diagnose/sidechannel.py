@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import raw
 from .report import Record, Site
 
 _log = logging.getLogger("rankwise.diagnose")
@@ -157,6 +158,8 @@ class Watchdog(threading.Thread):
         self.main_ident = threading.main_thread().ident
         self.stopped = threading.Event()
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.raw = raw.Tracker()  # the main thread inside a torch.distributed call (diagnose.raw)
+        self.raw_now: list | None = None
 
     def main_frame(self) -> Site | None:
         frame = sys._current_frames().get(self.main_ident)
@@ -168,11 +171,13 @@ class Watchdog(threading.Thread):
         if snapshot is None:
             return
         frame = self.main_frame()
+        self.raw_now = self.raw.sample(self.main_ident)
         payload = {
             "t": time.time(),
             "host": self.host,
             "pid": self.pid,
             "frame": [frame.file, frame.line, frame.func] if frame else None,
+            "raw": self.raw_now,
             **snapshot,
         }
         (channel or self.own).set(key_state(self.rank), json.dumps(payload))

@@ -152,15 +152,28 @@ def launch(opts: LaunchOptions) -> None:
             _tell_native_log(native)
         except ChildFailedError as exc:
             _tell_native_log(native)
-            raise _job_failed(opts, exc, config.logs_specs.root_log_dir, diag) from None
+            log_dir = config.logs_specs.root_log_dir
+            raise _job_failed(opts, exc, log_dir, diag, restarts.signalled) from None
         except SignalException as exc:
             _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
             raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
+        finally:
+            _sweep_shared_memory()
 
 
-def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) -> JobFailed:
+def _sweep_shared_memory() -> None:
+    """Remove shared-memory bucket files whose rank 0 is gone: a worker SIGKILLed in the
+    moment between creating and unlinking one cannot (docs/ddp.md)."""
+    from ..parallel.ddp import shm_file
+
+    shm_file.sweep_stale()
+
+
+def _job_failed(
+    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, signalled: set[int]
+) -> JobFailed:
     return JobFailed(
         [_with_stderr(f, log_dir) for f in from_elastic(exc.failures)],
         world_size=opts.world_size,
@@ -168,6 +181,7 @@ def _job_failed(opts: LaunchOptions, exc: Exception, log_dir: str, diag: str) ->
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
         finished=read_finished(diag),
+        signalled=signalled or None,
     )
 
 

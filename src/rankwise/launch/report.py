@@ -57,16 +57,17 @@ class JobFailed(DistributedError):
         diagnoses: dict[int, str] | None = None,
         culprits: dict[int, list[int]] | None = None,
         finished: list[int] | None = None,
+        signalled: set[int] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
-        self.root = split_stopped(failures)[0][0]
-        self.blamed = blame(failures, diagnoses or {}, culprits or {})
+        self.root = split_stopped(failures, signalled)[0][0]
+        self.blamed = blame(failures, diagnoses or {}, culprits or {}, signalled)
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
         text = summarize(
             failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
-            blamed=self.blamed, finished=self.finished,
+            blamed=self.blamed, finished=self.finished, signalled=signalled,
         )  # fmt: skip
         if self.finished and not self.blamed:
             fix = (
@@ -96,14 +97,21 @@ class JobFailed(DistributedError):
         return 128 - code if code < 0 else (code if 0 < code < 256 else 1)
 
 
-def split_stopped(failures: list[RankFailure]) -> tuple[list[RankFailure], list[RankFailure]]:
-    """(failed, stopped): workers that ended with SIGTERM were stopped by the agent, not failing.
+def split_stopped(
+    failures: list[RankFailure], signalled: set[int] | None = None
+) -> tuple[list[RankFailure], list[RankFailure]]:
+    """(failed, stopped): workers the agent stopped because another failed are not failures.
 
-    When every worker ended with SIGTERM (the launcher itself was told to stop), all count as
+    ``signalled``: the local ranks still running when the agent closed the group (it sent them
+    SIGTERM, then SIGKILL to those that did not end: a frozen rank ends with signal 9, a rank
+    that handles SIGTERM with its own exit code). A SIGTERM exit counts as stopped too.
+    When every worker counts as stopped (the launcher itself was told to stop), all count as
     failed, so the summary is never empty.
     """
-    stopped = [f for f in failures if f.exitcode == -signal.SIGTERM]
-    failed = [f for f in failures if f.exitcode != -signal.SIGTERM]
+    signalled = signalled or set()
+    is_stopped = [f.exitcode == -signal.SIGTERM or f.local_rank in signalled for f in failures]
+    stopped = [f for f, s in zip(failures, is_stopped, strict=True) if s]
+    failed = [f for f, s in zip(failures, is_stopped, strict=True) if not s]
     return (failed, stopped) if failed else (stopped, [])
 
 
@@ -114,11 +122,14 @@ def _quoted(failed: list[RankFailure], diagnoses: dict[int, str]) -> int | None:
 
 
 def blame(
-    failures: list[RankFailure], diagnoses: dict[int, str], culprits: dict[int, list[int]]
+    failures: list[RankFailure],
+    diagnoses: dict[int, str],
+    culprits: dict[int, list[int]],
+    signalled: set[int] | None = None,
 ) -> list[int]:
     """Ranks the quoted diagnosis blames (a hung or dead rank), when they are not the ones
     that failed: the ranks that timed out were its victims. Empty otherwise."""
-    failed, _ = split_stopped(failures)
+    failed, _ = split_stopped(failures, signalled)
     quoted = _quoted(failed, diagnoses)
     named = culprits.get(quoted, []) if quoted is not None else []
     failed_ranks = {f.rank for f in failed}
@@ -195,6 +206,7 @@ def summarize(
     diagnoses: dict[int, str] | None = None,
     blamed: list[int] | None = None,
     finished: list[int] | None = None,
+    signalled: set[int] | None = None,
 ) -> str:
     """A few lines per failed rank, the first failure (usually the root cause) first.
 
@@ -203,7 +215,7 @@ def summarize(
     the same text). When it blames ranks that did not fail themselves (they hung, the others
     timed out waiting), the headline names those ranks.
     """
-    failed, stopped = split_stopped(failures)
+    failed, stopped = split_stopped(failures, signalled)
     diagnoses = diagnoses or {}
     quoted = _quoted(failed, diagnoses)
     lines = [_headline(failed, world_size, node_rank, blamed, finished)]

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .report import RankFailure, from_elastic
+from .report import RankFailure, from_elastic, split_stopped
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 
@@ -35,16 +35,38 @@ class RestartLog:
     )
     restarts: int = 0
     failures: list[str] = field(default_factory=list)
+    signalled: set[int] = field(default_factory=set)
+    """Local ranks the agent itself stopped (still running when it closed the group): they did
+    not fail, the launcher ended them because another did."""
     _pending: bool = False
+
+    def watch(self, pcontext: object) -> None:
+        """Note which workers are still running each time the agent closes ``pcontext``."""
+        self.signalled = set()
+        close = getattr(pcontext, "close", None)
+        handlers = getattr(pcontext, "subprocess_handlers", None)
+        if close is None or handlers is None:
+            return
+
+        def closing(*args, **kwargs):
+            running = {lr for lr, h in handlers.items() if h.proc.poll() is None}
+            self.signalled |= running
+            return close(*args, **kwargs)
+
+        pcontext.close = closing  # type: ignore[attr-defined]
 
     def failed(self, failures: list[RankFailure], remaining: int) -> None:
         if not self.max_restarts:
             return  # no restart to announce: the failure summary says it all
         attempt = self.max_restarts - remaining + 1
-        for f in failures:
+        failed, stopped = split_stopped(failures, self.signalled)
+        for f in failed:
             text = f"rank {f.rank} failed: {_why(f)}"
             self.failures.append(text)
             self.emit(f"{text} (attempt {attempt} of {self.max_restarts + 1})")
+        if stopped:
+            ranks = ", ".join(str(f.rank) for f in stopped)
+            self.emit(f"stopped by the launcher: rank(s) {ranks}")
         self._pending = remaining > 0
         if not self._pending and self.max_restarts:
             self.emit(f"no restart left (all {self.max_restarts} used): the job fails")
@@ -67,6 +89,11 @@ class RestartLog:
 
 def _agent_class(base: type, log: RestartLog) -> type:
     class ReportingAgent(base):
+        def _start_workers(self, worker_group):
+            started = super()._start_workers(worker_group)
+            log.watch(getattr(self, "_pcontext", None))
+            return started
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.is_failed():

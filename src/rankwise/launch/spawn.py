@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from .bootstrap import die_with_parent
+
 _GRACE_S = 3.0
 """How long the other ranks get to report their own error after the first one fails."""
 
@@ -98,7 +100,10 @@ def _child(
     env: dict[str, str],
     init: bool,
     stream: bool = False,
+    parent: int | None = None,
 ) -> None:
+    # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
+    die_with_parent(parent)
     _set_rank_env(env, rank, world_size, port)
     if stream:
         sys.stdout = _QueueWriter(results, rank, "stdout")  # type: ignore[assignment]
@@ -116,6 +121,8 @@ def _child(
             # Plain pickle sends tensors by value; the queue's own pickler would share them
             # through file descriptors that vanish when this process exits.
             results.put(("result", rank, True, pickle.dumps(value)))
+        except SystemExit as exc:
+            results.put(_exited(rank, exc))
         except BaseException as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             sys.stdout.flush()
@@ -129,6 +136,13 @@ def _child(
             except Exception:
                 pass
     sys.stdout.flush()
+
+
+def _exited(rank: int, exc: SystemExit) -> tuple:
+    """``sys.exit()``/``sys.exit(0)`` is a normal end (nothing returned); another code fails."""
+    if exc.code in (None, 0):
+        return ("result", rank, True, pickle.dumps(None))
+    return ("result", rank, False, (f"SystemExit: sys.exit({exc.code!r}) in rank {rank}\n", None))
 
 
 def spawn_ranks(
@@ -151,6 +165,7 @@ def spawn_ranks(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     ctx = mp.get_context(start_method)
+    me = os.getpid()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
@@ -160,7 +175,7 @@ def spawn_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, args, r, world_size, *common, stack_files[r], extra, init, stream),
+            args=(fn, args, r, world_size, *common, stack_files[r], extra, init, stream, me),
             name=f"rank{r}",
             daemon=True,
         )
@@ -171,14 +186,22 @@ def spawn_ranks(
             p.start()
         return _collect(procs, results, stack_files, timeout)
     finally:
-        for p in procs:
-            if p.pid is None:  # never started (spawning an earlier rank failed)
-                continue
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        _end(procs)
         del store
         tmp.cleanup()
+
+
+def _end(procs: list) -> None:
+    """Kill what still runs; sweep the shared-memory files a SIGKILLed rank 0 left."""
+    for p in procs:
+        if p.pid is None:  # never started (spawning an earlier rank failed)
+            continue
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    from ..parallel.ddp import shm_file
+
+    shm_file.sweep_stale()
 
 
 def _print_line(rank: int, stream: str, line: str) -> None:
@@ -207,7 +230,7 @@ def _collect(procs, results, stack_files, timeout: float | None):
                     # Give the queue a moment: a rank that finished may still be flushing.
                     p.join(0.5)
                     if r not in values and results.empty():
-                        why = f"process exited with code {p.exitcode} before reporting"
+                        why = f"process {exit_text(p.exitcode)} before reporting"
                         failures[r] = Failure(why)
                         first_failure_at = first_failure_at or time.monotonic()
             continue
@@ -222,6 +245,17 @@ def _collect(procs, results, stack_files, timeout: float | None):
             failures[rank] = Failure(text, None if exc is None else pickle.loads(exc))
             first_failure_at = first_failure_at or time.monotonic()
     return values, failures, False
+
+
+def exit_text(code: int | None) -> str:
+    """How a process ended, in words: ``was killed by signal 11 (SIGSEGV)``, not ``-11``."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with code {code}"
 
 
 def _hang(procs, values, failures, stack_files, timeout: float) -> None:

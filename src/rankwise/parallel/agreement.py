@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import wire
 from ..diagnose import fingerprints
 from ..errors import DistributedError, ModelError
 from .dp.scatter_gather import to_device
@@ -37,51 +38,57 @@ def trainable_parameters(module: nn.Module, rank: int) -> tuple[list[str], list[
     return [n for n, _ in named], [p for _, p in named]
 
 
-def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+def _signature(module: nn.Module) -> list[list]:
+    """[kind, name, shape, dtype, requires_grad] per parameter and buffer: JSON, as it travels."""
     sig = [
-        ("parameter", n, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+        ["parameter", n, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
         for n, p in module.named_parameters()
     ]
     sig += [
-        ("buffer", n, tuple(b.shape), str(b.dtype).replace("torch.", ""), False)
+        ["buffer", n, list(b.shape), str(b.dtype).replace("torch.", ""), False]
         for n, b in module.named_buffers()
     ]
     return sig
 
 
-def _describe(entry: tuple | None) -> str:
+def _describe(entry: list | None) -> str:
     if entry is None:
         return "nothing"
+    if not (isinstance(entry, list) and len(entry) == 5):
+        return f"a malformed entry {str(entry)[:80]!r}"
     kind, name, shape, dtype, grad = entry
     frozen = "" if kind == "buffer" or grad else ", frozen"
-    return f"{kind} {name!r} of shape {list(shape)} {dtype}{frozen}"
+    return f"{kind} {name!r} of shape {shape} {dtype}{frozen}"
 
 
 def verify_same_model(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
     """Refuse to continue unless every rank holds the same parameter and buffer layout.
 
     Every rank receives every rank's signature, so all ranks raise the same error together
-    (no rank is left waiting in a later collective). Sync point: all ranks.
+    (no rank is left waiting in a later collective). Signatures travel as JSON, never pickled:
+    a peer cannot run code here. Sync point: all ranks.
     """
     world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    with fingerprints.collective("all_gather_object", label="model signature", group=group):
-        dist.all_gather_object(gathered, _signature(module), group=group)
+    gathered = wire.all_gather_json(_signature(module), label="model signature", group=group)
     reference = gathered[0]
     for other in range(1, world):
         theirs = gathered[other]
         if theirs == reference:
             continue
+        if not isinstance(theirs, list) or not isinstance(reference, list):
+            theirs = theirs if isinstance(theirs, list) else [theirs]
+            reference = reference if isinstance(reference, list) else [reference]
         k = next(
             (i for i, (a, b) in enumerate(zip(reference, theirs, strict=False)) if a != b),
             min(len(reference), len(theirs)),
         )
         mine = reference[k] if k < len(reference) else None
         them = theirs[k] if k < len(theirs) else None
+        who = wire.global_rank(group, other)
         raise DistributedError(
             f"the model differs across ranks: entry {k} is {_describe(mine)} on rank 0 but "
-            f"{_describe(them)} on rank {other} (rank 0 has {len(reference)} parameters and "
-            f"buffers, rank {other} has {len(theirs)})",
+            f"{_describe(them)} on rank {who} (rank 0 has {len(reference)} parameters and "
+            f"buffers, rank {who} has {len(theirs)})",
             fix="build the same model, with the same arguments and frozen layers, on every "
             "rank before wrapping; rank 0's weights are then copied to all ranks.",
             rank=rank,

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from .. import precision, runtime
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Loader
+from ..diagnose import fingerprints
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
@@ -157,7 +158,7 @@ def init(
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
-    return runtime.init(
+    rt = runtime.init(
         backend,
         device=device,
         timeout=timeout,
@@ -169,6 +170,8 @@ def init(
         debug=debug,
         kind=Session,
     )
+    fingerprints.watch_world()  # stalls in raw torch.distributed calls are reported too
+    return rt
 
 
 def prepare(

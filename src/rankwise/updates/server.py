@@ -29,6 +29,7 @@ import torch
 from ..flat import FlatParams
 from .gate import Applied, StalenessGate
 from .protocol import TO_SERVER, Kind, Message, ProtocolError, WireChannel, text_message
+from .senders import Sender
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class ParameterServer:
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.local_replies: queue.Queue[Message] = queue.Queue()
         self._go = {r: queue.Queue() for r in self._workers if r != local_worker}
+        self._senders: dict[int, Sender] = {}
+        self._deaf: set[int] = set()  # workers reported for not receiving their replies
         self._grads: dict[int, torch.Tensor] = {}
         self._waiting: dict[int, Kind] = {}  # worker -> request still without a reply
         self._done: set[int] = set()
@@ -99,6 +102,7 @@ class ParameterServer:
     def start(self) -> None:
         for r in self._go:
             self._spawn(self._receive, r, name=f"rankwise-ps-recv{r}")
+            self._senders[r] = Sender(self._channel, r, self._send_failed)
         self._loop = self._spawn(self._serve, name="rankwise-ps")
 
     def _spawn(self, target, *args, name: str) -> threading.Thread:
@@ -174,11 +178,37 @@ class ParameterServer:
                     self._fail(text_message(Kind.STOP, self._rank, text))
         for go in self._go.values():  # release receivers still waiting for a go-ahead
             go.put(False)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Deliver the last replies (final PARAMS, STOP) before the caller tears the group down;
+        a worker that stopped receiving is not waited for."""
+        deadline = time.monotonic() + self._timeout
+        for w, sender in self._senders.items():
+            sender.close()
+            if w not in self._deaf:
+                sender.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _send_failed(self, w: int, why: str) -> None:
+        self.inbox.put(text_message(Kind.LOST, w, f"lost contact with worker rank {w} ({why})"))
 
     def _beat(self) -> None:
-        """Tell waiting workers the server is alive; notice a silent local worker."""
+        """Tell waiting workers the server is alive; notice a silent local worker, and a
+        remote one that stopped receiving its replies."""
         for w in sorted(self._waiting):
-            self._send(w, Message(Kind.WAIT, w, self._gate.version))
+            if w == self._local or self._senders[w].pending == 0:
+                self._send(w, Message(Kind.WAIT, w, self._gate.version))
+        now = time.monotonic()
+        for w, sender in self._senders.items():
+            stalled = sender.stalled_for(now)
+            if stalled > self._timeout and w not in self._deaf:
+                self._deaf.add(w)
+                text = (
+                    f"worker rank {w} stopped receiving: its reply has waited {stalled:.0f}s "
+                    f"(timeout {self._timeout:.0f}s); it is stopped, held in a debugger, or "
+                    "not a rankwise worker"
+                )
+                self.inbox.put(text_message(Kind.LOST, w, text))
         local = self._local
         silent = time.monotonic() - self._local_since
         busy = local is not None and local not in self._waiting and local not in self._finished
@@ -195,6 +225,8 @@ class ParameterServer:
         if kind == Kind.PUSH and msg.version > self._gate.version:
             bad = ProtocolError(w, "version", msg.version, f"at most {self._gate.version}")
             msg, kind = text_message(Kind.BAD, w, bad.message), Kind.BAD
+        if kind == Kind.PUSH and not bool(torch.isfinite(msg.payload).all()):
+            msg, kind = text_message(Kind.BAD, w, _non_finite(w, msg)), Kind.BAD
         if kind == Kind.BAD and w in self._finished:
             return  # already stopped: more garbage from it changes nothing
         if kind == Kind.BAD:
@@ -277,18 +309,21 @@ class ParameterServer:
             self._go[w].put(True)  # it will send again: PUSH or DONE after PARAMS, BYE after STOP
 
     def _send(self, w: int, msg: Message) -> bool:
-        """Deliver to a waiting worker; a worker that cannot be reached ends the run."""
+        """Queue a reply to a waiting worker; never waits for delivery (``senders``). A worker
+        that cannot be reached, or stops receiving, comes back as LOST and ends the run."""
         if w == self._local:
             self.local_replies.put(msg)
-            return True
-        try:
-            self._channel.send(w, msg)
-            return True
-        except Exception as exc:
-            self._waiting.pop(w, None)
-            self._finished.add(w)
-            self._go[w].put(False)
-            if self._failure is None:
-                text = f"lost contact with worker rank {w} ({type(exc).__name__}: {exc})"
-                self._fail(text_message(Kind.STOP, w, text))
-            return False
+        elif w not in self._deaf:
+            self._senders[w].put(msg)
+        return True
+
+
+def _non_finite(w: int, push: Message) -> str:
+    """Why a push with NaN/Inf is refused: applied, it would make every replica NaN."""
+    bad = int((~torch.isfinite(push.payload)).sum())
+    return (
+        f"worker rank {w} pushed non-finite gradients ({bad} of {push.payload.numel()} "
+        f"elements NaN or Inf, computed on version {push.version}); refused, not applied. Fix: "
+        "find the step whose loss is not finite (lower the learning rate, clip gradients, "
+        "check the inputs)"
+    )

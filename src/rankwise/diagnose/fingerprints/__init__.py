@@ -29,6 +29,7 @@ from .recording import (
 )
 from .settings import Settings
 from .state import STATE
+from .watch import watch_world
 
 __all__ = [
     "STATE",
@@ -43,4 +44,5 @@ __all__ = [
     "reset",
     "settings",
     "verify",
+    "watch_world",
 ]

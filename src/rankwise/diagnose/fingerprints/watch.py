@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ... import runtime
-from .. import gather, sidechannel, stall
+from .. import gather, raw, sidechannel, stall
 from .entry import completed, failure
 from .state import STATE, Group
 
@@ -47,6 +47,13 @@ def group_for(group: Any) -> Group | None:
     name = "world" if pg is world else str(getattr(pg, "group_name", "") or f"pg{id(pg)}")
     g = STATE.groups[id(pg)] = Group(pg, name, STATE.channel, STATE.settings.history)
     return g
+
+
+def watch_world() -> None:
+    """Start the world group's watchdog now (``rw.init``), not at rankwise's first collective,
+    so a script that only calls ``torch.distributed`` directly is watched too (``raw``)."""
+    if STATE.settings.enabled and dist.is_available() and dist.is_initialized():
+        group_for(None)
 
 
 def _start_world(world: Any) -> None:
@@ -93,6 +100,10 @@ def _overdue() -> None:
     """Report collectives pending for all but two heartbeats of the timeout (backends that
     never raise, such as NCCL, which aborts the process at the timeout)."""
     stall.check(list(STATE.groups.values()), STATE.watchdog, STATE.interval(), STATE.timeout_s())
+    wd = STATE.watchdog
+    if wd is not None and STATE.world is not None:
+        world = STATE.world.size()
+        raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(), stall.after_s())
     limit = STATE.timeout_s() - 2 * STATE.interval()
     now = time.time()
     for g in list(STATE.groups.values()):

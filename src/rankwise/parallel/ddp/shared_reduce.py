@@ -20,7 +20,8 @@ Synchronisation stays the engine's: the barriers are Gloo collectives on a proce
 their own, run by one worker thread in the order the reducer launched the buckets, so a rank
 that dies or stalls fails them like any collective (timeouts, the stall report). The file is
 created by ``posix_fallocate`` (a full /dev/shm fails here, not later with SIGBUS) and unlinked
-as soon as every rank has mapped it: nothing is left behind in /dev/shm.
+as soon as every rank has mapped it, whatever happens (``shm_file``): nothing is left behind in
+/dev/shm.
 
 Used for CPU buckets on a Gloo group whose ranks all see the same /dev/shm file; otherwise
 (NCCL, ranks on several machines, no room) buckets go through the group's all-reduce. The
@@ -29,32 +30,26 @@ ranks agree on the choice with one all-reduce, so they never mix the two.
 
 from __future__ import annotations
 
-import errno
-import os
 import queue
-import secrets
-import shutil
-import tempfile
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ...diagnose import fingerprints
 from ...errors import ConfigError
 from ..buckets import Bucket
+from . import shm_file
+from .shm_file import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 MIN_BYTES = 1024 * 1024
 """Smaller buckets go through the group's all-reduce: below about 1 MiB one Gloo round trip
 costs less than a shared bucket's barriers and the worker thread's wake-ups (measured at 2
 ranks, one bucket and its fence: 0.85 ms against 2.0 ms for 1 KiB, about even at 1 MiB, 5.7
 against 3.3 ms at 4 MiB)."""
 _ALIGN = 64  # each bucket starts on its own cache line
-_TOKEN = 16  # header bytes: rank 0's random token, proof that a rank mapped the same file
+_TOKEN = shm_file.TOKEN
 
 
 class Work:
@@ -238,8 +233,8 @@ def attach(
     ranks = dist.get_process_group_ranks(group)
     me = group.rank()
     total = _TOKEN + group.size() * slot_bytes
-    made = _create(total) if me == 0 else None
-    arena = _agree(made, total, ranks, group)
+    made = shm_file.create(total) if me == 0 else None
+    arena = shm_file.agree(made, total, ranks, group)
     if arena is None:
         if enabled:
             raise ConfigError(
@@ -281,64 +276,3 @@ def _layout(buckets: Sequence[Bucket]) -> tuple[dict[int, tuple[Bucket, int]], i
             layout[b] = (bucket, end)
             end += -(-bucket.nbytes // _ALIGN) * _ALIGN
     return layout, end
-
-
-def _create(nbytes: int) -> tuple[str, bytes] | None:
-    """Rank 0: a /dev/shm file of ``nbytes``, reserved now, with a random token at its start."""
-    try:
-        fd, path = tempfile.mkstemp(prefix="rankwise-grads-", dir=SHM_DIR)
-    except OSError:
-        return None
-    token = secrets.token_bytes(_TOKEN)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # tmpfs out of room fails here, not with SIGBUS
-        os.pwrite(fd, token, 0)
-    except (OSError, AttributeError) as exc:  # AttributeError: no posix_fallocate (macOS)
-        os.unlink(path)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            _warn_no_room(nbytes)
-        return None
-    finally:
-        os.close(fd)
-    return path, token
-
-
-def _warn_no_room(nbytes: int) -> None:
-    """Say once why a job on one machine is slower than it could be (Docker's 64 MiB)."""
-    free = shutil.disk_usage(SHM_DIR).free
-    warnings.warn(
-        f"{SHM_DIR} has {free / 2**20:.0f} MiB free, and averaging gradients through shared "
-        f"memory needs {nbytes / 2**20:.0f} MiB: they go through Gloo's all-reduce instead "
-        "(slower on one machine). Fix: give the container more shared memory "
-        "(docker run --shm-size=1g ...), or pass shared_memory_reduce=False to silence this.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
-def _agree(
-    made: tuple[str, bytes] | None, nbytes: int, ranks: list[int], group: dist.ProcessGroup
-) -> torch.Tensor | None:
-    """Every rank maps rank 0's file, or none uses it. Rank 0 then unlinks it."""
-    shared = [made]
-    with fingerprints.collective("broadcast", label="shared-memory buckets", group=group):
-        dist.broadcast_object_list(shared, src=ranks[0], group=group)
-    arena = _map(*shared[0], nbytes) if shared[0] is not None else None
-    ok = torch.tensor([0 if arena is None else 1], dtype=torch.int32)
-    with fingerprints.collective("all_reduce", ok, label="shared-memory buckets", group=group):
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if made is not None:
-        os.unlink(made[0])  # every rank has mapped it (or given up): the mapping outlives it
-    return arena if ok.item() == 1 else None
-
-
-def _map(path: str, token: bytes, nbytes: int) -> torch.Tensor | None:
-    """Map ``path`` if it is rank 0's file (same token): a rank elsewhere has no such file."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(_TOKEN) != token:
-                return None
-    except OSError:
-        return None
-    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)

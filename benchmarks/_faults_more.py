@@ -1,0 +1,177 @@
+"""The faults of issue 27 for benchmarks/faults.py: frozen ranks, shared memory, full disks, rogues.
+
+Each function runs one trial over real processes (``rankwise run``, Gloo) and returns
+``{"lost", "hung", "seconds", ...}`` plus the facts its row counts: ``executed`` (a rogue's
+pickle ran), ``shm_left`` (shared-memory files left in /dev/shm), ``unnamed`` (an error that
+does not name the cause or the rank).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SHM = "/dev/shm/rankwise-grads-"
+
+FROZEN = textwrap.dedent("""
+    import os, time, torch, rankwise as rw
+    from torch import nn
+    rt = rw.init(timeout=float(os.environ["JOB_TIMEOUT"]))
+    torch.manual_seed(0)
+    model = rw.DistributedDataParallel(nn.Linear(1024, 1024))  # 4 MiB: a shared-memory bucket
+    assert model.reducer.shared is not None, "no shared-memory buckets"
+    open(f"pid{rt.rank}", "w").write(str(os.getpid()))
+    for step in range(100000):
+        model(torch.randn(4, 1024)).sum().backward()
+        time.sleep(0.01)
+""")
+
+IN_WINDOW = textwrap.dedent("""
+    import os, time, torch, rankwise as rw
+    from torch import nn
+    from rankwise.parallel.ddp import shared_reduce, shm_file
+    rt = rw.init(timeout=30)
+    open(f"pid{rt.rank}", "w").write(str(os.getpid()))
+    def pause():
+        open(f"window{rt.rank}", "w").close()
+        time.sleep(2)
+    shm_file._IN_WINDOW = pause
+    rw.DistributedDataParallel(nn.Linear(1024, 1024))
+""")
+
+FULL_DISK = textwrap.dedent("""
+    import resource, torch, rankwise as rw
+    from torch import nn
+    rt = rw.init(timeout=30)
+    model = nn.Linear(500, 500)
+    rw.save_checkpoint("ckpt", model=model, step=1)
+    if rt.rank == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+    try:
+        rw.save_checkpoint("ckpt", model=model, step=2)
+    except rw.DistributedError as exc:
+        print("ERROR", str(exc).splitlines()[0], flush=True)
+""")
+
+ROGUE = textwrap.dedent("""
+    import os, torch, torch.distributed as dist, rankwise as rw
+    from torch import nn
+    from rankwise.diagnose import fingerprints
+    class Payload:
+        def __reduce__(self):
+            return (os.makedirs, (os.path.abspath("pwned-by-rank-1"), 0o777, True))
+    rt = rw.init(timeout=30)
+    fingerprints.configure(checks=False)
+    if rt.rank == 1:  # a rogue speaking stock torch at DDP construction's model check
+        try:
+            dist.all_gather_object([None, None], Payload())
+        except Exception:
+            pass
+    else:
+        rw.DistributedDataParallel(nn.Linear(4, 4))
+""")
+
+
+def _launch(tmp: Path, script: str, text: str, env: dict, **popen) -> subprocess.Popen:
+    (tmp / script).write_text(text)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", script],
+        cwd=tmp, env=env, text=True, **popen,
+    )  # fmt: skip
+
+
+def _wait(cond, timeout: float, poll: float = 0.02) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if cond():
+            return time.monotonic() - start
+        time.sleep(poll)
+    return None
+
+
+def _shm_of(pids: list[int]) -> list[str]:
+    return [f for p in pids for f in glob.glob(f"{SHM}{p}-*")]
+
+
+def sigstop_rank(tmp: Path, env: dict, stall_s: float) -> dict:
+    """Rank 1 frozen (SIGSTOP) mid-training with shared-memory buckets: the stall report must
+    name it within ``stall_s`` + a heartbeat; the job must end (the timeout, then the stop)."""
+    timeout = stall_s + 15
+    job = _launch(tmp, "frozen.py", FROZEN,
+                  {**env, "RANKWISE_STALL_REPORT_S": str(stall_s), "JOB_TIMEOUT": str(timeout)},
+                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    pids = [tmp / "pid0", tmp / "pid1"]
+    if _wait(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
+        job.kill()
+        return {"lost": False, "hung": True, "seconds": None}
+    time.sleep(random.uniform(0.2, 1.0))
+    frozen_at = time.monotonic()
+    os.kill(int(pids[1].read_text()), signal.SIGSTOP)
+    reported, lines = None, []
+    for line in job.stderr:
+        lines.append(line)
+        if reported is None and "stall: rank(s) 1 have not reached" in line:
+            reported = time.monotonic() - frozen_at
+    job.wait(120)
+    text = "".join(lines)
+    blamed = "rank(s) 1 never reached" in text and "stopped by the launcher: rank(s) 1" in text
+    return {"lost": False, "hung": reported is None, "seconds": reported, "unnamed": not blamed}
+
+
+def kill_in_ddp_construction(tmp: Path, env: dict) -> dict:
+    """A random rank SIGKILLed while rank 0's shared-memory file is named: the job stops
+    within seconds and nothing is left in /dev/shm."""
+    job = _launch(tmp, "window.py", IN_WINDOW, env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    victim = random.choice([0, 1])
+    marker = tmp / f"window{victim}"
+    if _wait(marker.exists, 120) is None:
+        job.kill()
+        return {"lost": False, "hung": True, "seconds": None}
+    pids = [int((tmp / f"pid{r}").read_text()) for r in (0, 1)]
+    os.kill(pids[victim], signal.SIGKILL)
+    took = _wait(lambda: job.poll() is not None, 60)
+    if took is None:
+        job.kill()
+    return {"lost": False, "hung": took is None, "seconds": took, "shm_left": len(_shm_of(pids))}
+
+
+def full_disk(tmp: Path, env: dict) -> dict:
+    """A save past RLIMIT_FSIZE on rank 0: every rank's error names EFBIG and the file; the
+    previous checkpoint still loads."""
+    import rankwise as rw
+
+    start = time.monotonic()
+    job = _launch(tmp, "full.py", FULL_DISK, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, _ = job.communicate(timeout=180)
+    errors = [ln for ln in out.splitlines() if "ERROR" in ln]
+    named = len(errors) == 2 and all("EFBIG" in e and "ckpt-00000002.pt" in e for e in errors)
+    try:
+        lost = rw.load_checkpoint(tmp / "ckpt", map_location="cpu")["step"] != 1
+    except rw.ConfigError:
+        lost = True
+    return {"lost": lost, "hung": False, "seconds": time.monotonic() - start, "unnamed": not named}
+
+
+def rogue_rank(tmp: Path, env: dict) -> dict:
+    """Rank 1 sends a pickle at DDP construction: nothing runs on rank 0, and the job stops
+    naming rank 1."""
+    start = time.monotonic()
+    job = _launch(tmp, "rogue.py", ROGUE, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _, err = job.communicate(timeout=120)
+        took = time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        job.kill()
+        _, err, took = "", "", None
+    named = "rank 1 sent a model signature message" in err
+    executed = (tmp / "pwned-by-rank-1").exists()
+    return {"lost": False, "hung": took is None, "seconds": took, "executed": executed,
+            "unnamed": not named}  # fmt: skip

@@ -1,0 +1,132 @@
+"""Stalls in ``torch.distributed`` collectives that user code calls directly (not through rankwise).
+
+Fingerprints see only the collectives rankwise issues. A script that calls ``dist.all_reduce``
+on one rank and ``dist.recv`` (or nothing) on another waits for the backend's timeout (300 s)
+and then reads gloo's "Timed out"; ``--debug`` (torch's per-collective checks) catches it at
+the cost of an extra collective each time. Here the watchdog's heartbeat, which already samples
+where the main thread is, also notes when it is inside a ``torch.distributed`` collective called
+from user code (the op, its call site, since when). Once one has waited ``stall.after_s()``
+seconds (50 by default: within a minute), the lowest such rank prints a report from every
+rank's heartbeat: which collective each rank is in, or the user code it is running. Nothing is
+raised and no collective is added: the job goes on waiting until the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .report import Site
+
+TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+C10D = os.path.join(TORCH, "distributed") + os.sep
+RANKWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+OPS = frozenset(
+    {
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+        "all_to_all_single", "barrier", "monitored_barrier", "broadcast",
+        "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
+        "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
+        "send_object_list", "recv_object_list",
+    }
+)  # fmt: skip
+"""``torch.distributed`` functions that wait for other ranks."""
+
+
+def find(frame: Any) -> tuple[str, Site, int] | None:
+    """(op, user call site, id of the op's frame) when ``frame``'s stack is inside a
+    ``torch.distributed`` collective called by user code; None otherwise (rankwise's own
+    collectives are fingerprinted, and reported by ``stall``)."""
+    op_frame = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(TORCH):  # torch's own callers (its DDP) are not the site
+            if code.co_filename.startswith(C10D) and code.co_name in OPS:
+                op_frame = frame  # the outermost: all_gather_object, not the all_gather inside
+        elif op_frame is not None:
+            if code.co_filename.startswith(RANKWISE):
+                return None
+            site = Site(code.co_filename, frame.f_lineno, code.co_name)
+            return op_frame.f_code.co_name, site, id(op_frame)
+        frame = frame.f_back
+    return None
+
+
+class Tracker:
+    """Remembers since when the main thread has been in the same raw collective call."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._since = 0.0
+        self.reported: float | None = None
+
+    def sample(self, main_ident: int | None) -> list | None:
+        """``[op, file, line, func, since]`` for the heartbeat, or None."""
+        found = find(sys._current_frames().get(main_ident)) if main_ident else None
+        if found is None:
+            self._key = None
+            return None
+        op, site, frame_id = found
+        key = (frame_id, op, site.file, site.line)
+        if key != self._key:
+            self._key, self._since = key, time.time()
+        return [op, site.file, site.line, site.func, self._since]
+
+
+def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
+    if state is None:
+        return "has no heartbeat (not started, or the side channel is off)"
+    raw = state.get("raw")
+    if raw:
+        op, file, line, _, since = raw
+        return (
+            f"is in torch.distributed.{op} (from {os.path.basename(file)}:{line}) "
+            f"for {now - since:.0f}s"
+        )
+    stale = now - state.get("t", 0) > 3 * interval
+    frame = state.get("frame")
+    where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
+    if stale:
+        return f"has sent no heartbeat for {now - state.get('t', 0):.0f}s (stopped or dead){where}"
+    return f"is running user code{where}, in no collective"
+
+
+def report(me: int, world: int, states: dict[int, Any], now: float, interval: float) -> str:
+    """The stall report over every rank's heartbeat (``states``: rank -> heartbeat or None)."""
+    parts = [f"rank {r} {_where(states.get(r), now, interval)}" for r in range(world)]
+    ops = {tuple(s["raw"][:3]) for s in states.values() if s and s.get("raw")}
+    outside = [r for r in range(world) if not (states.get(r) or {}).get("raw")]
+    if outside:
+        why = f"rank(s) {', '.join(map(str, outside))} are not in any collective"
+    elif len({o[0] for o in ops}) > 1:
+        why = "the ranks are in different collectives (a mismatch: they can never match up)"
+    else:
+        why = "every rank is in the same collective (a slow rank, or a mismatch of shapes)"
+    return (
+        f"rankwise: [rank {me}] stall in a torch.distributed collective: {'; '.join(parts)}. "
+        f"{why}.\nFix: every rank must call the same torch.distributed collectives in the same "
+        "order; look for a collective inside `if rank == ...:` or a rank that stopped. "
+        "(the job keeps waiting until the timeout; --debug makes torch check each collective)"
+    )
+
+
+def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: int,
+          interval: float, limit: float) -> str | None:  # fmt: skip
+    """Print the report once per stuck call, from the lowest rank stuck in a raw collective."""
+    if limit <= 0 or mine is None or world < 2:
+        return None
+    since, now = mine[4], time.time()
+    if now - since < limit or tracker.reported == since:
+        return None
+    states = {r: (channel.state(r) if r != rank else {"raw": mine, "t": now}) for r in range(world)}
+    stuck = [r for r, s in states.items() if s and s.get("raw")]
+    tracker.reported = since
+    if stuck and rank != min(stuck):
+        return None
+    text = report(rank, world, states, now, interval)
+    print(text, file=sys.stderr, flush=True)
+    return text
