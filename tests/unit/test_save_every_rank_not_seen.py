@@ -1,4 +1,4 @@
-"""Why `torch.save` on every rank is left to `rankwise check` (docs/pitfalls.md#6): torch
+"""Why `torch.save` on every rank is left to `rankwise check` (docs/pitfalls.md#pitfall-6): torch
 writes a file named by an ASCII path from C++, so Python's audit hook sees no `open` for it.
 If this test fails, torch now opens the file from Python and a run-time warning becomes
 possible without patching torch."""
