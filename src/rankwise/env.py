@@ -365,6 +365,18 @@ def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     return e.get("RANKWISE_RANK_PREFIX") == "1"
 
 
+def live_bars_env(live: bool) -> dict[str, str]:
+    """``RANKWISE_LIVE_BARS`` for workers started by ``rw.launch``: 1 when the caller shows
+    their carriage-return updates as one line redrawn in place (a terminal, a notebook)."""
+    return {"RANKWISE_LIVE_BARS": "1" if live else "0"}
+
+
+def parent_draws_bars(environ: Mapping[str, str] | None = None) -> bool:
+    """``RANKWISE_LIVE_BARS=1``: this worker's bars may redraw in place (see ``live_bars_env``)."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_LIVE_BARS") == "1"
+
+
 def snapshot() -> dict[str, str]:
     """A copy of the whole environment (for checks such as ``rankwise doctor`` that take a mapping)."""
     return dict(os.environ)

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from . import console
 from . import env as envmod
 from .runtime import coords
 
@@ -26,7 +27,7 @@ def write(*args: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: 
     """``print``, through the open progress bar (``tqdm.write``): the text lands above the bar."""
     file = sys.stdout if file is None else file
     if open_bars:
-        from tqdm.auto import tqdm
+        from tqdm.std import tqdm  # tqdm.auto warns in a notebook without ipywidgets
 
         tqdm.write(sep.join(str(a) for a in args), file=file, end=end)
         if flush:
@@ -139,23 +140,44 @@ def finish_bar(bar: Any, lines: bool) -> None:
     bar.close()
 
 
+def _bar_kind(own_file: bool) -> str:
+    """How a bar is drawn here (docs/logging.md): "widget" (a notebook with ipywidgets),
+    "text" (a line on the bar's stream redrawn with \\r: a notebook without ipywidgets, or
+    rw.launch's caller redraws it), "terminal" (tqdm's own, in place), or "lines" (whole
+    lines, for launchers and files)."""
+    if own_file:
+        return "terminal"  # the caller's stream: tqdm writes to it in place
+    if envmod.parent_draws_bars():
+        return "text"  # rw.launch's caller redraws our \\r updates as one line
+    if not envmod.launcher_prefixes_output() and console.in_notebook():
+        # A forked rw.launch worker also sees the kernel; its output is forwarded (above).
+        return "widget" if console.notebook_bar_class() is not None else "text"
+    return "terminal" if sys.stderr.isatty() else "lines"
+
+
 def make_bar(total: int | None, desc: str | None, unit: str, lines_to: Any, kw: dict) -> Any:
-    """A tqdm bar: in place on a terminal, else whole lines on ``lines_to``; and which one."""
-    from tqdm.auto import tqdm
+    """A tqdm bar on ``lines_to`` (or ``kw["file"]``), and whether it writes whole lines."""
+    from tqdm.std import tqdm
 
     if not hasattr(tqdm, "_lock"):
         # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank (as in
         # rankwise bench) then "leaks" at exit; one process draws its bars: a thread lock does.
         tqdm.set_lock(threading.RLock())
-    lines = not sys.stderr.isatty() and "file" not in kw
-    if lines:
+    kind = _bar_kind("file" in kw)
+    if kind == "widget":
+        return console.notebook_bar_class()(total=total, desc=desc, unit=unit, **kw), False
+    if kind == "lines":
         # Under a launcher each refresh becomes a log line: one every few seconds, the first
         # after a second (a short pass gets one line, its last). rw.progress writes them on
         # stdout, in order with the script's prints (a launcher reads the two separately).
         kw["file"] = _LineFile(lines_to)
         kw.setdefault("delay", 1.0)
         kw.setdefault("mininterval", 2.0)
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, **kw), lines
+    elif kind == "text":
+        kw["file"] = lines_to  # stdout for rw.progress: in order with the prints
+    if envmod.parent_draws_bars():
+        kw.setdefault("mininterval", 0.5)  # each redraw crosses a process boundary
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, **kw), kind == "lines"
 
 
 class TaskBar:

@@ -78,3 +78,54 @@ def test_notebook_forms_partial_kwargs_lambda_and_one_prefix_per_line():
     assert "[rank 0] on rank 0 only" in lines
     assert "[rank 0] a log line" in lines, lines
     assert not [ln for ln in lines if ln.count("[rank ") > 1], lines
+
+
+KERNEL_BAR = textwrap.dedent(
+    """
+    import sys, time, types
+
+    class ZMQInteractiveShell:  # what a Jupyter kernel's get_ipython() returns
+        config = {"IPKernelApp": {}}
+
+    fake = types.ModuleType("IPython")
+    fake.get_ipython = ZMQInteractiveShell
+    sys.modules["IPython"] = fake
+    import rankwise as rw
+
+    def train():
+        rt = rw.init()
+        for step in rw.progress(range(8), desc="epoch 0"):
+            time.sleep(0.15)  # a few redraws (every 0.5 s)
+            if step == 4:
+                rw.print0("half way")
+        rw.barrier()
+
+    rw.launch(train, nprocs=2)
+    """
+)
+
+
+def _screen(text: str) -> list[str]:
+    """The lines a notebook cell shows: each \\r starts the line over, in place."""
+    shown = []
+    for line in text.split("\n"):
+        now = ""
+        for piece in line.split("\r"):
+            now = piece + now[len(piece) :]
+        shown.append(now.rstrip())
+    return [s for s in shown if s]
+
+
+def test_progress_under_launch_from_a_kernel_is_one_live_bar():
+    """Was: tqdm's 'IProgress not found' TqdmWarning from the forked ranks, and rank 0's bar
+    as separate '[rank 0] epoch 0: ..%' lines."""
+    # bytes: text=True would turn each \r into a new line
+    out = subprocess.run([sys.executable, "-c", KERNEL_BAR], capture_output=True, timeout=180)
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    assert out.returncode == 0, stderr
+    assert "IProgress" not in stderr and "TqdmWarning" not in stderr, stderr
+    assert stdout.count("\r") > 2, stdout  # redrawn in place ...
+    lines = _screen(stdout)
+    bars = [ln for ln in lines if "epoch 0" in ln]
+    assert len(bars) == 1 and bars[0].startswith("[rank 0] epoch 0: 100%"), lines  # ... once
+    assert "8/8" in bars[0] and "[rank 0] half way" in lines

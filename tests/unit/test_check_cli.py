@@ -74,7 +74,7 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_directory_is_checked_recursively(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--json", str(CORPUS / "good")]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["summary"]["files"] == len(list((CORPUS / "good").glob("*.py")))
+    assert doc["summary"]["files"] == len(list((CORPUS / "good").rglob("*.py")))
     assert doc["summary"]["errors"] == doc["summary"]["warnings"] == 0
 
 

@@ -10,8 +10,12 @@ import pytest
 from rankwise.check import RULES, check_file
 
 CORPUS = Path(__file__).resolve().parents[1] / "check_corpus"
-BAD = sorted((CORPUS / "bad").glob("*.py"))
-GOOD = sorted((CORPUS / "good").glob("*.py"))
+# A folder holds a script (train.py) and the modules it imports (clean on their own): the
+# cross-file cases, where a guard in train.py meets a collective in the other file.
+BAD = sorted((CORPUS / "bad").glob("*.py")) + sorted((CORPUS / "bad").glob("*/train.py"))
+GOOD = sorted((CORPUS / "good").rglob("*.py")) + sorted(
+    p for p in (CORPUS / "bad").glob("*/*.py") if p.name != "train.py"
+)
 EXPECT = re.compile(r"#\s*expect:\s*(RW\d{3})")
 
 
@@ -21,7 +25,7 @@ def expected(path: Path) -> list[tuple[str, int]]:
     return [(m.group(1), i) for i, line in enumerate(lines, 1) for m in EXPECT.finditer(line)]
 
 
-@pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", BAD, ids=lambda p: str(p.relative_to(CORPUS)))
 def test_bad_script_yields_exactly_its_rule(path: Path) -> None:
     want = expected(path)
     assert want, f"{path.name} must mark its line with '# expect: RWnnn'"
@@ -30,7 +34,7 @@ def test_bad_script_yields_exactly_its_rule(path: Path) -> None:
     assert [(f.rule, f.line) for f in result.findings] == want
 
 
-@pytest.mark.parametrize("path", GOOD, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GOOD, ids=lambda p: str(p.relative_to(CORPUS)))
 def test_good_script_yields_nothing(path: Path) -> None:
     result = check_file(path)
     assert result.error is None

@@ -211,6 +211,9 @@ def rank_kind(e: ast.AST, script: ScriptFacts | None = None, depth: int = 2) -> 
         )
     if isinstance(e, ast.Subscript):
         return _env_kind(e.slice)
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod) and _per_node(e.right):
+        # args.rank % ngpus_per_node: the rank within its node (imagenet/main.py's save guard)
+        return "local" if is_rank_expr(e.left, script) else None
     name = last_name(e)
     if name is None:
         return None
@@ -220,6 +223,29 @@ def rank_kind(e: ast.AST, script: ScriptFacts | None = None, depth: int = 2) -> 
     bound = script.bindings.get(dotted(e) or "", []) if script is not None and depth else []
     kinds = {rank_kind(b.value, script, depth - 1) for b in bound}
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _per_node(e: ast.AST) -> bool:
+    """A count of processes per node: ``ngpus_per_node``, ``local_world_size``, ``device_count()``."""
+    if isinstance(e, ast.Call):
+        return last_name(e.func) == "device_count"
+    name = (last_name(e) or "").lower()
+    return "per_node" in name or "local_world_size" in name or name == "nproc"
+
+
+def once_per_node(test: ast.AST, script: ScriptFacts) -> ast.AST | None:
+    """The term of ``test`` true on local rank 0 of every node (``local_rank == 0``,
+    ``args.rank % ngpus_per_node == 0``), unless ``test`` also requires global rank 0."""
+    found = None
+    for n in ast.walk(test):
+        if not (isinstance(n, ast.Compare) and len(n.ops) == 1 and polarity(n, script) == 1):
+            continue
+        kinds = {rank_kind(n.left, script), rank_kind(n.comparators[0], script)} - {None}
+        if kinds == {"global"}:
+            return None
+        if kinds == {"local"}:
+            found = found or n
+    return found
 
 
 def kinds_in(e: ast.AST, script: ScriptFacts, depth: int = 1) -> set[str]:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TextIO
 
 from .options import RANK_PREFIX, LaunchOptions, Rendezvous
 
@@ -79,3 +79,65 @@ def waiting_message(opts: LaunchOptions, rdzv: Rendezvous, now: datetime | None 
         f"rankwise run: waiting for {count} nodes to join rendezvous {rdzv.run_id!r} "
         f"({rdzv.backend}) at {rdzv.endpoint}, {deadline}"
     )
+
+
+class RankLines:
+    """rw.launch's workers' output here: ``[rank r] `` before each line, and a worker's bar
+    (its ``\\r`` updates, sent as ``bar``) kept on one line, redrawn in place when ``live`` (a
+    terminal or a notebook), other lines printed above it; elsewhere only its final state."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.bar: tuple[int, str, str] | None = None  # (rank, stream, text) of the open bar
+        self.drawn = 0  # characters of the bar on screen (0: none drawn)
+
+    @staticmethod
+    def _out(stream: str) -> TextIO:
+        return sys.stderr if stream == "stderr" else sys.stdout
+
+    def _draw(self) -> None:
+        if self.live and self.bar is not None:
+            rank, stream, text = self.bar
+            shown = f"[rank {rank}] {text}"
+            pad = " " * max(self.drawn - len(shown), 0)  # what the longer old text leaves
+            self._out(stream).write("\r" + shown + pad)
+            self._out(stream).flush()
+            self.drawn = len(shown)
+
+    def _erase(self) -> None:
+        if self.drawn and self.bar is not None:
+            out = self._out(self.bar[1])
+            out.write("\r" + " " * self.drawn + "\r")
+            out.flush()
+        self.drawn = 0
+
+    def bar_update(self, rank: int, stream: str, text: str) -> None:
+        """A worker redrew its bar (``text``; empty: it cleared it)."""
+        if not text or (self.bar is not None and self.bar[:2] != (rank, stream)):
+            self._erase()  # one bar line at a time: the newest one is drawn
+        self.bar = (rank, stream, text) if text else None
+        self._draw()
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """A whole line from a worker. An empty one from the bar's own stream ends the bar:
+        its last state stays on screen, as it does in a terminal."""
+        text = next((s for s in reversed(text.split("\r")) if s.strip()), "").rstrip()
+        if self.bar is not None and self.bar[:2] == (rank, stream) and not text:
+            self.end()
+            return
+        self._erase()
+        print(f"[rank {rank}] {text}", file=self._out(stream), flush=True)
+        self._draw()
+
+    def end(self) -> None:
+        """The open bar (if any) keeps its last state as a line of its own."""
+        if self.bar is not None:
+            rank, stream, text = self.bar
+            out = self._out(stream)
+            if self.live:
+                self._draw()
+                out.write("\n")
+            else:
+                out.write(f"[rank {rank}] {text}\n")
+            out.flush()
+        self.bar, self.drawn = None, 0

@@ -23,9 +23,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from .. import env as envmod
+from ..console import redraws_in_place
 from .bootstrap import die_with_parent
+from .output import RankLines
 
 _GRACE_S = 3.0
 """How long the other ranks get to report their own error after the first one fails."""
@@ -44,6 +47,7 @@ class _QueueWriter:
 
     def __init__(self, results: Any, rank: int, stream: str) -> None:
         self.results, self.rank, self.stream = results, rank, stream
+        self.encoding = getattr(getattr(sys, stream), "encoding", None)  # tqdm: unicode blocks
         self._pending = ""
 
     def write(self, text: str) -> int:
@@ -51,6 +55,10 @@ class _QueueWriter:
         *lines, self._pending = self._pending.split("\n")
         for line in lines:
             self.results.put(("out", self.rank, self.stream, line))
+        if "\r" in self._pending:  # a bar redrawn in place: its newest state, as it stands
+            text_now = self._pending.rsplit("\r", 1)[1].rstrip()
+            self.results.put(("bar", self.rank, self.stream, text_now))
+            self._pending = ""
         return len(text)
 
     def flush(self) -> None:
@@ -170,7 +178,8 @@ def spawn_ranks(
     results = ctx.Queue()
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
-    extra = {"OMP_NUM_THREADS": "1", **(env or {})}
+    shown = RankLines(live=stream and redraws_in_place(sys.stdout))
+    extra = {"OMP_NUM_THREADS": "1", **envmod.live_bars_env(shown.live), **(env or {})}
     common = (backend, store.port, timeout or 1800.0, results)
     procs = [
         ctx.Process(
@@ -184,8 +193,9 @@ def spawn_ranks(
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, stack_files, timeout)
+        return _collect(procs, results, stack_files, timeout, shown)
     finally:
+        shown.end()
         _end(procs)
         del store
         tmp.cleanup()
@@ -204,12 +214,7 @@ def _end(procs: list) -> None:
     shm_file.sweep_stale()
 
 
-def _print_line(rank: int, stream: str, line: str) -> None:
-    out: TextIO = sys.stderr if stream == "stderr" else sys.stdout
-    print(f"[rank {rank}] {line}", file=out, flush=True)
-
-
-def _collect(procs, results, stack_files, timeout: float | None):
+def _collect(procs, results, stack_files, timeout: float | None, shown: RankLines):
     world_size = len(procs)
     values: dict[int, Any] = {}
     failures: dict[int, Failure] = {}
@@ -235,7 +240,10 @@ def _collect(procs, results, stack_files, timeout: float | None):
                         first_failure_at = first_failure_at or time.monotonic()
             continue
         if message[0] == "out":
-            _print_line(*message[1:])
+            shown.line(*message[1:])
+            continue
+        if message[0] == "bar":
+            shown.bar_update(*message[1:])
             continue
         _, rank, ok, payload = message
         if ok:

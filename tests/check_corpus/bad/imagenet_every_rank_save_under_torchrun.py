@@ -1,6 +1,7 @@
 """The shape of pytorch/examples imagenet/main.py: mp.spawn, DDP or DP chosen at run time. Its
 save guard `not args.multiprocessing_distributed or ...` holds on every rank under torchrun
-(only mp.spawn sets the flag), so every rank writes the checkpoint."""
+(only mp.spawn sets the flag), so every rank writes the checkpoint; under mp.spawn on several
+nodes `args.rank % ngpus_per_node == 0` is the local rank: once per node (RW015)."""
 
 import argparse
 
@@ -20,7 +21,7 @@ parser.add_argument("--world-size", type=int, default=1)
 
 
 def save_checkpoint(state, filename="checkpoint.pth.tar"):
-    torch.save(state, filename)  # expect: RW008
+    torch.save(state, filename)  # expect: RW008  # expect: RW015
 
 
 def main_worker(gpu, ngpus_per_node, args):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from itertools import pairwise
 
 from ..astutil import call_args, keyword, last_name
 from ..findings import Hit, Severity, rule
-from ..guards import kinds_in, rank_kind
+from ..guards import kinds_in, once_per_node, rank_kind
 from ..script import Script
 from .common import init_calls, is_ddp, is_distributed_script
 
@@ -103,17 +104,48 @@ def save_guarded_by_local_rank(s: Script) -> Iterator[Hit]:
         return
     for c in s.calls:
         r = s.resolve(c.func)
-        ctx = s.ctx[c]
-        if not (r and r[1] and r[0] == "torch.save") or ctx.polarity != 1:
+        if not (r and r[1] and r[0] == "torch.save"):
             continue
-        test = getattr(ctx.guard, "test", None)
-        if test is None or kinds_in(test, s) != {"local"}:
+        found = _local_guard(s, c)
+        if found is None:
             continue
+        test, line = found
         yield (
             c,
-            f"`{s.snippet(c)}` runs under `{s.snippet(test)}` (line {ctx.guard.lineno}): local "
-            "rank 0 exists on every node, so each node writes the file; on shared storage "
-            "they write the same path at once.",
+            f"`{s.snippet(c)}` runs under `{s.snippet(test)}` (line {line}): {_why(s, test)}"
+            "so each node writes the file; on shared storage they write the same path at once.",
             "Guard with the global rank (`int(os.environ['RANK']) == 0`, `dist.get_rank() == 0`, "
             "`rt.is_master`), or use `rw.save_checkpoint(...)` on every rank.",
         )
+
+
+def _if_tests(s: Script, node: ast.AST) -> list[ast.If]:
+    """The ifs whose body (not else) holds ``node``, innermost first."""
+    path = [node, *s.ancestors(node)]
+    return [a for child, a in pairwise(path) if isinstance(a, ast.If) and child in a.body]
+
+
+def _local_guard(s: Script, c: ast.Call) -> tuple[ast.AST, int] | None:
+    """The local-rank-0 guard over ``c`` (and its line): around ``c``, or around every call of
+    the function holding ``c`` (imagenet/main.py: ``save_checkpoint(...)`` under
+    ``not args.multiprocessing_distributed or (... and args.rank % ngpus_per_node == 0)``)."""
+    ctx = s.ctx[c]
+    test = getattr(ctx.guard, "test", None)
+    if ctx.polarity == 1 and test is not None and kinds_in(test, s) == {"local"}:
+        return test, ctx.guard.lineno
+    ifs = _if_tests(s, c)
+    scope = s.scope_of.get(c)
+    callers = [o for o in s.calls if scope is not s.tree and s.function_called(o) is scope]
+    for call in callers:
+        ifs.extend(_if_tests(s, call)[:1])
+    for node in ifs:
+        term = once_per_node(node.test, s)
+        if term is not None:
+            return term, node.lineno
+    return None
+
+
+def _why(s: Script, test: ast.AST) -> str:
+    if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(test)):
+        return "a rank modulo the processes per node is the local rank, 0 once on every node, "
+    return "local rank 0 exists on every node, "

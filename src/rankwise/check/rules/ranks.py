@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from pathlib import Path
 
 from ..astutil import call_args, dotted, last_name
 from ..context import Ctx
 from ..findings import Hit, Severity, rule
 from ..guards import mentions_rank
+from ..imports import imported_function
 from ..script import Script
 from .common import is_ddp, is_distributed_script
 
@@ -216,6 +218,22 @@ def _where(s: Script, ctx: Ctx) -> str:
     return f"line {getattr(g, 'lineno', '?')}"
 
 
+def _imported_collective(s: Script, c: ast.Call) -> tuple[str, str] | None:
+    """When ``c`` calls a function from one of the script's own files that runs a collective
+    on every path (not under a rank guard there): its name and where, for the message."""
+    target = imported_function(s, c)
+    if target is None:
+        return None
+    module, fn = target
+    for part in (fn, *module.local_callees(fn)):
+        for n in module.calls_in(part):
+            name = _collective(module, n)
+            if name is not None and module.ctx[n].polarity == 0:
+                where = f"{Path(module.path).name}:{n.lineno}"
+                return name, f" runs `{module.snippet(n)}` ({where}), which"
+    return None
+
+
 @rule(
     "RW009",
     "collective-in-rank-branch",
@@ -224,9 +242,13 @@ def _where(s: Script, ctx: Ctx) -> str:
 )
 def collective_in_rank_branch(s: Script) -> Iterator[Hit]:
     for c in s.calls:
-        name = _collective(s, c)
         ctx = s.ctx[c]
-        if name is None or ctx.polarity == 0:
+        if ctx.polarity == 0:
+            continue
+        name, inside = _collective(s, c), ""
+        if name is None and (found := _imported_collective(s, c)) is not None:
+            name, inside = found
+        if name is None:
             continue
         balanced = any(
             isinstance(n, ast.Call) and last_name(n.func) == last_name(c.func)
@@ -238,7 +260,7 @@ def collective_in_rank_branch(s: Script) -> Iterator[Hit]:
         who = "rank 0" if ctx.polarity == 1 else "the ranks other than 0"
         yield (
             c,
-            f"`{s.snippet(c)}` is a collective that every rank must enter, but only {who} "
+            f"`{s.snippet(c)}`{inside} is a collective that every rank must enter, but only {who} "
             f"reach it ({_where(s, ctx)}): the others never arrive and the job hangs until the "
             "collective times out.",
             "Call it on every rank: move it out of the rank-guarded branch (do the rank-0 work "
