@@ -7,7 +7,10 @@
   1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them;
 - each rank holds <= 1/(tensor x data shards) + 5% of the unsplit model's parameters,
   gradients and AdamW state (counted from the tensors);
-- its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1.
+- its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1;
+- ``rt.clip_grad_norm_`` (through our DDP and through ZeRO stage 3) returns the unsplit model's
+  norm and clips as ``torch.nn.utils.clip_grad_norm_`` on one process: split parameters summed
+  over the tensor group, the ones held whole (layer norms, row biases) counted once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rankwise.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
 STEPS, GLOBAL_BATCH, TOL = 10, 4, 1e-5
+MAX_NORM = 0.05  # below the first batch's gradient norm: the step is clipped
 
 
 def _batches():
@@ -105,6 +109,38 @@ def _prepared(rt):
     return torch.cat(seen), _numpy(tp.full_state_dict(model)), type(model).__name__
 
 
+def _clip_oracle() -> tuple[float, dict[str, torch.Tensor]]:
+    """One SGD step (lr 1: the step is the clipped gradient) on the first global batch,
+    clipped by torch on one process."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = _batches()[0]
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return norm.item(), model.state_dict()
+
+
+def _clipped(rt, engine: str):
+    """``_clip_oracle``'s step on the mesh, clipped by ``rt.clip_grad_norm_``."""
+    mesh, sgd = rt.mesh, (lambda ps: torch.optim.SGD(ps, lr=1.0))
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=mesh.group("tensor"))
+    if engine == "ddp":
+        wrapped = rw.DistributedDataParallel(model, process_group=mesh.group("data"))
+        opt = sgd(model.parameters())
+    else:
+        wrapped = rw.ShardedDataParallel(model, sgd, stage=3, process_group=mesh.group("data"))
+        opt = wrapped.optimizer
+    per = GLOBAL_BATCH // mesh.sizes["data"]
+    mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
+    x, y = _batches()[0]
+    rw.vocab_parallel_cross_entropy(wrapped(x[mine]), y[mine], mesh.group("tensor")).backward()
+    norm = rt.clip_grad_norm_(wrapped, MAX_NORM)
+    opt.step()
+    return norm.item(), _numpy(tp.full_state_dict(wrapped))
+
+
 def _numpy(state):
     return {k: v.numpy() for k, v in state.items()}
 
@@ -114,6 +150,7 @@ def _mesh_rank(folder: str):
     mesh = rt.mesh
     out = {"coords": mesh.coords(), "tensor ranks": mesh.ranks("tensor")}
     out["prepare"] = _prepared(rt)
+    out["clip"] = {engine: _clipped(rt, engine) for engine in ("ddp", "zero3")}
     for engine in ("ddp", "zero3"):
         wrapped, held = _train(engine, mesh)
         out[engine] = (_numpy(tp.full_state_dict(wrapped)), held)
@@ -141,6 +178,8 @@ def _assert_close(got, want, what):
 def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
     results = run_distributed(_mesh_rank, 4, args=(str(tmp_path),), timeout=300, init=False)
     want, unsplit_bytes = _oracle()
+    clip_norm, clip_want = _clip_oracle()
+    assert clip_norm > 2 * MAX_NORM  # the step is clipped
     assert [r["coords"] for r in results] == [
         {"pipeline": 0, "data": d, "tensor": t} for d in (0, 1) for t in (0, 1)
     ]
@@ -159,3 +198,6 @@ def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
         _assert_close(r["prepare"][1], want, f"rank {rank} rw.init(mesh=...) + rt.prepare")
         _assert_close(r["loaded 1x1"], want, f"rank {rank} checkpoint at 1 x 1")
         _assert_close(r["loaded 4x1"], want, f"rank {rank} checkpoint at 4 x 1")
+        for engine, (norm, state) in r["clip"].items():
+            assert abs(norm - clip_norm) <= TOL * clip_norm, (rank, engine, norm, clip_norm)
+            _assert_close(state, clip_want, f"rank {rank} {engine} clipped step")

@@ -18,10 +18,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...state_dict import strip_prefixes, unwrap_model
+from ...state_dict import strip_prefixes
 from .shards import shard, unshard
 
 __all__ = ["FullState", "full_state_dict", "load_full_state_dict"]
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    """The model inside our DDP/ZeRO, torch's wrappers and ``torch.compile``, found through
+    the registered submodules: ZeRO stage 3's ``.module`` refuses to be read (its tensors are
+    empty), and only the layers' split layout and ``load_state_dict`` are needed here."""
+    while True:
+        inner = model._modules.get("_orig_mod") or model._modules.get("module")
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
 
 
 def _split_keys(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:
@@ -40,7 +51,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Sync point: all ranks of the mesh (one all-gather per split tensor in each tensor group,
     and ZeRO's gather over the data group).
     """
-    bare = unwrap_model(model)
+    bare = _bare(model)
     splits = _split_keys(bare)
     collective = getattr(model, "collective_state_dict", False)
     out = {}
@@ -60,7 +71,7 @@ def load_full_state_dict(
     """Load an unsplit model's state dict into a tensor-parallel ``model`` (bare, or wrapped
     by our DDP or ZeRO): each split tensor is sliced for this rank first. No sync point (none
     beyond ZeRO's own ``load_state_dict``)."""
-    bare = unwrap_model(model)
+    bare = _bare(model)
     splits = _split_keys(bare)
     local = {}
     for key, value in strip_prefixes(dict(state)).items():
