@@ -10,7 +10,9 @@
 - its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1;
 - ``rt.clip_grad_norm_`` (through our DDP and through ZeRO stage 3) returns the unsplit model's
   norm and clips as ``torch.nn.utils.clip_grad_norm_`` on one process: split parameters summed
-  over the tensor group, the ones held whole (layer norms, row biases) counted once.
+  over the tensor group, the ones held whole (layer norms, row biases) counted once;
+- evaluation metrics count each sample once, not once per tensor peer: ``rw.gather_for_metrics``
+  after an evaluation loader returns the data set in order, ``rt.log(reduce="sum")`` the total.
 """
 
 from __future__ import annotations
@@ -141,6 +143,19 @@ def _clipped(rt, engine: str):
     return norm.item(), _numpy(tp.full_state_dict(wrapped))
 
 
+def _evaluated(rt, folder: str):
+    """An evaluation loop on the mesh: the loader splits 5 samples over the 2 data ranks (the
+    tensor peers read the same); what the metrics helpers make of each rank's outputs."""
+    dataset = TensorDataset(torch.arange(5))
+    outputs, seen = [], 0
+    for (x,) in rw.loader(dataset, batch_size=2, evaluation=True):
+        outputs.append(x * 10)
+        seen += len(x)
+    preds, ids = rw.gather_for_metrics((torch.cat(outputs), torch.cat(outputs).tolist()))
+    logged = rt.log_to(Path(folder) / "logs").log({"samples": seen}, reduce="sum")
+    return preds, ids, logged["samples"]
+
+
 def _numpy(state):
     return {k: v.numpy() for k, v in state.items()}
 
@@ -150,6 +165,7 @@ def _mesh_rank(folder: str):
     mesh = rt.mesh
     out = {"coords": mesh.coords(), "tensor ranks": mesh.ranks("tensor")}
     out["prepare"] = _prepared(rt)
+    out["metrics"] = _evaluated(rt, folder)
     out["clip"] = {engine: _clipped(rt, engine) for engine in ("ddp", "zero3")}
     for engine in ("ddp", "zero3"):
         wrapped, held = _train(engine, mesh)
@@ -198,6 +214,8 @@ def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
         _assert_close(r["prepare"][1], want, f"rank {rank} rw.init(mesh=...) + rt.prepare")
         _assert_close(r["loaded 1x1"], want, f"rank {rank} checkpoint at 1 x 1")
         _assert_close(r["loaded 4x1"], want, f"rank {rank} checkpoint at 4 x 1")
+        preds, ids, samples = r["metrics"]
+        assert preds.tolist() == ids == [0, 10, 20, 30, 40] and samples == 5, (rank, preds, ids)
         for engine, (norm, state) in r["clip"].items():
             assert abs(norm - clip_norm) <= TOL * clip_norm, (rank, engine, norm, clip_norm)
             _assert_close(state, clip_want, f"rank {rank} {engine} clipped step")

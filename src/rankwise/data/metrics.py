@@ -5,7 +5,9 @@ padding sampler evaluates some samples twice. The exact way is to evaluate with
 ``rw.loader(..., evaluation=True)`` (no padding, each sample once), keep this rank's outputs,
 and gather them once at the end. ``DistributedSampler`` strides the data (rank ``r`` holds
 positions ``r, r + world, r + 2 * world, ...``), so the gathered rows are interleaved back into
-the sampler's order: dataset order when it does not shuffle.
+the sampler's order: dataset order when it does not shuffle. Under ``rw.init(mesh=...)`` the
+gather runs over this rank's data group: its tensor and pipeline peers hold the same batches,
+and each sample must appear once, not once per peer.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from .. import comm
+from .. import comm, runtime
 from ..errors import ConfigError, DistributedError
 from . import _coords
 from .sampler import share_size
@@ -33,6 +36,9 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
     (they are always the last positions). Sync point: all ranks (call it once, after the loop).
     """
     world = _coords.require_group("gather_for_metrics")
+    group = runtime.data_group()  # None: every rank reads its own data
+    peers = None if group is None else dist.get_process_group_ranks(group)
+    world = world if peers is None else len(peers)
     leaves, rebuild = _flatten(data)
     counts = [_count(leaf) for leaf in leaves]
     if len(set(counts)) > 1:
@@ -44,11 +50,11 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
         gathered = leaves
         total = counts[0] if counts else 0
     else:
-        everyone = comm.all_gather_object([_describe(leaf) for leaf in leaves])
+        everyone = _of(peers, comm.all_gather_object([_describe(leaf) for leaf in leaves]))
         per_rank = _check_agreement(everyone)
         total = sum(per_rank)
         gathered = [
-            _gather_leaf(leaf, per_rank, [meta[i] for meta in everyone], world)
+            _gather_leaf(leaf, per_rank, [meta[i] for meta in everyone], world, group, peers)
             for i, leaf in enumerate(leaves)
         ]
     if num_samples is not None:
@@ -116,17 +122,25 @@ def _check_agreement(everyone: list[list[tuple]]) -> list[int]:
     return per_rank
 
 
-def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int) -> Any:
+def _of(peers: list[int] | None, everyone: list[Any]) -> list[Any]:
+    """The data group's entries of a gather over every rank (the object gathers take no
+    group; the tensor gather below runs over the group itself)."""
+    return everyone if peers is None else [everyone[r] for r in peers]
+
+
+def _gather_leaf(
+    leaf: Any, per_rank: list[int], metas: list[tuple], world: int, group: Any, peers: Any
+) -> Any:
     most = max(per_rank)
     if isinstance(leaf, list):
-        parts = comm.all_gather_object(leaf)
+        parts = _of(peers, comm.all_gather_object(leaf))
         return [parts[r][j] for j in range(most) for r in range(world) if j < per_rank[r]]
     trailing, dtype = next((m[2], m[3]) for m in metas if m[1] == most)
     device = comm._comm_device()
     mine = leaf.detach().reshape(-1, *trailing).to(device=device, dtype=dtype)
     padded = torch.zeros((most, *trailing), dtype=dtype, device=device)
     padded[: mine.shape[0]] = mine
-    slots = comm.all_gather_tensors(padded, label="gather_for_metrics")
+    slots = comm.all_gather_tensors(padded, group=group, label="gather_for_metrics")
     # [world, most, ...] -> [most, world, ...]: row j*world + r is rank r's j-th sample; the
     # strided split leaves the missing rows (j >= per_rank[r]) at the very end.
     rows = torch.stack(slots, dim=1).reshape(most * world, *trailing)
