@@ -32,6 +32,7 @@ from . import comm
 from .errors import ConfigError
 from .log_metrics import MetricsLogger
 from .parallel.tensor.grad_norm import NormParts
+from .parallel.tensor.state import FullOptimState, FullState, has_split_layers
 from .pipeline import DistributedPipeline
 from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
@@ -318,3 +319,16 @@ def _model_parallel_norm(
         copies = comm.world_size() // len(model.ranks)
         powered = comm.all_reduce(powered, "max") if inf else comm.all_reduce(powered, "sum") / copies
     return (powered if inf else powered ** (1.0 / norm_type)).to(dtype)
+
+
+def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``rt.save``/``rt.load``'s model and optimizer, seen whole when the model is split by
+    tensor parallelism (``FullState``, ``FullOptimState``): the file holds the unsplit model's
+    parameters and optimizer state, so it resumes at any mesh, or in a plain process."""
+    model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+    if model is None or isinstance(model, FullState) or not has_split_layers(model):
+        return kwargs
+    out = dict(kwargs, model=FullState(model))
+    if optimizer is not None and not isinstance(optimizer, FullOptimState):
+        out["optimizer"] = FullOptimState(optimizer, model)
+    return out
