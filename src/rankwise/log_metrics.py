@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, runtime
 from .errors import ConfigError
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
@@ -57,7 +57,10 @@ def _as_float(name: str, value: Any) -> float:
 
 
 def reduce_metrics(values: dict[str, float], op: str) -> dict[str, float]:
-    """Every value reduced over the ranks with ``op``, in one collective. Sync point: all ranks."""
+    """Every value reduced over the ranks with ``op``, in one collective: under
+    ``rw.init(mesh=...)`` over this rank's data group (tensor and pipeline peers hold the same
+    batch: a 'sum' of counts would add each one once per peer). Sync point: all ranks (the
+    data group's under a mesh)."""
     if op not in _REDUCE_OPS:
         raise ConfigError(
             f"rt.log(reduce={op!r}) is not one of {', '.join(map(repr, _REDUCE_OPS))}",
@@ -65,7 +68,11 @@ def reduce_metrics(values: dict[str, float], op: str) -> dict[str, float]:
         )
     names = sorted(values)  # the same order on every rank, whatever the dict order
     packed = torch.tensor([values[n] for n in names], dtype=torch.float64)
-    reduced = comm.all_reduce(packed, op)
+    group = runtime.data_group()
+    if group is None:
+        reduced = comm.all_reduce(packed, op)
+    else:
+        reduced = comm.all_reduce_(packed.to(comm._comm_device()), op, group=group, label="rt.log")
     return {n: float(v) for n, v in zip(names, reduced.tolist(), strict=True)}
 
 

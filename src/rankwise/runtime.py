@@ -378,3 +378,13 @@ def coords() -> Coords:
         return Coords(dist.get_rank(), dist.get_world_size(), source="torch")
     e = envmod.detect()
     return Coords(e.rank, e.world_size, source=e.source)
+
+
+def data_group() -> Any:
+    """The group that metrics reduce and gather over: under ``rw.init(mesh=...)`` with tensor
+    or pipeline peers (which read the same batch: counted once, not once per peer), this rank's
+    data group; else None (every rank). No sync point."""
+    grid = None if _current is None else _current.mesh
+    if grid is None or grid.world_size == grid.sizes["data"]:
+        return None
+    return grid.group("data")

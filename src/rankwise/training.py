@@ -31,6 +31,8 @@ from torch import nn
 from . import comm
 from .errors import ConfigError
 from .log_metrics import MetricsLogger
+from .parallel.tensor.grad_norm import NormParts
+from .parallel.tensor.state import FullOptimState, FullState, has_split_layers
 from .pipeline import DistributedPipeline
 from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
@@ -124,10 +126,12 @@ class TrainingLoop:
         if callable(getattr(model, "clip_grad_norm_", None)):
             return model.clip_grad_norm_(max_norm, norm_type)
         params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
-        if _is_pipeline(model):
-            total = _pipeline_norm(model, total, float(norm_type))
+        parts = NormParts(model)
+        if parts.groups or _is_pipeline(model):
+            total = _model_parallel_norm(model, params, parts, float(norm_type))
+        else:
+            grads = [p.grad for p in params]
+            total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
@@ -295,16 +299,36 @@ def _is_pipeline(model: nn.Module) -> bool:
     return isinstance(model, DistributedPipeline)
 
 
-def _pipeline_norm(model: Any, local: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The whole model's gradient norm from each stage's part.
+def _model_parallel_norm(
+    model: nn.Module, params: list[nn.Parameter], parts: NormParts, norm_type: float
+) -> torch.Tensor:
+    """The whole model's gradient norm when its parameters are split over ranks.
 
-    Summed over every rank, then divided by the number of replicas of each stage: the
-    replicas of a stage hold the same averaged gradients (``data_parallel_group``), so the
-    sum counts each stage's part once per replica. Sync point: all ranks.
+    Tensor-parallel slices are summed over their tensor group and the parameters held whole
+    counted once (``NormParts``); a ``DistributedPipeline`` then sums that over every rank and
+    divides by the number of copies of each stage (its data-parallel replicas hold the same
+    averaged gradients, its tensor peers the same stage total). Sync point: the tensor group;
+    all ranks for a pipeline.
     """
-    replicas = comm.world_size() // len(model.ranks)
-    if math.isinf(norm_type):
-        return comm.all_reduce(local.float(), "max").to(local.dtype)
-    powered = local.double() ** norm_type
-    total = comm.all_reduce(powered, "sum") / replicas
-    return (total ** (1.0 / norm_type)).to(local.dtype)
+    device = params[0].grad.device if params else torch.device("cpu")
+    dtype = params[0].grad.dtype if params else torch.float32
+    local = parts.local(((parts.part_of(p), p.grad) for p in params), norm_type, device)
+    powered = parts.total(local, norm_type)
+    inf = math.isinf(norm_type)
+    if _is_pipeline(model):
+        copies = comm.world_size() // len(model.ranks)
+        powered = comm.all_reduce(powered, "max") if inf else comm.all_reduce(powered, "sum") / copies
+    return (powered if inf else powered ** (1.0 / norm_type)).to(dtype)
+
+
+def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``rt.save``/``rt.load``'s model and optimizer, seen whole when the model is split by
+    tensor parallelism (``FullState``, ``FullOptimState``): the file holds the unsplit model's
+    parameters and optimizer state, so it resumes at any mesh, or in a plain process."""
+    model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+    if model is None or isinstance(model, FullState) or not has_split_layers(model):
+        return kwargs
+    out = dict(kwargs, model=FullState(model))
+    if optimizer is not None and not isinstance(optimizer, FullOptimState):
+        out["optimizer"] = FullOptimState(optimizer, model)
+    return out

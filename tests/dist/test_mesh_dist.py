@@ -7,7 +7,14 @@
   1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them;
 - each rank holds <= 1/(tensor x data shards) + 5% of the unsplit model's parameters,
   gradients and AdamW state (counted from the tensors);
-- its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1.
+- its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1; with the
+  AdamW state (``rt.save`` under DDP, ``FullOptimState`` under ZeRO-3) it resumes at 1 x 1 (and,
+  from ``rt.load``, at 2 x 2) with the next step of an uninterrupted run;
+- ``rt.clip_grad_norm_`` (through our DDP and through ZeRO stage 3) returns the unsplit model's
+  norm and clips as ``torch.nn.utils.clip_grad_norm_`` on one process: split parameters summed
+  over the tensor group, the ones held whole (layer norms, row biases) counted once;
+- evaluation metrics count each sample once, not once per tensor peer: ``rw.gather_for_metrics``
+  after an evaluation loader returns the data set in order, ``rt.log(reduce="sum")`` the total.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from rankwise.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
 STEPS, GLOBAL_BATCH, TOL = 10, 4, 1e-5
+MAX_NORM = 0.05  # below the first batch's gradient norm: the step is clipped
 
 
 def _batches():
@@ -55,7 +63,20 @@ def state_bytes(model, opt) -> int:
     return sum(n for ptr, n in storages.items() if ptr)
 
 
-def _oracle() -> tuple[dict[str, torch.Tensor], int]:
+def _next_batch():
+    """The step after the checkpoint (an 11th batch)."""
+    g = torch.Generator().manual_seed(8)
+    return tuple(torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g) for _ in range(2))
+
+
+def _step(model, opt, x, y):
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _oracle() -> tuple[dict[str, torch.Tensor], int, dict[str, torch.Tensor]]:
+    """One process: the state after the 10 steps, its bytes, and the state after an 11th."""
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = _adamw(model.parameters())
@@ -64,7 +85,32 @@ def _oracle() -> tuple[dict[str, torch.Tensor], int]:
         opt.step()
         held = state_bytes(model, opt)
         opt.zero_grad()
-    return model.state_dict(), held
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, *_next_batch())
+    return state, held, model.state_dict()
+
+
+def _resumed_in_one_process(path) -> dict[str, torch.Tensor]:
+    """A plain GPT and AdamW load the mesh's checkpoint and take the 11th step."""
+    model = GPT(CFG)
+    opt = _adamw(model.parameters())
+    rw.load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
+    _step(model, opt, *_next_batch())
+    return model.state_dict()
+
+
+def _resumed_on_the_mesh(rt, path):
+    """``rt.load`` at data 2 x tensor 2 (each rank slices the whole state), then the 11th step."""
+    mesh = rt.mesh
+    model = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=mesh.group("tensor"))
+    wrapped = rw.DistributedDataParallel(model, process_group=mesh.group("data"))
+    opt = _adamw(model.parameters())
+    rt.load(path, model=wrapped, optimizer=opt, restore_rng=False)
+    x, y = _next_batch()
+    mine = slice(mesh.coord("data") * 2, mesh.coord("data") * 2 + 2)
+    rw.vocab_parallel_cross_entropy(wrapped(x[mine]), y[mine], mesh.group("tensor")).backward()
+    opt.step()
+    return _numpy(tp.full_state_dict(wrapped))
 
 
 def _train(engine: str, mesh):
@@ -87,7 +133,7 @@ def _train(engine: str, mesh):
     return wrapped, held
 
 
-def _prepared(rt):
+def _prepared(rt, folder: str):
     """The README loop: ``rt.prepare`` wraps the tensor-parallel model in DDP over the mesh's
     data group and splits a plain DataLoader over the data dimension only."""
     torch.manual_seed(0)
@@ -102,7 +148,53 @@ def _prepared(rt):
         rw.vocab_parallel_cross_entropy(model(x), y, rt.mesh.group("tensor")).backward()
         opt.step()
         opt.zero_grad()
+    rt.save(Path(folder) / "prepared.pt", model=model, optimizer=opt)  # the whole AdamW state
     return torch.cat(seen), _numpy(tp.full_state_dict(model)), type(model).__name__
+
+
+def _clip_oracle() -> tuple[float, dict[str, torch.Tensor]]:
+    """One SGD step (lr 1: the step is the clipped gradient) on the first global batch,
+    clipped by torch on one process."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = _batches()[0]
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return norm.item(), model.state_dict()
+
+
+def _clipped(rt, engine: str):
+    """``_clip_oracle``'s step on the mesh, clipped by ``rt.clip_grad_norm_``."""
+    mesh, sgd = rt.mesh, (lambda ps: torch.optim.SGD(ps, lr=1.0))
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(GPT(CFG), GPT_PLAN, group=mesh.group("tensor"))
+    if engine == "ddp":
+        wrapped = rw.DistributedDataParallel(model, process_group=mesh.group("data"))
+        opt = sgd(model.parameters())
+    else:
+        wrapped = rw.ShardedDataParallel(model, sgd, stage=3, process_group=mesh.group("data"))
+        opt = wrapped.optimizer
+    per = GLOBAL_BATCH // mesh.sizes["data"]
+    mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
+    x, y = _batches()[0]
+    rw.vocab_parallel_cross_entropy(wrapped(x[mine]), y[mine], mesh.group("tensor")).backward()
+    norm = rt.clip_grad_norm_(wrapped, MAX_NORM)
+    opt.step()
+    return norm.item(), _numpy(tp.full_state_dict(wrapped))
+
+
+def _evaluated(rt, folder: str):
+    """An evaluation loop on the mesh: the loader splits 5 samples over the 2 data ranks (the
+    tensor peers read the same); what the metrics helpers make of each rank's outputs."""
+    dataset = TensorDataset(torch.arange(5))
+    outputs, seen = [], 0
+    for (x,) in rw.loader(dataset, batch_size=2, evaluation=True):
+        outputs.append(x * 10)
+        seen += len(x)
+    preds, ids = rw.gather_for_metrics((torch.cat(outputs), torch.cat(outputs).tolist()))
+    logged = rt.log_to(Path(folder) / "logs").log({"samples": seen}, reduce="sum")
+    return preds, ids, logged["samples"]
 
 
 def _numpy(state):
@@ -113,12 +205,16 @@ def _mesh_rank(folder: str):
     rt = rw.init(strategy="ddp", mesh={"data": 2, "tensor": 2}, timeout=300)
     mesh = rt.mesh
     out = {"coords": mesh.coords(), "tensor ranks": mesh.ranks("tensor")}
-    out["prepare"] = _prepared(rt)
+    out["prepare"] = _prepared(rt, folder)
+    out["resumed 2x2"] = _resumed_on_the_mesh(rt, Path(folder) / "prepared.pt")
+    out["metrics"] = _evaluated(rt, folder)
+    out["clip"] = {engine: _clipped(rt, engine) for engine in ("ddp", "zero3")}
     for engine in ("ddp", "zero3"):
         wrapped, held = _train(engine, mesh)
         out[engine] = (_numpy(tp.full_state_dict(wrapped)), held)
     path = Path(folder) / "gpt.pt"
-    rw.save_checkpoint(path, model=tp.FullState(wrapped))  # saved from ZeRO-3 x tensor 2
+    full_adamw = tp.FullOptimState(wrapped.optimizer, wrapped)
+    rw.save_checkpoint(path, model=tp.FullState(wrapped), optimizer=full_adamw)  # ZeRO-3 x T 2
     plain = GPT(CFG)  # 1 x 1: the file is an unsplit model's
     rw.load_checkpoint(path, model=plain)
     out["loaded 1x1"] = _numpy(plain.state_dict())
@@ -140,7 +236,12 @@ def _assert_close(got, want, what):
 @pytest.mark.slow  # 4 ranks: ~20 s alone, longer on a loaded 2-core machine
 def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
     results = run_distributed(_mesh_rank, 4, args=(str(tmp_path),), timeout=300, init=False)
-    want, unsplit_bytes = _oracle()
+    want, unsplit_bytes, want_next = _oracle()
+    for name in ("prepared.pt", "gpt.pt"):  # saved by rt.save under DDP, by ZeRO-3
+        got = _resumed_in_one_process(tmp_path / name)
+        _assert_close(got, want_next, f"{name} resumed at 1 x 1, next step")
+    clip_norm, clip_want = _clip_oracle()
+    assert clip_norm > 2 * MAX_NORM  # the step is clipped
     assert [r["coords"] for r in results] == [
         {"pipeline": 0, "data": d, "tensor": t} for d in (0, 1) for t in (0, 1)
     ]
@@ -159,3 +260,9 @@ def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
         _assert_close(r["prepare"][1], want, f"rank {rank} rw.init(mesh=...) + rt.prepare")
         _assert_close(r["loaded 1x1"], want, f"rank {rank} checkpoint at 1 x 1")
         _assert_close(r["loaded 4x1"], want, f"rank {rank} checkpoint at 4 x 1")
+        _assert_close(r["resumed 2x2"], want_next, f"rank {rank} rt.load at 2 x 2, next step")
+        preds, ids, samples = r["metrics"]
+        assert preds.tolist() == ids == [0, 10, 20, 30, 40] and samples == 5, (rank, preds, ids)
+        for engine, (norm, state) in r["clip"].items():
+            assert abs(norm - clip_norm) <= TOL * clip_norm, (rank, engine, norm, clip_norm)
+            _assert_close(state, clip_want, f"rank {rank} {engine} clipped step")

@@ -1,7 +1,9 @@
 """A small GPT on a pipeline 2 x tensor 2 mesh (4 Gloo ranks, one job): each pipeline stage is
 a tensor-parallel slice of the GPT's layers, activations pass between matching tensor ranks
 of neighbouring stages, and a few AdamW steps give the parameters of one unsplit process on
-the same global batches.
+the same global batches; ``rt.clip_grad_norm_`` on it returns the unsplit model's norm and
+clips as ``torch.nn.utils.clip_grad_norm_`` on one process (each split parameter summed over
+its tensor group, each whole one counted once, the stages added).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rankwise.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
 STEPS, GLOBAL_BATCH, CHUNKS, TOL = 4, 4, 2, 1e-5
+MAX_NORM = 0.05  # below the first batch's gradient norm: the step is clipped
 
 
 def _batches():
@@ -46,6 +49,28 @@ def _oracle() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _clip_oracle() -> tuple[float, dict[str, torch.Tensor]]:
+    """One clipped SGD step (lr 1) on the first batch, on one process."""
+    torch.manual_seed(0)
+    model = sequential_gpt(CFG)
+    x, y = _batches()[0]
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return norm.item(), model.state_dict()
+
+
+def _clipped(rt, tensor) -> tuple[float, dict]:
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(sequential_gpt(CFG), SEQUENTIAL_PLAN, group=tensor)
+    pipe = rw.DistributedPipeline(model, balance=[2, 2], chunks=CHUNKS)
+    x, y = _batches()[0]
+    pipe.train_step(x, y, lambda out, t: rw.vocab_parallel_cross_entropy(out, t, tensor))
+    norm = rt.clip_grad_norm_(pipe, MAX_NORM)
+    torch.optim.SGD(pipe.parameters(), lr=1.0).step()
+    return norm.item(), {k: v.numpy() for k, v in tp.full_state_dict(pipe).items()}
+
+
 def _rank():
     rt = rw.init(mesh={"pipeline": 2, "tensor": 2}, timeout=300)
     tensor = rt.mesh.group("tensor")
@@ -60,7 +85,8 @@ def _rank():
         opt.zero_grad()
         losses.append(None if loss is None else loss.item())
     state = {k: v.numpy() for k, v in tp.full_state_dict(pipe).items()}
-    return {"ranks": pipe.ranks, "stage": pipe.stage_index, "state": state, "losses": losses}
+    out = {"ranks": pipe.ranks, "stage": pipe.stage_index, "state": state, "losses": losses}
+    return out | {"clip": _clipped(rt, tensor)}
 
 
 @pytest.mark.slow  # 4 ranks
@@ -78,3 +104,11 @@ def test_gpt_on_a_pipeline_2_by_tensor_2_mesh_equals_one_process():
                     for k, v in r["state"].items())  # fmt: skip
         assert worst <= TOL, f"rank {rank} (stage {r['stage']}): max |delta| {worst:.3g}"
     assert results[2]["losses"] == results[3]["losses"] and None not in results[2]["losses"]
+    clip_norm, clip_want = _clip_oracle()
+    assert clip_norm > 2 * MAX_NORM  # the step is clipped
+    for rank, r in enumerate(results):
+        norm, state = r["clip"]
+        assert abs(norm - clip_norm) <= TOL * clip_norm, (rank, norm, clip_norm)
+        worst = max((torch.as_tensor(v) - clip_want[k]).abs().max().item()
+                    for k, v in state.items())  # fmt: skip
+        assert worst <= TOL, f"rank {rank} clipped step: max |delta| {worst:.3g}"

@@ -5,8 +5,10 @@ padding sampler evaluates some samples twice. The exact way is to evaluate with
 ``rw.loader(..., evaluation=True)`` (no padding, each sample once), keep this rank's outputs,
 and gather them once at the end. ``DistributedSampler`` strides the data (rank ``r`` holds
 positions ``r, r + world, r + 2 * world, ...``), so the gathered rows are interleaved back into
-the sampler's order: dataset order when it does not shuffle. Descriptions and lists travel as
-JSON, never pickled: a peer cannot run code here.
+the sampler's order: dataset order when it does not shuffle. Under ``rw.init(mesh=...)`` the
+gather runs over this rank's data group: its tensor and pipeline peers hold the same batches,
+and each sample must appear once, not once per peer. Descriptions and lists
+travel as JSON, never pickled: a peer cannot run code here.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from .. import comm, wire
+from .. import comm, runtime, wire
 from ..errors import ConfigError, DistributedError
 from . import _coords
 from .sampler import share_size
@@ -34,6 +37,9 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
     (they are always the last positions). Sync point: all ranks (call it once, after the loop).
     """
     world = _coords.require_group("gather_for_metrics")
+    group = runtime.data_group()  # None: every rank reads its own data
+    peers = None if group is None else dist.get_process_group_ranks(group)
+    world = world if peers is None else len(peers)
     leaves, rebuild = _flatten(data)
     counts = [_count(leaf) for leaf in leaves]
     if len(set(counts)) > 1:
@@ -45,11 +51,11 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
         gathered = leaves
         total = counts[0] if counts else 0
     else:
-        everyone = wire.all_gather_json([_describe(leaf) for leaf in leaves], label="metrics")
+        everyone = wire.all_gather_json([_describe(leaf) for leaf in leaves], label="metrics", group=group)
         per_rank = _check_agreement(everyone)
         total = sum(per_rank)
         gathered = [
-            _gather_leaf(leaf, per_rank, [meta[i] for meta in everyone], world)
+            _gather_leaf(leaf, per_rank, [meta[i] for meta in everyone], world, group)
             for i, leaf in enumerate(leaves)
         ]
     if num_samples is not None:
@@ -133,10 +139,12 @@ def _check_agreement(everyone: list[Any]) -> list[int]:
     return per_rank
 
 
-def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int) -> Any:
+def _gather_leaf(
+    leaf: Any, per_rank: list[int], metas: list[tuple], world: int, group: Any
+) -> Any:
     most = max(per_rank)
     if isinstance(leaf, list):
-        parts = wire.all_gather_json(_json_list(leaf), label="gather_for_metrics")
+        parts = wire.all_gather_json(_json_list(leaf), label="gather_for_metrics", group=group)
         for r, part in enumerate(parts):
             if not isinstance(part, list) or len(part) != per_rank[r]:
                 raise DistributedError(
@@ -157,7 +165,7 @@ def _gather_leaf(leaf: Any, per_rank: list[int], metas: list[tuple], world: int)
     mine = leaf.detach().reshape(-1, *trailing).to(device=device, dtype=dtype)
     padded = torch.zeros((most, *trailing), dtype=dtype, device=device)
     padded[: mine.shape[0]] = mine
-    slots = comm.all_gather_tensors(padded, label="gather_for_metrics")
+    slots = comm.all_gather_tensors(padded, group=group, label="gather_for_metrics")
     # [world, most, ...] -> [most, world, ...]: row j*world + r is rank r's j-th sample; the
     # strided split leaves the missing rows (j >= per_rank[r]) at the very end.
     rows = torch.stack(slots, dim=1).reshape(most * world, *trailing)

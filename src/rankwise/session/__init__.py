@@ -38,7 +38,7 @@ from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
 from ..state_dict import unwrap_model
-from ..training import LoopState, TrainingLoop
+from ..training import LoopState, TrainingLoop, full_states
 from . import guards
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
@@ -128,16 +128,19 @@ class Session(runtime.Runtime, TrainingLoop):
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
 
     def save(self, path: str | Path, **kwargs: Any) -> Path:
-        """``rw.save_checkpoint`` with the prepared scheduler and loss scale. Sync point: all
-        ranks (call it on every rank)."""
+        """``rw.save_checkpoint`` with the prepared scheduler and loss scale; a
+        tensor-parallel model and its optimizer are saved whole (``full_states``). Sync point:
+        all ranks (call it on every rank)."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
-        return save_checkpoint(path, **kwargs)
+        return save_checkpoint(path, **full_states(kwargs))
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
-        """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale.
-        No sync point."""
-        result = load_checkpoint(path, **self._checkpoint_kwargs(kwargs, saving=False))
+        """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale; a
+        tensor-parallel model and its optimizer take their slices of the whole state. No sync
+        point."""
+        kwargs = full_states(self._checkpoint_kwargs(kwargs, saving=False))
+        result = load_checkpoint(path, **kwargs)
         self._restore_scaler(result)
         return result
 

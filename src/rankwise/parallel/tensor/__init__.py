@@ -5,7 +5,7 @@
 - ``layers``: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding;
 - ``loss``: vocab-parallel cross-entropy (no gather of the logits);
 - ``plan``: ``tensor_parallel(model, plan, group)`` by module-name patterns;
-- ``state``: mesh-independent checkpoints (full tensors in the file);
+- ``state``: mesh-independent checkpoints (full tensors in the file, optimizer state too);
 - ``tiny_gpt``: a small GPT written to be split (tests, benchmark, docs).
 
 docs/model-parallel.md explains when to use it and how it composes with data parallelism.
@@ -22,12 +22,13 @@ from .collectives import (
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
 from .plan import Column, Divide, Row, Vocab, sync_replicated_grads, tensor_parallel
-from .state import FullState, full_state_dict, load_full_state_dict
+from .state import FullOptimState, FullState, full_state_dict, load_full_state_dict
 
 __all__ = [
     "Column",
     "ColumnParallelLinear",
     "Divide",
+    "FullOptimState",
     "FullState",
     "Row",
     "RowParallelLinear",

@@ -5,8 +5,11 @@ keys and shapes), so rank 0 writes the very file an unsplit model would. ``load_
 slices full tensors for this rank, at whatever tensor size the model was split to now. With
 ``rw.save_checkpoint``/``rw.load_checkpoint``, pass ``model=FullState(model)``: the checkpoint
 takes its state on every rank (the gather is a collective) and hands the loaded one back to be
-sliced. The optimizer state stays per rank (it follows the parameters' slices): resuming it
-needs the same tensor size.
+sliced. ``FullOptimState(optimizer, model)`` does the same for the optimizer: each state tensor
+shaped like a split parameter (Adam's ``exp_avg``/``exp_avg_sq``, SGD's momentum) is gathered
+into the unsplit parameter's shape, so the file is the one an unsplit optimizer writes and
+resumes at any mesh, or in a plain process. ``rt.save``/``rt.load`` wrap both for a
+tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from torch import nn
 from ...state_dict import registered_inner, strip_prefixes
 from .shards import shard, unshard
 
-__all__ = ["FullState", "full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "FullOptimState", "FullState", "full_state_dict", "has_split_layers", "load_full_state_dict",
+]  # fmt: skip
 
 
 def _split_keys(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:
@@ -93,3 +98,83 @@ class FullState(nn.Module):
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         load_full_state_dict(self.module, state, strict=strict)
+
+
+def has_split_layers(model: nn.Module) -> bool:
+    """True when a tensor-parallel layer of ``model`` is split over more than one rank."""
+    return any(
+        getattr(m, "tp_size", 1) > 1 for m in registered_inner(model).modules() if hasattr(m, "tp_splits")
+    )
+
+
+def _split_params(model: nn.Module) -> dict[int, tuple[nn.Module, int, int]]:
+    """id(split parameter) -> (its tensor-parallel layer, dim, chunks)."""
+    found = {}
+    for module in registered_inner(model).modules():
+        if hasattr(module, "tp_splits") and module.tp_size > 1:
+            for name, (dim, chunks) in module.tp_splits().items():
+                param = getattr(module, name, None)
+                if param is not None:
+                    found[id(param)] = (module, dim, chunks)
+    return found
+
+
+def _state_order(optimizer: Any) -> list[nn.Parameter]:
+    """The model parameters in the order of the optimizer's ``state_dict`` indices: torch
+    numbers them group after group, each once; ZeRO's consolidated state numbers its
+    engine's groups the same way (its own ``param_groups`` hold flat shards)."""
+    engine = getattr(optimizer, "engine", None)
+    groups = (
+        engine.group_params if engine is not None else [g["params"] for g in optimizer.param_groups]
+    )
+    seen: dict[int, nn.Parameter] = {}
+    for params in groups:
+        for p in params:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class FullOptimState:
+    """A view of an optimizer over a tensor-parallel model for ``rw.save_checkpoint``/
+    ``rw.load_checkpoint`` (``optimizer=FullOptimState(opt, model)``): its ``state_dict()`` is
+    the unsplit model's optimizer state (a collective, taken on every rank: one all-gather per
+    split parameter and state tensor, in each tensor group; ZeRO's own gather first), and its
+    ``load_state_dict`` slices each such tensor for this rank. No sync point in loading.
+    """
+
+    collective_state_dict = True
+
+    def __init__(self, optimizer: Any, model: nn.Module) -> None:
+        self.optimizer, self.model = optimizer, model
+
+    def _splits(self) -> dict[int, tuple[nn.Parameter, nn.Module, int, int]]:
+        """State index -> (parameter, layer, dim, chunks) for each split parameter."""
+        split = _split_params(self.model)
+        return {i: (p, *split[id(p)]) for i, p in enumerate(_state_order(self.optimizer))
+                if id(p) in split}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        out = self.optimizer.state_dict()
+        state = out["state"]
+        for i, (p, layer, dim, chunks) in sorted(self._splits().items()):
+            if i not in state:
+                continue
+            state[i] = dict(state[i])  # torch's state_dict shares the live per-parameter dicts
+            for key in sorted(state[i]):
+                value = state[i][key]
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    pieces = [torch.empty_like(value) for _ in range(layer.tp_size)]
+                    dist.all_gather(pieces, value.contiguous(), group=layer.group)
+                    state[i][key] = unshard(pieces, dim, chunks)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        local = dict(state_dict)
+        local["state"] = state = {k: dict(v) for k, v in state_dict["state"].items()}
+        for i, (p, layer, dim, chunks) in self._splits().items():
+            full_shape = list(p.shape)
+            full_shape[dim] *= layer.tp_size
+            for key, value in state.get(i, {}).items():
+                if isinstance(value, torch.Tensor) and list(value.shape) == full_shape:
+                    state[i][key] = shard(value, dim, layer.tp_rank, layer.tp_size, chunks)
+        self.optimizer.load_state_dict(local)

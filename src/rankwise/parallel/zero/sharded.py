@@ -347,7 +347,7 @@ class ShardedDataParallel(nn.Module):
         Returns the total norm over all ranks' shards, the same on every rank (what
         ``torch.nn.utils.clip_grad_norm_`` returns on one process). Sync point: all ranks.
         """
-        return clip_shards_(self.units, max_norm, norm_type, self.process_group)
+        return clip_shards_(self.units, max_norm, norm_type, self.process_group, self._root)
 
     # -- state: consolidated, independent of the world size and the stage --------------------
 
