@@ -170,6 +170,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small GPT, 4 steps (a smoke run)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats per row")
     ap.add_argument(
+        "--note",
+        default="2 CPU cores shared by 4 ranks",
+        help="what else ran on the machine (kept in the JSON)",
+    )
+    ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "tensor_parallel.json")
     )
     args = ap.parse_args()
@@ -182,7 +187,7 @@ def main() -> None:
     emit({
         "benchmark": "tensor_parallel", "world": WORLD, "size": size,
         "model": SIZES[size], "params_m": per_rank[0]["params_m"],
-        "load_note": "2 shared CPU cores for 4 ranks, other jobs running: times are noisy",
+        "load_note": args.note,
         "rows": rows,
     }, args.out)  # fmt: skip
 
