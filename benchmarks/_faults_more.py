@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +80,28 @@ ROGUE = textwrap.dedent("""
 """)
 
 
+SHARDED = textwrap.dedent("""
+    import os, time, torch, rankwise as rw
+    from torch import nn
+    rt = rw.init(timeout=60)
+    torch.manual_seed(0)
+    adam = lambda params: torch.optim.Adam(params, lr=1e-3)
+    model = rw.ShardedDataParallel(nn.Linear(5000, 5000), adam, stage=2)  # 100 MB + Adam: 300 MB
+    opt = model.optimizer
+    model(torch.randn(4, 5000)).sum().backward()
+    opt.step(); opt.zero_grad()
+    open(f"pid{rt.rank}", "w").write(str(os.getpid()))
+    def note(what):
+        if rt.rank == 0:
+            with open("saves", "a") as f:
+                f.write(f"{what} {time.monotonic()}\\n")
+    for step in range(1, 1000):
+        note(f"saving {step}")
+        rw.save_checkpoint("ckpt", model=model, optimizer=opt, step=step, keep_last=2)
+        note(f"saved {step}")
+""")
+
+
 def _launch(tmp: Path, script: str, text: str, env: dict, **popen) -> subprocess.Popen:
     (tmp / script).write_text(text)
     return subprocess.Popen(
@@ -114,15 +137,94 @@ def sigstop_rank(tmp: Path, env: dict, stall_s: float) -> dict:
     time.sleep(random.uniform(0.2, 1.0))
     frozen_at = time.monotonic()
     os.kill(int(pids[1].read_text()), signal.SIGSTOP)
+    rank0_gone = _when_gone(int(pids[0].read_text()))
     reported, lines = None, []
     for line in job.stderr:
         lines.append(line)
-        if reported is None and "stall: rank(s) 1 have not reached" in line:
+        if reported is None and "stall: rank(s) 1 " in line:
             reported = time.monotonic() - frozen_at
     job.wait(120)
+    ended = time.monotonic()
     text = "".join(lines)
     blamed = "rank(s) 1 never reached" in text and "stopped by the launcher: rank(s) 1" in text
-    return {"lost": False, "hung": reported is None, "seconds": reported, "unnamed": not blamed}
+    # stop_s: from rank 0 failing at its timeout to the end of the job (the frozen rank ended)
+    stop = ended - rank0_gone[0] if rank0_gone else None
+    end = ended - frozen_at - reported if reported is not None else None
+    return {"lost": False, "hung": reported is None, "seconds": reported, "unnamed": not blamed,
+            "stop_s": stop, "end_after_report_s": end}  # fmt: skip
+
+
+def _when_gone(pid: int) -> list[float]:
+    """A list that gets the moment ``pid`` ends (watched by a thread)."""
+    gone: list[float] = []
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(0.02)
+        gone.append(time.monotonic())
+
+    threading.Thread(target=watch, daemon=True).start()
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _saves(log: Path) -> list[tuple[str, int, float]]:
+    text = log.read_text() if log.exists() else ""
+    return [(w, int(n), float(t)) for w, n, t in (ln.split() for ln in text.splitlines())]
+
+
+def _events(log: Path, what: str) -> dict[int, float]:
+    return {n: t for w, n, t in _saves(log) if w == what}
+
+
+def kill_during_sharded_save(tmp: Path, env: dict) -> dict:
+    """Rank 0 SIGKILLed in the middle of a 300 MB ZeRO-2 save (model + Adam, consolidated):
+    the job stops, every ``ckpt-*.pt`` loads, ``latest`` is the last completed save, and the
+    next save removes the killed one's temporary file."""
+    import torch
+
+    import rankwise as rw
+
+    job = _launch(tmp, "sharded.py", SHARDED, env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    log = tmp / "saves"
+    if _wait(lambda: 2 in _events(log, "saving"), 300) is None:
+        job.kill()
+        return {"lost": False, "hung": True, "seconds": None}
+    took_once = _events(log, "saved")[1] - _events(log, "saving")[1]
+    time.sleep(random.uniform(0.0, took_once))  # somewhere inside save 2 (or, rarely, 3)
+    os.kill(int((tmp / "pid0").read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    stopped = _wait(lambda: job.poll() is not None, 60)
+    if stopped is None:
+        job.kill()
+    completed = max(_events(log, "saved"))
+    folder = tmp / "ckpt"
+    partial = 0
+    for path in sorted(folder.glob("ckpt-*.pt")):
+        try:
+            rw.load_checkpoint(path, map_location="cpu", restore_rng=False)
+        except rw.ConfigError:
+            partial += 1
+    try:
+        latest = rw.load_checkpoint(folder, map_location="cpu", restore_rng=False)["step"]
+    except rw.ConfigError:
+        latest = None
+    left_by_kill = len(list(folder.glob(".*.tmp")))
+    rw.save_checkpoint(folder, model=torch.nn.Linear(2, 2), step=completed + 10)
+    leftovers = list(folder.glob(".*.tmp"))
+    lost = latest is None or latest < completed or partial > 0 or bool(leftovers)
+    return {"lost": lost, "hung": stopped is None, "seconds": stopped, "partial": partial,
+            "mid_write": left_by_kill > 0, "save_s": took_once,
+            "file_mb": max(p.stat().st_size for p in folder.glob("ckpt-*.pt")) / 1e6,
+            "killed_after_s": killed - _events(log, "saving")[max(_events(log, "saving"))]}  # fmt: skip
 
 
 def kill_in_ddp_construction(tmp: Path, env: dict) -> dict:

@@ -16,11 +16,18 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
 - ``hang``: rank 1 sleeps before a collective; the stall report (``RANKWISE_STALL_REPORT_S``,
   rankwise's default unless --stall-s) must come within a minute of the sleep, before the
   timeout, and the final summary must blame rank 1. Its seconds count from the sleep.
-- ``sigstop_rank`` (benchmarks/_faults_more.py, as the four below): rank 1 frozen with
+- ``sigstop_rank`` (benchmarks/_faults_more.py, as the five below): rank 1 frozen with
   SIGSTOP while training with shared-memory buckets; seconds to the stall report naming it,
-  and the final summary must blame it and list it as stopped by the launcher.
+  and the final summary must blame it and list it as stopped by the launcher. ``stop_s_max``:
+  seconds from rank 0 failing at its timeout to the end of the job (the frozen rank ended);
+  ``end_after_report_s_max``: from the stall report to the end (the timeout is report + 15 s).
 - ``kill_in_ddp_construction``: a random rank SIGKILLed while rank 0's shared-memory bucket
   file is named; seconds to stop, and ``shm_left`` counts files left in /dev/shm.
+- ``kill_during_sharded_save``: rank 0 of a ZeRO-2 job (model + Adam, a 300 MB file) is
+  SIGKILLed during a save; the job must stop, every ``ckpt-*.pt`` must load (``partial``
+  counts those that do not), ``latest`` must be the last completed save, and the next save
+  must remove the killed one's temporary file (``mid_write``: the trials where the kill
+  landed inside the file's write, leaving one).
 - ``full_disk``: rank 0 saves past RLIMIT_FSIZE; every rank's error must name EFBIG and the
   file, and the previous checkpoint must load.
 - ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
@@ -213,8 +220,13 @@ def _row(fault: str, results: list[dict], **extra) -> dict:
     secs = [r["seconds"] for r in results if r["seconds"] is not None]
     counted = {
         key: sum(int(r[key]) for r in results)
-        for key in ("executed", "shm_left", "unnamed")
+        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write")
         if any(key in r for r in results)
+    }
+    worst = {  # facts some rows measure besides their seconds: the worst trial's
+        f"{key}_max": round(max(r[key] for r in results if r.get(key) is not None), 2)
+        for key in ("stop_s", "end_after_report_s", "save_s", "file_mb")
+        if any(r.get(key) is not None for r in results)
     }
     return {
         "fault": fault,
@@ -224,6 +236,7 @@ def _row(fault: str, results: list[dict], **extra) -> dict:
         **counted,
         "max_s": round(max(secs), 2) if secs else None,
         "median_s": round(statistics.median(secs), 2) if secs else None,
+        **worst,
         **extra,
     }
 
@@ -232,6 +245,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=3, help="trials per kill fault (default 3)")
     parser.add_argument("--saves", type=int, default=20, help="kills during saves (default 20)")
+    parser.add_argument("--sharded", type=int, default=3,
+                        help="kills during 300 MB sharded saves (default 3)")  # fmt: skip
     parser.add_argument("--frames", type=int, default=1000, help="fuzzed frames (default 1000)")
     parser.add_argument("--stall-s", type=float, default=None,
                         help="RANKWISE_STALL_REPORT_S for the hang (default: rankwise's, 50)")  # fmt: skip
@@ -253,6 +268,9 @@ def main() -> None:
         "sigstop_rank": lambda: [more.sigstop_rank(_tmp(), ENV, stall) for _ in range(1)],
         "kill_in_ddp_construction": lambda: [
             more.kill_in_ddp_construction(_tmp(), ENV) for _ in range(args.kills)
+        ],
+        "kill_during_sharded_save": lambda: [
+            more.kill_during_sharded_save(_tmp(), ENV) for _ in range(args.sharded)
         ],
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],

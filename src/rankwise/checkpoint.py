@@ -9,8 +9,9 @@ checkpoint intact.
 
 Loading uses ``torch.load(weights_only=True)``: unpickling an untrusted file can run arbitrary
 code, so a checkpoint holding objects outside torch's allow-list is refused unless the caller
-says it trusts the file. Every record's CRC-32 is checked while it loads: a flipped byte is an
-error naming the file and the record, never a silently wrong weight.
+says it trusts the file. Every record is checked while it loads, against the checksums written
+into the file at save (or the zip's CRC-32 in files without them): a flipped byte is an error
+naming the file and the record, never a silently wrong weight.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
     try:
         is_dir = files.is_dir_target(path)
         target = files.dir_target(path, step) if is_dir else path
-        files.write_atomic(lambda f: torch.save(payload, f), target)
+        files.write_atomic(lambda f: checkpoint_verify.save(payload, f), target)
         if is_dir:
             # latest first: a crash between the two leaves extra files, never a wrong pointer
             files.write_text_atomic(target.name + "\n", target.parent / LATEST)
@@ -212,12 +213,15 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read(file: Path, map_location: Any, trusted: bool) -> Any:
-    """``torch.load`` while every record's CRC-32 is checked alongside (``checkpoint_verify``)."""
+    """``torch.load`` while every record is checked alongside (``checkpoint_verify``)."""
     verifier = checkpoint_verify.Verifier(file)
     try:
         ckpt = _load(file, map_location, trusted)
-    except ConfigError:
+    except Exception:
         verifier.check()  # a damaged record is the clearer cause of an unreadable file
+        raise
+    except BaseException:
+        verifier.close()
         raise
     verifier.check()
     return ckpt

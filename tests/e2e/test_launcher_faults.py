@@ -100,6 +100,41 @@ def test_running_out_of_restarts_says_so(tmp_path):
     assert "recovered" not in result.stderr
 
 
+STOPPED_WHEN_ONE_FAILS = textwrap.dedent("""
+    # Rank 1 stops itself (SIGSTOP); once it is stopped, rank 0 fails and the launcher ends it.
+    import os, signal, sys, time
+    rank = os.environ["RANK"]
+    if rank == "1":
+        def on_term(*_):
+            open("rank1-got-sigterm", "w").close()
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, on_term)
+        open("pid1", "w").write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+    else:
+        while not (os.path.exists("pid1") and open("pid1").read()):
+            time.sleep(0.05)
+        stat = f"/proc/{open('pid1').read()}/stat"
+        while open(stat).read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.05)
+        raise ValueError("rank 0 fails while rank 1 is stopped")
+""")
+
+
+def test_a_stopped_rank_is_resumed_to_receive_the_launchers_sigterm(tmp_path):
+    """torch's agent sends SIGTERM and waits 30 s before SIGKILL; a SIGSTOPped rank only gets
+    the SIGTERM once continued, so the launcher continues it: its handler runs."""
+    (tmp_path / "stopped.py").write_text(STOPPED_WHEN_ONE_FAILS)
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "stopped.py"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    err = result.stderr
+    assert result.returncode == 1, err
+    assert (tmp_path / "rank1-got-sigterm").exists(), err[-3000:]
+    assert "ValueError: rank 0 fails while rank 1 is stopped" in err
+    assert "stopped by the launcher: rank(s) 1" in err, err[-3000:]
+
+
 HANGING = textwrap.dedent("""
     # Rank 1 sleeps before the second all-reduce; rank 0 waits in it.
     import time, torch, rankwise as rw

@@ -134,3 +134,51 @@ def test_summary_says_the_other_rank_had_finished_not_stopped(tmp_path):
     ), text
     assert "was stopped" not in text and "were stopped" not in text
     assert "Fix: rank 0 called a collective that rank(s) 1 never call" in text
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_launcher_resumes_stopped_workers_only():
+    import subprocess
+    import sys
+    import time
+
+    from rankwise.launch.restarts import resume_stopped
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in "ab"]
+    try:
+        stopped, running = procs
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _state(stopped.pid) != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert resume_stopped([stopped.pid, running.pid]) == [stopped.pid]
+        assert _state(stopped.pid) != "T"
+        assert resume_stopped([2**22 + 12345]) == []  # no such process: nothing to do
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_frozen_rank_that_issued_later_collectives_is_not_said_to_miss_this_one():
+    """Buckets are issued asynchronously and numbered when issued: a rank frozen after issuing
+    #5 to #7 did reach #5; it stopped before completing it."""
+    ahead = Record(7, "all_reduce", "sum, float32[3]", "bucket 0", None, "entered", 1)
+    views = [RankView(0, _AR, True), RankView(1, ahead, False, 12.0)]
+    msg, _ = stall_report(0, _AR, views, 55.0, 300.0)
+    assert msg.startswith(
+        "stall: rank(s) 1 stopped before completing all_reduce #5, which "
+        "rank(s) 0 have been waiting in for 55s."
+    ), msg
+    assert "have not reached" not in msg
+    assert "it had issued #5 and more, up to all_reduce #7" in msg
+    assert "never completed #5" in msg
+    behind = [RankView(0, _AR, True), RankView(1, _DONE4, False, 12.0)]
+    assert stall_report(0, _AR, behind, 55.0, 300.0)[0].startswith(
+        "stall: rank(s) 1 have not reached all_reduce #5"
+    )

@@ -117,6 +117,10 @@ def rank_sentence(view: RankView, want_seq: int) -> str:
     if view.alive is False:
         silent = "" if view.silent_s is None else f" {view.silent_s:.1f}s ago"
         last = f"; its last collective was {describe(rec)}" if rec else ""
+        if rec is not None and rec.seq > want_seq:
+            # Asynchronous collectives (DDP's buckets) are numbered when issued: it issued
+            # #want and later ones, then stopped before its part of #want was done.
+            last = f"; it had issued #{want_seq} and more, up to {describe(rec)}, but never completed #{want_seq}"
         seen = f", last seen at {view.frame.short()}" if view.frame else ""
         return f"rank {r} stopped responding{silent} (killed, crashed or frozen{seen}){last}"
     if rec is None:
@@ -230,8 +234,12 @@ def stall_report(me: int, pending: Record, views: list[RankView], waited: float,
         me, pending, views, f"the timeout is {timeout:.0f}s", waited, "is still pending"
     )
     if missing:
+        # A rank that froze after issuing later (asynchronous) collectives did reach this one.
+        ahead = any(v.latest is not None and v.latest.seq >= pending.seq
+                    for v in views if v.rank in missing)  # fmt: skip
+        verb = "stopped before completing" if ahead else "have not reached"
         head = (
-            f"stall: rank(s) {_ranks(missing)} have not reached {pending.op} #{pending.seq}, "
+            f"stall: rank(s) {_ranks(missing)} {verb} {pending.op} #{pending.seq}, "
             f"which rank(s) {_ranks(waiting)} have been waiting in for {waited:.0f}s. "
         )
         msg = head + msg

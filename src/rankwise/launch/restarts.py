@@ -9,7 +9,9 @@ on it: the agent's behaviour is unchanged.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +25,32 @@ def _why(f: RankFailure) -> str:
     """'exit code 1 (ValueError: ...)': the cause and the exception line of the traceback."""
     found = [s for s in (ln.strip() for ln in f.traceback.splitlines()) if _EXCEPTION_LINE.match(s)]
     return f"{f.cause} ({found[-1][:300]})" if found else f.cause
+
+
+def _state(pid: int) -> str:
+    """The process state letter from ``/proc/<pid>/stat`` ('R', 'S', 'T' stopped ...); '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def resume_stopped(pids: list[int]) -> list[int]:
+    """SIGCONT the workers that are stopped (SIGSTOP, Ctrl-Z: state 'T'); the ones resumed.
+
+    The agent stops a worker group with SIGTERM and waits 30 s before SIGKILL; a stopped
+    process only receives the SIGTERM once it continues, so without this a frozen rank held the
+    job's end for those 30 s. Resumed, it gets the SIGTERM that follows at once (and a handler
+    it installed runs). A process stopped by a debugger ('t') is left to the agent's SIGKILL.
+    """
+    resumed = []
+    for pid in pids:
+        if _state(pid) == "T":
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+                resumed.append(pid)
+    return resumed
 
 
 @dataclass
@@ -51,6 +79,7 @@ class RestartLog:
         def closing(*args, **kwargs):
             running = {lr for lr, h in handlers.items() if h.proc.poll() is None}
             self.signalled |= running
+            resume_stopped([handlers[lr].proc.pid for lr in running])
             return close(*args, **kwargs)
 
         pcontext.close = closing  # type: ignore[attr-defined]
