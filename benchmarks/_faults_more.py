@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from _report import wait_until  # beside this script
+
 SHM = "/dev/shm/rankwise-grads-"
 
 FROZEN = textwrap.dedent("""
@@ -110,13 +112,6 @@ def _launch(tmp: Path, script: str, text: str, env: dict, **popen) -> subprocess
     )  # fmt: skip
 
 
-def _wait(cond, timeout: float, poll: float = 0.02) -> float | None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if cond():
-            return time.monotonic() - start
-        time.sleep(poll)
-    return None
 
 
 def _shm_of(pids: list[int]) -> list[str]:
@@ -131,7 +126,7 @@ def sigstop_rank(tmp: Path, env: dict, stall_s: float) -> dict:
                   {**env, "RANKWISE_STALL_REPORT_S": str(stall_s), "JOB_TIMEOUT": str(timeout)},
                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     pids = [tmp / "pid0", tmp / "pid1"]
-    if _wait(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
+    if wait_until(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
         job.kill()
         return {"lost": False, "hung": True, "seconds": None}
     time.sleep(random.uniform(0.2, 1.0))
@@ -195,14 +190,14 @@ def kill_during_sharded_save(tmp: Path, env: dict) -> dict:
     job = _launch(tmp, "sharded.py", SHARDED, env,
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     log = tmp / "saves"
-    if _wait(lambda: 2 in _events(log, "saving"), 300) is None:
+    if wait_until(lambda: 2 in _events(log, "saving"), 300) is None:
         job.kill()
         return {"lost": False, "hung": True, "seconds": None}
     took_once = _events(log, "saved")[1] - _events(log, "saving")[1]
     time.sleep(random.uniform(0.0, took_once))  # somewhere inside save 2 (or, rarely, 3)
     os.kill(int((tmp / "pid0").read_text()), signal.SIGKILL)
     killed = time.monotonic()
-    stopped = _wait(lambda: job.poll() is not None, 60)
+    stopped = wait_until(lambda: job.poll() is not None, 60)
     if stopped is None:
         job.kill()
     completed = max(_events(log, "saved"))
@@ -234,12 +229,12 @@ def kill_in_ddp_construction(tmp: Path, env: dict) -> dict:
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     victim = random.choice([0, 1])
     marker = tmp / f"window{victim}"
-    if _wait(marker.exists, 120) is None:
+    if wait_until(marker.exists, 120) is None:
         job.kill()
         return {"lost": False, "hung": True, "seconds": None}
     pids = [int((tmp / f"pid{r}").read_text()) for r in (0, 1)]
     os.kill(pids[victim], signal.SIGKILL)
-    took = _wait(lambda: job.poll() is not None, 60)
+    took = wait_until(lambda: job.poll() is not None, 60)
     if took is None:
         job.kill()
     return {"lost": False, "hung": took is None, "seconds": took, "shm_left": len(_shm_of(pids))}

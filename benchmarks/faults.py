@@ -56,6 +56,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from _report import wait_until  # beside this script
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)  # this checkout's rankwise, here and in the jobs (ENV)
 ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -109,14 +111,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait(cond, timeout: float, poll: float = 0.02) -> float | None:
-    """Seconds until ``cond()`` holds, or None after ``timeout``."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if cond():
-            return time.monotonic() - start
-        time.sleep(poll)
-    return None
 
 
 def _checkpoint_ok(folder: Path) -> bool:
@@ -139,10 +133,10 @@ def _start_training(tmp: Path) -> tuple[subprocess.Popen, list[int]]:
         cwd=tmp, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     pids = [tmp / "pid0", tmp / "pid1"]
-    if _wait(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
+    if wait_until(lambda: all(p.exists() and p.read_text() for p in pids), 120) is None:
         launcher.kill()
         raise RuntimeError("the training job never started")
-    _wait(lambda: (tmp / "saved").exists(), 60)
+    wait_until(lambda: (tmp / "saved").exists(), 60)
     time.sleep(random.uniform(0.0, 1.5))  # a random step
     return launcher, [int(p.read_text()) for p in pids]
 
@@ -150,7 +144,7 @@ def _start_training(tmp: Path) -> tuple[subprocess.Popen, list[int]]:
 def sigkill_rank(tmp: Path) -> dict:
     launcher, workers = _start_training(tmp)
     os.kill(workers[1], signal.SIGKILL)
-    took = _wait(lambda: launcher.poll() is not None, 60)
+    took = wait_until(lambda: launcher.poll() is not None, 60)
     if took is None:
         launcher.kill()
     return {"lost": not _checkpoint_ok(tmp / "ckpt"), "hung": took is None, "seconds": took}
@@ -160,7 +154,7 @@ def sigkill_launcher(tmp: Path) -> dict:
     launcher, workers = _start_training(tmp)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    took = _wait(lambda: not any(_alive(w) for w in workers), 60)
+    took = wait_until(lambda: not any(_alive(w) for w in workers), 60)
     for w in workers:
         if _alive(w):
             os.kill(w, signal.SIGKILL)

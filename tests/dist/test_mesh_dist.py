@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mesh_cases as mc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,25 +29,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import rankwise as rw
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN
 from rankwise.testing import run_distributed
 
-CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
-STEPS, GLOBAL_BATCH, TOL = 10, 4, 1e-5
-MAX_NORM = 0.05  # below the first batch's gradient norm: the step is clipped
+STEPS = 10
+CFG, GLOBAL_BATCH, TOL, MAX_NORM = mc.CFG, mc.GLOBAL_BATCH, mc.TOL, mc.MAX_NORM
 
 
 def _batches():
-    g = torch.Generator().manual_seed(7)
-    return [
-        (torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g),
-         torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g))
-        for _ in range(STEPS)
-    ]  # fmt: skip
+    return mc.batches(STEPS)
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+_adamw = mc.adamw
 
 
 def state_bytes(model, opt) -> int:

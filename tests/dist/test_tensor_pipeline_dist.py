@@ -8,34 +8,25 @@ its tensor group, each whole one counted once, the stages added).
 
 from __future__ import annotations
 
+import mesh_cases as mc
 import pytest
 import torch
 import torch.nn.functional as F
 
 import rankwise as rw
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import SEQUENTIAL_PLAN, GPTConfig, sequential_gpt
+from rankwise.parallel.tensor.tiny_gpt import SEQUENTIAL_PLAN, sequential_gpt
 from rankwise.testing import run_distributed
 
-CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
-STEPS, GLOBAL_BATCH, CHUNKS, TOL = 4, 4, 2, 1e-5
-MAX_NORM = 0.05  # below the first batch's gradient norm: the step is clipped
+STEPS, CHUNKS = 4, 2
+CFG, GLOBAL_BATCH, TOL, MAX_NORM = mc.CFG, mc.GLOBAL_BATCH, mc.TOL, mc.MAX_NORM
 
 
 def _batches():
-    # Data on which fp32 itself is good to 1e-5: AdamW turns the round-off of a gradient near
-    # its eps into a visible step, and on some draws one fp32 process differs from fp64 by
-    # 2e-5 (seed 11) while on this one (the data x tensor test's) by 5e-6.
-    g = torch.Generator().manual_seed(7)
-    return [
-        (torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g),
-         torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g))
-        for _ in range(STEPS)
-    ]  # fmt: skip
+    return mc.batches(STEPS)
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+_adamw = mc.adamw
 
 
 def _oracle() -> dict[str, torch.Tensor]:
