@@ -111,7 +111,10 @@ STOPPED_WHEN_ONE_FAILS = textwrap.dedent("""
         signal.signal(signal.SIGTERM, on_term)
         open("pid1", "w").write(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(120)
+        # Short sleeps: CPython runs a handler in the main thread, and a SIGTERM the kernel
+        # hands to another thread does not cut a long sleep short.
+        for _ in range(1200):
+            time.sleep(0.1)
     else:
         while not (os.path.exists("pid1") and open("pid1").read()):
             time.sleep(0.05)
