@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
 
 import rankwise as rw
-from rankwise import checkpoint, checkpoint_verify
+from rankwise import checkpoint
+from rankwise.checkpoint import verify as checkpoint_verify
 
 LAYER = 4096  # a 4096 x 4096 float32 weight: 64 MiB
 

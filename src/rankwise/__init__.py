@@ -59,7 +59,7 @@ _LAZY: dict[str, str] = {
     "split": ".pipeline",
     "tensor_parallel": ".parallel.tensor",
     "Topology": ".topology",
-    "unwrap_model": ".state_dict",
+    "unwrap_model": ".checkpoint",
     "updates": ".updates",
     "vocab_parallel_cross_entropy": ".parallel.tensor",
     "VocabParallelEmbedding": ".parallel.tensor",
@@ -83,7 +83,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from . import launch, updates
-    from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model
     from .comm import (
         all_gather_object,
         all_reduce,
@@ -111,7 +111,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .progress import progress
     from .runtime import Runtime, get_runtime, is_initialized, shutdown
     from .session import Session, init
-    from .state_dict import unwrap_model
     from .topology import Slot, Topology
 
 __all__ = [

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 
 import rankwise as rw
-from rankwise import checkpoint_files
+from rankwise.checkpoint import files as checkpoint_files
 from rankwise.testing import run_distributed
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import rankwise as rw
-from rankwise import checkpoint_sums, checkpoint_verify
+from rankwise.checkpoint import sums as checkpoint_sums
+from rankwise.checkpoint import verify as checkpoint_verify
 
 
 def _saved(tmp_path):

@@ -31,7 +31,7 @@ ALLOWED = {
     ("comm.py", "all_gather_object"),
     ("comm.py", "gather_object"),
     # load_checkpoint(trusted=True): the caller says it trusts the file.
-    ("checkpoint.py", "_load"),
+    ("checkpoint/single.py", "_load"),
     # rw.launch: the caller's own children report results through a local pipe (same user).
     ("launch/spawn.py", "_pickled_exception"),
     ("launch/spawn.py", "_collect"),

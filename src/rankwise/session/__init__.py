@@ -32,12 +32,12 @@ from torch.utils.data import DataLoader
 
 from .. import precision, runtime
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
-from ..state_dict import unwrap_model
 from ..training import LoopState, TrainingLoop, full_states
 from . import guards
 from .auto import settle as settle_auto

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from ...checkpoint.state_dict import add_module_prefix, strip_module_prefix
 from ...errors import ConfigError, ModelError
-from ...state_dict import add_module_prefix, strip_module_prefix
 from .. import buckets as bucketing
 from ..agreement import (
     broadcast_tensors,

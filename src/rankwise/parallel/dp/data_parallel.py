@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...checkpoint.state_dict import add_module_prefix, strip_module_prefix
 from ...devices import DeviceLike, accelerator, resolve_device
 from ...errors import ConfigError
-from ...state_dict import add_module_prefix, strip_module_prefix
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...state_dict import registered_inner, strip_prefixes
+from ...checkpoint.state_dict import registered_inner, strip_prefixes
 from .shards import shard, unshard
 
 __all__ = [

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...checkpoint.state_dict import strip_prefixes
 from ...diagnose import fingerprints
 from ...errors import ConfigError
-from ...state_dict import strip_prefixes
 from ..optimizers import group_settings, rebuild_optimizer
 
 if TYPE_CHECKING:

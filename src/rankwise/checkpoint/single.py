@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint_files as files
-from . import checkpoint_verify, comm, rng, runtime, wire
-from .checkpoint_files import LATEST, list_checkpoints
-from .errors import ConfigError, DistributedError
+from .. import comm, runtime, wire
+from ..errors import ConfigError, DistributedError
+from ..version import __version__
+from . import files, rng, verify
+from .files import LATEST, list_checkpoints
 from .state_dict import model_class_name, model_state, strip_prefixes, unwrap_model
-from .version import __version__
 
 FORMAT = "rankwise-checkpoint"
 VERSION = 1
@@ -184,7 +184,7 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
     try:
         is_dir = files.is_dir_target(path)
         target = files.dir_target(path, step) if is_dir else path
-        files.write_atomic(lambda f: checkpoint_verify.save(payload, f), target)
+        files.write_atomic(lambda f: verify.save(payload, f), target)
         if is_dir:
             # latest first: a crash between the two leaves extra files, never a wrong pointer
             files.write_text_atomic(target.name + "\n", target.parent / LATEST)
@@ -213,8 +213,8 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read(file: Path, map_location: Any, trusted: bool) -> Any:
-    """``torch.load`` while every record is checked alongside (``checkpoint_verify``)."""
-    verifier = checkpoint_verify.Verifier(file)
+    """``torch.load`` while every record is checked alongside (``verify``)."""
+    verifier = verify.Verifier(file)
     try:
         ckpt = _load(file, map_location, trusted)
     except Exception:

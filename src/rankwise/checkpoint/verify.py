@@ -3,7 +3,7 @@
 ``torch.save`` writes a zip whose every record (the pickled structure, each tensor's storage)
 carries a CRC-32, and ``torch.load`` does not check them: a flipped byte inside a tensor loads
 as a wrong weight. ``rw.save_checkpoint`` also writes a faster checksum per record into the
-file (``checkpoint_sums``: a weighted 64-bit sum at memory speed). ``Verifier`` checks every
+file (``sums``: a weighted 64-bit sum at memory speed). ``Verifier`` checks every
 record against it, or against the zip's CRC-32 in files without it (older checkpoints, plain
 ``torch.save``), in threads while ``torch.load`` reads the same file (numpy and ``zlib.crc32``
 release the GIL), so a verified load costs little more wall time than a plain one
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from . import checkpoint_sums as sums
-from .errors import ConfigError
+from ..errors import ConfigError
+from . import sums
 
 _CHUNK = 8 * 1024 * 1024
 _PIECE = 64 * 1024 * 1024  # large records are split so that every thread has work
@@ -132,8 +132,8 @@ def _pieces(record: Record) -> list[tuple[int, int]]:
 
 
 def save(obj: object, f: IO[bytes]) -> None:
-    """``torch.save(obj, f)`` plus the checksum manifest (``checkpoint_sums``). ``f`` is a file
-    whose descriptor is open for reading and writing (``checkpoint_files.write_atomic``'s)."""
+    """``torch.save(obj, f)`` plus the checksum manifest (``sums``). ``f`` is a file
+    whose descriptor is open for reading and writing (``files.write_atomic``'s)."""
     import torch
 
     torch.save(obj, f)

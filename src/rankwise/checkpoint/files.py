@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 LATEST = "latest"
 MAX_STEP = 2**63 - 1

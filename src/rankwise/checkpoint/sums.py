@@ -11,7 +11,7 @@ memory, not against someone who edits the file on purpose: neither does CRC-32.
 
 ``add_manifest`` appends one small record, ``<archive>/.rankwise-sums.json``, to the zip that
 ``torch.save`` wrote (the other records do not move, so ``torch.load`` and ``mmap=True``
-loads read the file as before); ``checkpoint_verify`` checks every record against it, and
+loads read the file as before); ``verify`` checks every record against it, and
 falls back to the zip's CRC-32 for files without it (older checkpoints, plain ``torch.save``).
 """
 
@@ -88,7 +88,7 @@ def parse(text: bytes) -> dict[str, tuple[int, int]]:
 
 
 def add_manifest(fd: int, records: list[Any], threads: int | None = None) -> None:
-    """Append the manifest of ``records`` (``checkpoint_verify.Record``s of the zip open on
+    """Append the manifest of ``records`` (``verify.Record``s of the zip open on
     ``fd``, read-write) to that zip. Called on the temporary file before its atomic rename."""
     sums: dict[str, list[Any]] = {}
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
