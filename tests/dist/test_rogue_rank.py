@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import rankwise as rw
-from rankwise import rng, wire
+from rankwise import wire
+from rankwise.checkpoint import rng
 from rankwise.diagnose import fingerprints
 from rankwise.parallel import agreement
 from rankwise.parallel.ddp import shm_file
