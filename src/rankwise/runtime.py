@@ -313,14 +313,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook).
+def on_shutdown(hook: Callable[[], None], *, first: bool = False) -> None:
+    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook),
+    in registration order; ``first``: before the hooks registered so far (a background save
+    must end before the fingerprints stop recording its collectives).
 
     For layers above this one that hold on to the group (the fingerprints' watchdog talks to
     its store): they register here, so that this module never imports them.
     """
     if hook not in _shutdown_hooks:
-        _shutdown_hooks.append(hook)
+        _shutdown_hooks.insert(0, hook) if first else _shutdown_hooks.append(hook)
 
 
 def shutdown() -> None:

@@ -1,0 +1,53 @@
+"""``rt.save``/``rt.load``'s choice of format: the strategy registry's, a mesh's, or the caller's.
+
+A strategy that shards state (``Strategy.checkpoint == "sharded"``: the ZeRO stages) saves in
+torch DCP's folder format, every rank writing its own shards; so does any mesh with tensor or
+pipeline ranks, whose model is split over them. The others write one file from rank 0
+(``rt.save(..., sharded=True/False)`` overrides either). ``background=True`` returns once the
+state is copied to host memory and writes it in a thread (``checkpoint/background.py``).
+Loading looks at what the path holds, so either format loads under any strategy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..checkpoint import load_checkpoint, resolve, save_checkpoint
+from ..checkpoint.dcp_meta import is_sharded
+from ..training import full_states
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+
+def saves_sharded(rt: Runtime) -> bool:
+    """The default of ``rt.save``: the registry's format, or sharded on a split mesh."""
+    if rt.strategy_spec.checkpoint == "sharded":
+        return True
+    mesh = rt.mesh
+    return mesh is not None and (mesh.sizes["tensor"] > 1 or mesh.sizes["pipeline"] > 1)
+
+
+def save(rt: Runtime, path: str | Path, sharded: bool | None, background: bool,
+         kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """Save in the chosen format, now or in the background. Sync point: all ranks."""
+    sharded = saves_sharded(rt) if sharded is None else bool(sharded)
+    if background:
+        from ..checkpoint.background import save_in_background
+
+        return save_in_background(path, sharded=sharded, **_whole_unless(sharded, kwargs))
+    return save_checkpoint(path, sharded=sharded, **_whole_unless(sharded, kwargs))
+
+
+def load(path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Load either format: a sharded folder with each rank's own pieces, a file with the
+    tensor-parallel slicing of ``full_states``. No sync point."""
+    sharded = is_sharded(resolve(path))
+    return load_checkpoint(path, **_whole_unless(sharded, kwargs))
+
+
+def _whole_unless(sharded: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One file holds the unsplit model (``full_states``); a sharded folder places each
+    tensor-parallel slice in its full tensor itself."""
+    return kwargs if sharded else full_states(kwargs)
