@@ -25,6 +25,7 @@ from .pieces import (
     param_names,
     root_module,
     shard_views,
+    shards_repeat,
     splits_of,
     unwrap_optimizer,
     whole,
@@ -55,6 +56,7 @@ def optimizer_pieces(optimizer: Any, model: nn.Module) -> tuple[list[Piece], lis
     blobs: list[Blob] = []
     if _is_zero(opt):
         engine, inner = opt.engine, opt.inner
+        repeat = shards_repeat(engine)
         for unit, group in zip(engine.units, engine.unit_group, strict=True):
             if group is None:
                 continue
@@ -66,7 +68,7 @@ def optimizer_pieces(optimizer: Any, model: nn.Module) -> tuple[list[Piece], lis
                         views = shard_views(p.shape, unit.spec.offsets[k], unit.lo, unit.hi,
                                             value.detach())  # fmt: skip
                         pieces += globalize(key, path, p.shape, splits.get(names[id(p)]), views,
-                                            shared=False)  # fmt: skip
+                                            shared=repeat)  # fmt: skip
                     else:
                         pieces, blobs = _add_whole(pieces, blobs, key, path, value)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]

@@ -57,6 +57,14 @@ class Blob:
     shared: bool
 
 
+def shards_repeat(engine: Any) -> bool:
+    """True when other ranks hold the same ZeRO shards: the engine shards over a mesh's data
+    group, and the tensor peers of a parameter held whole (a layer norm) hold equal ones."""
+    from .. import comm
+
+    return engine.world_size != comm.world_size()
+
+
 def find_engine(model: Any) -> ShardedEngine | None:
     """The ZeRO engine in ``model`` (itself, or under ``torch.compile``), or None."""
     seen = 0
@@ -157,6 +165,7 @@ def model_pieces(model: nn.Module, *, loading: bool) -> tuple[list[Piece], list[
     root = root_module(model)
     splits = splits_of(root)
     sharded: dict[int, tuple[Any, int]] = {}
+    repeat = engine is not None and shards_repeat(engine)
     if engine is not None and (not loading or engine.stage == 3):
         sharded = {id(p): (u, k) for u in engine.units for k, p in enumerate(u.params)}
     pieces: list[Piece] = []
@@ -173,7 +182,7 @@ def model_pieces(model: nn.Module, *, loading: bool) -> tuple[list[Piece], list[
         else:
             views = whole(value.detach())
         pieces += globalize(key, path, value.shape, splits.get(name), views,
-                            shared=id(value) not in sharded)  # fmt: skip
+                            shared=repeat or id(value) not in sharded)  # fmt: skip
     return pieces, blobs
 
 
