@@ -89,7 +89,7 @@ def resharded(tmp_path_factory):
 
 @pytest.mark.slow  # three jobs of 4, 2 and 1 ranks
 def test_saved_at_world_4_zero3_loads_exactly_at_world_2_zero2_and_in_one_process(resharded):
-    folder, at_4, at_2, at_1 = resharded
+    _, at_4, at_2, at_1 = resharded
     source = at_4[0]["source"]
     assert sorted(p.name for p in Path(source["path"]).iterdir() if p.suffix == ".distcp") == [
         f"__{r}_0.distcp" for r in range(4)
