@@ -21,6 +21,8 @@ from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN
 
 STEPS = 4
 SAVE_AT = 3
+TOL = mc.TOL
+"""The step after a load at another world size or mesh: the same sums in another order."""
 
 
 def gpt() -> GPT:
@@ -130,3 +132,19 @@ def world_4(folder: str) -> dict:
 def elsewhere(folder: str, strategy: str) -> dict:
     torch.set_num_threads(1)
     return target(folder, strategy)
+
+
+def assert_same(got: tuple[dict, dict], want: tuple[dict, dict], what: str, tol: float = 0.0):
+    """Model and optimizer state equal (``tol=0``: bit for bit)."""
+    (model, opt), (want_model, want_opt) = got, want
+    assert model.keys() == want_model.keys(), what
+    for k, v in want_model.items():
+        diff = (model[k].double() - v.double()).abs().max().item()
+        assert diff <= tol, f"{what}: model {k} differs by {diff:.3g}"
+    assert opt["param_groups"] == want_opt["param_groups"], what
+    assert opt["state"].keys() == want_opt["state"].keys(), what
+    for i, entry in want_opt["state"].items():
+        assert entry.keys() == opt["state"][i].keys(), (what, i)
+        for name, v in entry.items():
+            diff = (opt["state"][i][name].double() - v.double()).abs().max().item()
+            assert diff <= tol, f"{what}: optimizer state {i}.{name} differs by {diff:.3g}"

@@ -15,33 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mesh_cases
 import pytest
 import sharded_cases as sc
 import torch
+from sharded_cases import TOL, assert_same
 
 import rankwise as rw
 from rankwise.strategies import STRATEGIES
 from rankwise.testing import run_distributed
-
-TOL = mesh_cases.TOL
-
-
-def assert_same(got: tuple[dict, dict], want: tuple[dict, dict], what: str, tol: float = 0.0):
-    """Model and optimizer state equal (``tol=0``: bit for bit)."""
-    (model, opt), (want_model, want_opt) = got, want
-    assert model.keys() == want_model.keys(), what
-    for k, v in want_model.items():
-        diff = (model[k].double() - v.double()).abs().max().item()
-        assert diff <= tol, f"{what}: model {k} differs by {diff:.3g}"
-    assert opt["param_groups"] == want_opt["param_groups"], what
-    assert opt["state"].keys() == want_opt["state"].keys(), what
-    for i, entry in want_opt["state"].items():
-        assert entry.keys() == opt["state"][i].keys(), (what, i)
-        for name, v in entry.items():
-            diff = (opt["state"][i][name].double() - v.double()).abs().max().item()
-            assert diff <= tol, f"{what}: optimizer state {i}.{name} differs by {diff:.3g}"
-
 
 # -- each sharded strategy: a DCP folder, and an exact resume ------------------------------
 
