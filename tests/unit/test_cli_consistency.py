@@ -249,7 +249,7 @@ def test_json_wherever_a_table_is_printed() -> None:
         (["runn"], "run"),
         (["topolgy"], "topology"),
         (["bench", "comn"], "comm"),
-        (["checkpoint", "inspct", "ckpt"], "inspect"),
+        (["checkpoint", "inspct"], "inspect"),
         (["bench", "--device", "cdua"], "cuda"),
     ],
 )
