@@ -16,9 +16,11 @@ One spawned group per ``--world``; in each rank a model of ``--layers`` x
   ``dcp.save``/``dcp.load`` of ``get_state_dict`` (torch's DCP tutorial);
 - ``background``: the ZeRO-3 model's step time while ``rt.save(..., background=True)`` writes
   (the steps that overlap the thread) against its normal step time, and how long the call
-  took to return (staging to host memory).
+  took to return (staging to host memory; after a first background save, which also makes
+  the saves' process group).
 
-Seconds are the slowest rank's wall time; **peak MB** is a rank's resident-set high-water mark
+Each way is saved and loaded once unmeasured, then ``--repeats`` times: seconds are the median
+of the slowest rank's wall time; **peak MB** is a rank's resident-set high-water mark
 during the operation above what it held just before (``VmHWM`` reset with
 ``/proc/self/clear_refs``; allocations over 1 MiB served by mmap), the max over ranks;
 ``step_peak_mb`` is the same for one training step. CPU (Gloo) only. Prints JSON and writes
@@ -122,28 +124,45 @@ def _size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in files) / 2**20
 
 
-def _rows(root: Path, size: int, layers: int) -> dict:
+def _timed(save, load, where: Path, repeats: int) -> dict:
+    """One warm-up save and load, then ``repeats`` measured: medians of the times, the
+    highest peaks."""
+    save()
+    load()
+    saves = [_measured(save) for _ in range(repeats)]
+    loads = [_measured(load) for _ in range(repeats)]
+    return {
+        "save": {"s": statistics.median(m["s"] for m in saves),
+                 "peak_mb": max(m["peak_mb"] for m in saves)},
+        "load": {"s": statistics.median(m["s"] for m in loads),
+                 "peak_mb": max(m["peak_mb"] for m in loads)},
+        "size_mb": _size_mb(where),
+    }  # fmt: skip
+
+
+def _rows(root: Path, size: int, layers: int, repeats: int) -> dict:
     out = {}
     model, opt = _zero3(size, layers)
     out["step"] = _measured(lambda: _step(model, opt, size))
     for name, sharded, where in (("rankwise-sharded", True, root / "sharded"),
                                  ("rankwise-single", False, root / "single.pt")):  # fmt: skip
-        save = _measured(functools.partial(rw.save_checkpoint, where, model=model,
-                                           optimizer=opt, sharded=sharded))  # fmt: skip
-        load = _measured(functools.partial(rw.load_checkpoint, where, model=model,
-                                           optimizer=opt))  # fmt: skip
-        out[name] = {"save": save, "load": load, "size_mb": _size_mb(where)}
+        save = functools.partial(rw.save_checkpoint, where, model=model, optimizer=opt,
+                                 sharded=sharded, keep_last=1)  # fmt: skip
+        load = functools.partial(rw.load_checkpoint, where, model=model, optimizer=opt)
+        out[name] = _timed(save, load, where, repeats)
     out["background"] = _background(root / "background", model, opt, size)
     del model, opt
     model, opt = _fsdp2(size, layers)
-    save = _measured(lambda: _dcp(root / "dcp", model, opt, load=False))
-    load = _measured(lambda: _dcp(root / "dcp", model, opt, load=True))
-    out["torch-fsdp2-dcp"] = {"save": save, "load": load, "size_mb": _size_mb(root / "dcp")}
+    out["torch-fsdp2-dcp"] = _timed(lambda: _dcp(root / "dcp", model, opt, load=False),
+                                    lambda: _dcp(root / "dcp", model, opt, load=True),
+                                    root / "dcp", repeats)  # fmt: skip
     return out
 
 
 def _background(folder: Path, model, opt, size: int) -> dict:
     rt = rw.get_runtime()
+    # The first background save also makes the saves' own process group: not measured.
+    rt.save(folder / "warm-up", model=model, optimizer=opt, background=True, sharded=True).wait()
     normal = []
     for _ in range(5):
         dist.barrier()
@@ -152,7 +171,7 @@ def _background(folder: Path, model, opt, size: int) -> dict:
         normal.append(time.perf_counter() - start)
     dist.barrier()
     start = time.perf_counter()
-    pending = rt.save(folder, model=model, optimizer=opt, background=True)
+    pending = rt.save(folder, model=model, optimizer=opt, background=True, sharded=True)
     returned = time.perf_counter() - start
     during = []
     while len(during) < 50:  # a step is a collective: the ranks agree to take one more
@@ -170,14 +189,14 @@ def _background(folder: Path, model, opt, size: int) -> dict:
             "steps_during": len(during), "returned_s": returned, "total_s": total}  # fmt: skip
 
 
-def _rank(folder: str, size: int, layers: int) -> dict:
+def _rank(folder: str, size: int, layers: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     with contextlib.suppress(OSError, AttributeError, TypeError):
         import ctypes
         import ctypes.util
 
         ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    return _rows(Path(folder), size, layers)
+    return _rows(Path(folder), size, layers, repeats)
 
 
 def _merge(ranks: list[dict]) -> dict:
@@ -210,19 +229,21 @@ def main() -> None:
     parser.add_argument("--world", type=int, action="append", help="world sizes (default 2, 4)")
     parser.add_argument("--size", type=int, default=4096, help="Linear width (default 4096)")
     parser.add_argument("--layers", type=int, default=8, help="Linear layers (default 8)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measured saves and loads per way, after a warm-up (default 3)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"
                                              / "checkpoint_sharded.json"))  # fmt: skip
     args = parser.parse_args()
     worlds = args.world or [2, 4]
     params = args.layers * (args.size * args.size + args.size)
     result = {"config": {"size": args.size, "layers": args.layers, "parameters": params,
-                         "param_mib": round(params * 4 / 2**20, 1), "batch": BATCH,
+                         "param_mib": round(params * 4 / 2**20, 1), "batch": BATCH, "repeats": args.repeats,
                          "threads_per_rank": 1}, "worlds": {}}  # fmt: skip
     for world in worlds:
         folder = tempfile.mkdtemp(prefix=f"ckpt-bench-w{world}-")
         try:
-            ranks = run_distributed(_rank, world, args=(folder, args.size, args.layers),
-                                    timeout=3600)  # fmt: skip
+            ranks = run_distributed(_rank, world, args=(folder, args.size, args.layers,
+                                                        args.repeats), timeout=3600)  # fmt: skip
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         result["worlds"][str(world)] = _merge(ranks)

@@ -6,7 +6,7 @@ rank writes into host memory (pinned on CUDA, so the copies are asynchronous and
 synchronisation ends them). The files are written by a thread, which then meets the other
 ranks on a process group of its own (Gloo, made once, by every rank at its first background
 save, in the same order): its collectives never interleave with the training's on the default
-group. One save is in flight at a time: the next save, ``PendingSave.wait()``,
+group. It runs at a lower CPU priority (Linux), so the training's threads come first. One save is in flight at a time: the next save, ``PendingSave.wait()``,
 ``rw.shutdown()`` and the interpreter's exit (the thread is not a daemon) wait for it. A rank
 killed while the thread writes leaves the temporary folder or file, never a half checkpoint:
 ``latest`` keeps naming the previous save.
@@ -27,6 +27,10 @@ from .. import comm, runtime
 from . import sharded_save, single
 
 
+_NICENESS = 10
+"""How much lower the writing thread's CPU priority is than the training's (``nice``)."""
+
+
 class PendingSave:
     """A save being written in the background: ``wait()`` returns its path (or raises what
     made it fail), ``done()`` says whether it has finished."""
@@ -38,6 +42,10 @@ class PendingSave:
         self._error: BaseException | None = None
 
     def _run(self, work: Any) -> None:
+        # Lower this thread's CPU priority (Linux: per thread): the training's own threads
+        # come first, the write takes what is left.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICENESS)
         try:
             self._path = work()
         except BaseException as exc:  # kept for wait(); told at once, too

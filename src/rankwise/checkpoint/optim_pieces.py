@@ -135,7 +135,8 @@ def load_optimizer(optimizer: Any, model: nn.Module, reader: Reader, prefix: str
         state = {}
         for i, p in enumerate(_ordered(opt)):
             fqn = _name(names, p)
-            entry = {n: _dest(reader, key, p, p.shape, splits.get(fqn), pieces, whole_local=True)
+            held = opt.state.get(p, {})
+            entry = {n: _dest(reader, key, p, p.shape, splits.get(fqn), pieces, held.get(n))
                      for n, key in sorted(index.get(fqn, {}).items())}  # fmt: skip
             if entry:
                 state[i] = entry
@@ -161,9 +162,12 @@ def _zero_state(engine, inner, names, index, splits, reader, pieces) -> dict[int
             k0, key0 = holders[0]
             p0 = unit.params[k0]
             if not reader.is_param_shaped(key0, p0.shape, splits.get(fqns[k0])):
-                out[name] = _dest(reader, key0, p0, p0.shape, None, pieces, whole_local=False)
+                _refuse_unflat(reader, key0, p0, splits.get(fqns[k0]))
+                out[name] = _dest(reader, key0, p0, p0.shape, None, pieces, None, whole_local=False)
                 continue
-            flat = torch.zeros(unit.shard.numel(), dtype=reader.dtype(key0), device=unit.device)
+            held = inner.state.get(unit.shard, {}).get(name)  # resumed in place: no second copy
+            flat = _reuse(held, (unit.shard.numel(),), reader.dtype(key0), unit.device)
+            flat.zero_()  # the padding, and parameters the checkpoint has no state for
             for k, key in holders:
                 p = unit.params[k]
                 views = shard_views(p.shape, unit.spec.offsets[k], unit.lo, unit.hi, flat)
@@ -173,13 +177,32 @@ def _zero_state(engine, inner, names, index, splits, reader, pieces) -> dict[int
     return state
 
 
-def _dest(reader, key, p, local_shape, split, pieces, *, whole_local: bool) -> Any:
+def _reuse(held: Any, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """The state tensor the optimizer already holds when it fits, else a new one."""
+    fits = isinstance(held, torch.Tensor) and tuple(held.shape) == tuple(shape)
+    if fits and held.dtype == dtype and held.device == torch.device(device):
+        return held
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _refuse_unflat(reader: Reader, key: str, p: nn.Parameter, split: Any) -> None:
+    if reader.is_tensor(key) and reader.shape(key) != ():
+        full = tuple(p.shape) if split is None else split.full_shape(p.shape)
+        raise ConfigError(
+            f"the checkpoint's {key!r} has shape {reader.shape(key)}, neither a scalar nor the "
+            f"parameter's {full}: it cannot be cut into this rank's flat shard",
+            fix="load a checkpoint of the same model and optimizer class.",
+        )
+
+
+def _dest(reader, key, p, local_shape, split, pieces, held: Any, whole_local: bool = True) -> Any:
     """Where the value of ``key`` goes: a tensor shaped like ``p``'s slice (filled by the
-    pieces), a saved scalar or other tensor read whole, or a non-tensor value."""
+    pieces; the optimizer's own when it fits), a saved scalar or other tensor read whole, or
+    a non-tensor value."""
     if not reader.is_tensor(key):
         return reader.blob(key)
     if whole_local and reader.is_param_shaped(key, local_shape, split):
-        dest = torch.empty(local_shape, dtype=reader.dtype(key), device=p.device)
+        dest = _reuse(held, tuple(local_shape), reader.dtype(key), p.device)
         pieces += globalize(key, [], local_shape, split, whole(dest), shared=True)
         return dest
     shape = reader.shape(key)

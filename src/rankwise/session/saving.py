@@ -2,11 +2,12 @@
 
 A strategy that shards state (``Strategy.checkpoint == "sharded"``: the ZeRO stages) saves in
 torch DCP's folder format, every rank writing its own shards; so does any mesh with tensor or
-pipeline ranks, whose model is split over them. The others write one file from rank 0
-(``rt.save(..., sharded=True/False)`` overrides either). ``background=True`` returns once the
-state is copied to host memory and writes it in a thread (``checkpoint/background.py``).
-Loading looks at what the path holds, so either format loads under any strategy.
-"""
+pipeline ranks (the model is split over them), and a model that is sharded whatever the
+strategy (a ``rw.ShardedDataParallel`` or ``rw.tensor_parallel`` built by hand). The others
+write one file from rank 0. ``rt.save(..., sharded=True/False)`` overrides the choice.
+``background=True`` returns once the state is copied to host memory and writes it in a thread
+(``checkpoint/background.py``). Loading looks at what the path holds, so either format loads
+under any strategy."""
 
 from __future__ import annotations
 
@@ -15,24 +16,30 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import load_checkpoint, resolve, save_checkpoint
 from ..checkpoint.dcp_meta import is_sharded
+from ..checkpoint.pieces import find_engine
+from ..parallel.tensor.state import has_split_layers
 from ..training import full_states
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
 
 
-def saves_sharded(rt: Runtime) -> bool:
-    """The default of ``rt.save``: the registry's format, or sharded on a split mesh."""
+def saves_sharded(rt: Runtime, model: Any = None) -> bool:
+    """The default of ``rt.save``: the registry's format; sharded on a split mesh, and for a
+    model that is sharded whatever the strategy (a ``ShardedDataParallel`` or tensor-parallel
+    layers built by hand)."""
     if rt.strategy_spec.checkpoint == "sharded":
         return True
     mesh = rt.mesh
-    return mesh is not None and (mesh.sizes["tensor"] > 1 or mesh.sizes["pipeline"] > 1)
+    if mesh is not None and (mesh.sizes["tensor"] > 1 or mesh.sizes["pipeline"] > 1):
+        return True
+    return model is not None and (find_engine(model) is not None or has_split_layers(model))
 
 
 def save(rt: Runtime, path: str | Path, sharded: bool | None, background: bool,
          kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Save in the chosen format, now or in the background. Sync point: all ranks."""
-    sharded = saves_sharded(rt) if sharded is None else bool(sharded)
+    sharded = saves_sharded(rt, kwargs.get("model")) if sharded is None else bool(sharded)
     if background:
         from ..checkpoint.background import save_in_background
 
