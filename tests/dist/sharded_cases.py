@@ -148,3 +148,40 @@ def assert_same(got: tuple[dict, dict], want: tuple[dict, dict], what: str, tol:
         for name, v in entry.items():
             diff = (opt["state"][i][name].double() - v.double()).abs().max().item()
             assert diff <= tol, f"{what}: optimizer state {i}.{name} differs by {diff:.3g}"
+
+
+def by_name(model, opt) -> dict[str, dict]:
+    """The optimizer's state keyed by parameter name (stages number their parameters alike)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = _copy(opt.state_dict())
+    order = list(dict.fromkeys(names[id(p)] for g in opt.param_groups for p in g["params"]))
+    return {order[i]: entry for i, entry in state["state"].items()}
+
+
+def pipeline_rank(folder: str) -> dict:
+    """A pipeline of 2 stages (``mesh={"pipeline": 2}``): ``rt.save`` writes each stage's
+    layers (sharded: the mesh splits the model), ``rt.load`` reads them back into a new one."""
+    from rankwise.parallel.tensor.tiny_gpt import sequential_gpt
+
+    torch.set_num_threads(1)
+    rt = rw.init(mesh={"pipeline": 2})
+
+    def loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    torch.manual_seed(0)
+    pipe = rw.DistributedPipeline(sequential_gpt(mc.CFG), balance=[2, 2], chunks=2)
+    opt = adamw(pipe)
+    x, y = mc.batches(1)[0]
+    pipe.train_step(x, y, loss)
+    opt.step()
+    path = rt.save(folder, model=pipe, optimizer=opt, step=1)
+    saved = {k: v.clone() for k, v in pipe.state_dict().items()}, by_name(pipe, opt)
+    torch.manual_seed(5)
+    again = rw.DistributedPipeline(sequential_gpt(mc.CFG), balance=[2, 2], chunks=2)
+    opt2 = adamw(again)
+    rt.load(folder, model=again, optimizer=opt2)
+    loaded = {k: v.clone() for k, v in again.state_dict().items()}, by_name(again, opt2)
+    lrs = [g["lr"] for g in opt2.param_groups]
+    rw.shutdown()
+    return {"path": str(path), "saved": saved, "loaded": loaded, "lrs": lrs}

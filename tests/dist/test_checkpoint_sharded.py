@@ -113,3 +113,30 @@ def test_saved_at_world_4_loads_exactly_on_a_data_2_by_tensor_2_mesh(resharded, 
     rw.load_checkpoint(saved_from_mesh, model=model, optimizer=opt)
     assert_same(({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()),
                 at_4[0][engine]["next"], f"{engine}: the mesh's checkpoint in one process")  # fmt: skip
+
+
+def _equal_by_name(got: tuple[dict, dict], want: tuple[dict, dict], what: str) -> None:
+    for k, v in want[0].items():
+        assert torch.equal(got[0][k], v), f"{what}: model {k}"
+    for name, entry in want[1].items():
+        for key, v in entry.items():
+            assert torch.equal(got[1][name][key], v), f"{what}: optimizer {name}.{key}"
+
+
+def test_a_pipeline_saves_each_stage_and_loads_by_stage_and_in_one_process(tmp_path):
+    from rankwise.parallel.tensor.tiny_gpt import sequential_gpt
+
+    folder = tmp_path / "ckpt"
+    ranks = run_distributed(sc.pipeline_rank, 2, args=(str(folder),), init=False, timeout=300)
+    stages = [set(r["saved"][0]) for r in ranks]
+    assert stages[0] and stages[1] and not stages[0] & stages[1]  # each stage its own layers
+    for rank, r in enumerate(ranks):
+        _equal_by_name(r["loaded"], r["saved"], f"stage {rank} loaded")
+        assert r["lrs"] == [1e-2, 2e-2]
+    model = sequential_gpt(sc.mc.CFG)  # one process: both stages' layers, one optimizer
+    opt = sc.adamw(model)
+    rw.load_checkpoint(folder, model=model, optimizer=opt)
+    got = {k: v.clone() for k, v in model.state_dict().items()}, sc.by_name(model, opt)
+    assert set(got[0]) == stages[0] | stages[1]
+    for rank, r in enumerate(ranks):
+        _equal_by_name(got, r["saved"], f"one process, stage {rank}'s part")

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import rankwise as rw
 from rankwise.checkpoint import dcp_meta, files
+from rankwise.checkpoint.assign import assign
 from rankwise.checkpoint.boxes import Box, Split, flat_range_boxes, numel
-from rankwise.checkpoint.sharded_save import assign
 from rankwise.parallel.tensor.shards import shard
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)
@@ -190,3 +190,20 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(tmp_path, monkeypa
 
 def test_box_numel_of_a_scalar_is_one():
     assert Box((), ()).numel == 1 and flat_range_boxes((), 0, 1) == [(Box((), ()), 0)]
+
+
+def _blob(key, value, names=None):
+    out = {"key": key, "kind": "b", "nbytes": 10, "shared": True, "same": repr(value)}
+    return out if names is None else {**out, "names": names}
+
+
+def test_shared_values_must_agree_but_a_groups_names_are_merged():
+    from rankwise.checkpoint.assign import merged_names
+
+    lr = [[_blob("optim.param_groups.0.lr", 0.1)], [_blob("optim.param_groups.0.lr", 0.2)]]
+    with pytest.raises(rw.DistributedError, match=r"ranks \[0, 1\] hold different values"):
+        assign(lr)
+    key = "optim.param_groups.0.params"
+    stages = [[_blob(key, ["0.w"], ["0.w"])], [_blob(key, ["1.w", "2.w"], ["1.w", "2.w"])]]
+    assert sum(len(w) for w in assign(stages)) == 1  # written once
+    assert merged_names(stages, key) == ["0.w", "1.w", "2.w"]

@@ -39,6 +39,9 @@ def save_checkpoint(
 
     Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
     """
+    from .background import SAVES
+
+    SAVES.wait()  # a background save in flight ends first (it may write into the same folder)
     kwargs = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                   step=step, epoch=epoch, keep_last=keep_last)  # fmt: skip
     if sharded:

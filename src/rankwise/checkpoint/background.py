@@ -26,7 +26,6 @@ import torch.distributed as dist
 from .. import comm, runtime
 from . import sharded_save, single
 
-
 _NICENESS = 10
 """How much lower the writing thread's CPU priority is than the training's (``nice``)."""
 

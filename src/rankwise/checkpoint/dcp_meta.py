@@ -167,16 +167,42 @@ def _check_metadata(md: Any, path: Path) -> None:
     bad = None if ok else "is not DCP Metadata"
     for index, info in md.storage_data.items() if ok else ():
         name = getattr(info, "relative_path", None)
-        if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)):
+        where = (getattr(info, "offset", None), getattr(info, "length", None))
+        if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
+                and isinstance(index.fqn, str)
+                and all(isinstance(n, int) and n >= 0 for n in where)):  # fmt: skip
             bad = "holds a malformed storage entry"
         elif not name or name != Path(name).name or name in (".", ".."):
             bad = f"names {name!r}, which is not a file inside the folder"
         if bad:
             break
+    entries = md.state_dict_metadata.items() if ok and not bad else ()
+    bad = bad or next((why for k, e in entries if (why := _bad_entry(k, e))), None)
     if bad:
         raise ConfigError(f"{os.fspath(path)!r} {bad}",
                           fix="load only checkpoints written by torch.distributed.checkpoint "
                           "or rankwise.")  # fmt: skip
+
+
+def _bad_entry(key: Any, entry: Any) -> str | None:
+    """Why a ``state_dict_metadata`` entry is not DCP's, or None."""
+    if not isinstance(key, str):
+        return "holds a key that is not a string"
+    if isinstance(entry, dcp_md.BytesStorageMetadata):
+        return None
+    if not isinstance(entry, dcp_md.TensorStorageMetadata):
+        return f"describes {key!r} with something other than DCP's storage metadata"
+    dims = len(entry.size) if isinstance(entry.size, torch.Size) else -1
+    dtype = getattr(entry.properties, "dtype", None)
+    chunks_ok = isinstance(entry.chunks, list) and all(
+        isinstance(c, dcp_md.ChunkStorageMetadata)
+        and isinstance(c.offsets, torch.Size) and isinstance(c.sizes, torch.Size)
+        and len(c.offsets) == len(c.sizes) == dims
+        for c in entry.chunks
+    )  # fmt: skip
+    if dims < 0 or not isinstance(dtype, torch.dtype) or not chunks_ok:
+        return f"describes {key!r} with a malformed shape, dtype or chunk list"
+    return None
 
 
 def is_sharded(path: Path) -> bool:

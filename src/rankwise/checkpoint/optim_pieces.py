@@ -212,13 +212,14 @@ def _dest(reader, key, p, local_shape, split, pieces, held: Any, whole_local: bo
 
 
 def _matched_groups(reader: Reader, prefix: str, ours: list[list[str]], groups: list[dict]):
-    """Our parameter groups with the saved settings of the group holding the same names."""
+    """Our parameter groups with the saved settings of the group holding their names."""
     saved = reader.groups(prefix)
     out = []
     for j, (fqns, group) in enumerate(zip(ours, groups, strict=True)):
         count = len(group["params"])
         start = sum(len(g["params"]) for g in groups[:j])
-        match = next((s for s in saved if set(s.get("params", ())) == set(fqns)), None)
+        # the saved group holding these names (all of them: a pipeline stage holds a part)
+        match = next((s for s in saved if set(fqns) <= set(s.get("params", ()))), None)
         if match is None and saved:
             raise ConfigError(
                 f"the checkpoint's optimizer groups hold {[len(s.get('params', ())) for s in saved]}"

@@ -44,7 +44,12 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"cannot read {os.fspath(path)!r}: {exc}",
                           fix="the checkpoint is damaged; load an earlier one.") from None  # fmt: skip
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    items = manifest.get("items") if ok else None
+    ok = ok and isinstance(items, dict) and all(isinstance(v, str) for v in items.values())
+    ok = ok and isinstance(manifest.get("files", {}), dict)
+    ok = ok and isinstance(manifest.get("metadata", {}), dict)
+    if not ok:
         raise ConfigError(f"{os.fspath(path)!r} is not a rankwise sharded checkpoint manifest",
                           fix="load an earlier checkpoint, or remove the file.")  # fmt: skip
     return manifest

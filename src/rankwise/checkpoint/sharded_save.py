@@ -39,7 +39,7 @@ from .. import comm, runtime, wire
 from ..errors import ConfigError, DistributedError
 from ..version import __version__
 from . import dcp_meta, digests, files, rng
-from .boxes import numel
+from .assign import assign, merged_names
 from .optim_pieces import optimizer_pieces
 from .pieces import Blob, Piece, model_pieces
 from .sharded_read import FORMAT, item_id
@@ -89,8 +89,11 @@ def collect(
 
 def _offer(item: Piece | Blob, data: Any) -> dict[str, Any]:
     if isinstance(item, Blob):
-        return {"key": item.key, "path": item.path, "kind": "b", "nbytes": len(data),
-                "shared": item.shared}  # fmt: skip
+        out = {"key": item.key, "path": item.path, "kind": "b", "nbytes": len(data),
+               "shared": item.shared, "same": _digest64(repr(item.value).encode())}  # fmt: skip
+        if item.path[-1:] == ["params"] and isinstance(item.value, list):
+            out["names"] = [str(n) for n in item.value]  # a group's names: merged over ranks
+        return out
     t = item.tensor
     return {
         "key": item.key, "path": item.path, "kind": "t", "dtype": dcp_meta.dtype_name(t.dtype),
@@ -137,9 +140,13 @@ def plan(
     _raise_failed(every, "planning the sharded save", rank, Path(every[0].get("tmp") or "."))
     head = every[0]
     target, tmp = Path(head["target"]), Path(head["tmp"])
-    writes = assign([m["offers"] for m in every])
-    out = Plan(target, tmp, head["is_dir"], keep_last, rank, [m["offers"] for m in every],
-               writes, {i: data[i] for i in writes[rank]})  # fmt: skip
+    offers = [m["offers"] for m in every]
+    writes = assign(offers)
+    for i in writes[rank]:  # a pipeline stage's group lists its names only: write them all
+        if "names" in offers[rank][i]:
+            data[i] = wire.encode_tensors(merged_names(offers, offers[rank][i]["key"]))
+    out = Plan(target, tmp, head["is_dir"], keep_last, rank, offers, writes,
+               {i: data[i] for i in writes[rank]})  # fmt: skip
     if rank == 0:
         out.manifest = _manifest(model, step, epoch)
     return out
@@ -168,49 +175,6 @@ def _raise_failed(every: list[dict[str, Any]], what: str, rank: int, tmp: Path) 
         fix="fix the cause named above; the previous checkpoint is untouched.",
         rank=rank,
     )
-
-
-def assign(offers: list[list[dict[str, Any]]]) -> list[list[int]]:
-    """Who writes each piece: its only holder, or the least loaded of the replicas that hold
-    it (largest pieces first). The same on every rank: it depends on the offers only."""
-    holders: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
-    shape: dict[str, tuple[Any, Any]] = {}
-    for r, mine in enumerate(offers):
-        for i, o in enumerate(mine):
-            ident = (o["key"], tuple(o.get("offsets") or ()), tuple(o.get("sizes") or ()))
-            holders.setdefault(ident, []).append((r, i))
-            if o["kind"] == "t" and shape.setdefault(o["key"], (o["shape"], o["dtype"])) != (
-                o["shape"], o["dtype"]):  # fmt: skip
-                raise DistributedError(
-                    f"ranks disagree about {o['key']!r}: {shape[o['key']]} and rank {r}'s "
-                    f"{(o['shape'], o['dtype'])}",
-                    fix="every rank must save the same model (same sizes and dtypes).",
-                )
-    load, writes = [0] * len(offers), [[] for _ in offers]
-    covered: dict[str, int] = {}
-    for ident in sorted(holders, key=lambda k: (-offers[holders[k][0][0]][holders[k][0][1]]
-                                                ["nbytes"], k)):  # fmt: skip
-        r, i = min(holders[ident], key=lambda h: (load[h[0]], h[0]))
-        o = offers[r][i]
-        if len(holders[ident]) > 1 and not all(offers[h][j]["shared"] for h, j in holders[ident]):
-            raise DistributedError(f"two ranks claim the same piece of {o['key']!r} as their "
-                                   "own shard", fix="this is a bug in rankwise; please report it.")  # fmt: skip
-        writes[r].append(i)
-        load[r] += o["nbytes"]
-        if o["kind"] == "t":
-            covered[o["key"]] = covered.get(o["key"], 0) + numel(o["sizes"])
-    _check_covered(covered, shape)
-    return [sorted(w) for w in writes]
-
-
-def _check_covered(covered: dict[str, int], shape: dict[str, tuple[Any, Any]]) -> None:
-    short = [k for k, n in covered.items() if n != numel(shape[k][0])]
-    if short:
-        k = short[0]
-        raise DistributedError(
-            f"the ranks' pieces of {k!r} cover {covered[k]} of its {numel(shape[k][0])} "
-            "elements", fix="every rank must save the same model, with its shards.",
-        )  # fmt: skip
 
 
 def _manifest(model: nn.Module, step: Any, epoch: Any) -> dict[str, Any]:
@@ -330,6 +294,12 @@ def _digest128(data: bytes) -> str:
     import xxhash
 
     return xxhash.xxh3_128(data).hexdigest()
+
+
+def _digest64(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64(data).hexdigest()
 
 
 def save_sharded(path: str | os.PathLike, *, model: nn.Module, **kwargs: Any) -> Path:
