@@ -3,14 +3,26 @@ loader position), in which format (``single``: one verified file written by rank
 ``sharded_save``/``sharded_load``: torch DCP's folder, every rank writing and reading its own
 pieces), and how files are kept (``files``: atomic writes, ``latest``, rotation; ``verify``/
 ``sums``/``digests``: every record checked on load). ``api`` chooses the format.
+
+The names below load on first use, as ``rankwise``'s own do: importing this package (which
+``rankwise checkpoint``'s parser does, ``checkpoint/cli.py``) does not import torch.
 """
 
 from __future__ import annotations
 
-from .api import load_checkpoint, resolve, save_checkpoint
-from .files import LATEST, list_checkpoints
-from .single import load_model_state
-from .state_dict import unwrap_model
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "LATEST": ".files",
+    "list_checkpoints": ".files",
+    "load_checkpoint": ".api",
+    "load_model_state": ".single",
+    "resolve": ".api",
+    "save_checkpoint": ".api",
+    "unwrap_model": ".state_dict",
+}
+"""Name -> the module of this package that defines it."""
 
 __all__ = [
     "LATEST",
@@ -21,3 +33,18 @@ __all__ = [
     "save_checkpoint",
     "unwrap_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from .api import load_checkpoint, resolve, save_checkpoint
+    from .files import LATEST, list_checkpoints
+    from .single import load_model_state
+    from .state_dict import unwrap_model

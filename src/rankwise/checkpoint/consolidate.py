@@ -97,13 +97,14 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike) -> Path:
         refs: list[TensorRef] = []
         manifest = reader.manifest or {}
         meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata")}
+        own = _own(reader)
         payload = {
             "format": FORMAT, "version": VERSION,
             "model": _model(reader, refs), "optimizer": _optimizer(reader, refs),
-            **{k: v for k, v in _own(reader).items() if k != "extra"},
-            "step": manifest.get("step"), "epoch": manifest.get("epoch"),
+            "scheduler": own["scheduler"], "loader": own["loader"],
+            "step": manifest.get("step"), "epoch": manifest.get("epoch"), "rng": own["rng"],
             "meta": {**meta, "consolidated_from": os.fspath(source), "saved_at": time.time()},
-            "extra": _own(reader)["extra"],
+            "extra": own["extra"],
         }  # fmt: skip
         files.write_atomic(lambda f: _write(f, payload, refs, reader), target)
     return target
