@@ -38,7 +38,7 @@ from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
 from ..training import LoopState, TrainingLoop
-from . import guards, saving
+from . import formats, guards
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
@@ -132,18 +132,18 @@ class Session(runtime.Runtime, TrainingLoop):
     ) -> Any:
         """``rw.save_checkpoint`` with the prepared scheduler and loss scale, in the format the
         strategy registry gives (``sharded``: DCP's folder, every rank writing its shards; a
-        mesh with tensor or pipeline ranks too; else one file: ``session/saving.py``).
+        mesh with tensor or pipeline ranks too; else one file: ``session/formats.py``).
         ``background=True`` returns a ``PendingSave`` once the state is in host memory and
         writes it in a thread (the next save waits for it). Sync point: all ranks."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
-        return saving.save(self, path, sharded, background, kwargs)
+        return formats.save(self, path, sharded, background, kwargs)
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
         """``rw.load_checkpoint`` (either format: a sharded folder is read piece by piece into
         what each rank holds), mapped to this process's device; restores the loss scale. No
         sync point."""
-        result = saving.load(path, self._checkpoint_kwargs(kwargs, saving=False))
+        result = formats.load(path, self._checkpoint_kwargs(kwargs, saving=False))
         self._restore_scaler(result)
         return result
 
