@@ -14,6 +14,7 @@ Every case of one test runs in one spawned job of 2 gloo ranks (each rank re-ini
 from __future__ import annotations
 
 import contextlib
+import os
 import io
 import traceback
 import warnings
@@ -150,3 +151,152 @@ def test_a_loader_not_given_to_prepare_warns_once_at_the_users_line_and_split_on
     for case in QUIET:
         assert ranks[0][case]["said"] == [] and ranks[1][case]["said"] == [], case
         assert ranks[0][case]["seen"] == ranks[1][case]["seen"] == 32, case  # each its half
+
+
+# -- rt.save: replicas that drifted apart --------------------------------------------------------
+
+
+def _rank_batches(rank: int, steps: int = 3):
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, as a sampler gives
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(steps)]
+
+
+def _step(model, opt, batches) -> None:
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _drift_case(strategy: str, kind: str, folder: str) -> tuple[str, str]:
+    """Train as ``kind`` says, then rt.save into ``folder``: ("saved", path) or ("refused", why)."""
+    rt = rw.init(strategy=strategy)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    save = {"model": model}
+    with contextlib.redirect_stderr(io.StringIO()):
+        if kind == "built-outside":  # prepared one model, trained another
+            rt.prepare(model, opt)
+            torch.manual_seed(rt.rank)
+            other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+            _step(other, torch.optim.AdamW(other.parameters(), lr=0.05), _rank_batches(rt.rank))
+            save = {"model": other}
+        elif kind == "stepped-before-prepare":  # Adam's moments differ per rank from then on
+            _step(model, opt, _rank_batches(rt.rank))
+            model, opt = rt.prepare(model, opt)
+            _step(model, opt, _rank_batches(rt.rank))
+            save = {"model": model, "optimizer": opt}
+        elif kind == "prepared":
+            model, opt = rt.prepare(model, opt)
+            _step(model, opt, _rank_batches(rt.rank))
+            save = {"model": model, "optimizer": opt}
+        elif kind == "local_sgd":  # replicas differ between two averages, on purpose
+            rule = rw.updates.local_sgd(model, opt, every=10)
+            _step(model, rule, _rank_batches(rt.rank))
+    try:
+        return "saved", str(rt.save(folder, **save))
+    except rw.DistributedError as exc:
+        return "refused", str(exc)
+
+
+def _tensor_case(folder: str) -> tuple[str, str]:
+    """Tensor slices differ by design: rt.save must not compare them."""
+    from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+
+    rt = rw.init(strategy="ddp", mesh={"tensor": 2})
+    torch.manual_seed(0)
+    model = rw.tensor_parallel(GPT(GPTConfig()), GPT_PLAN, group=rt.mesh.group("tensor"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, opt = rt.prepare(model, opt)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    rw.vocab_parallel_cross_entropy(model(ids), ids, rt.mesh.group("tensor")).backward()
+    opt.step()
+    return "saved", str(rt.save(folder, model=model, optimizer=opt))
+
+
+def _drift_cases(cases: list[tuple[str, str]], workdir: str) -> dict:
+    out = {}
+    for strategy, kind in cases:
+        folder = os.path.join(workdir, f"{strategy}-{kind}")
+        try:
+            if kind == "tensor":
+                out[(strategy, kind)] = _tensor_case(folder)
+            else:
+                out[(strategy, kind)] = _drift_case(strategy, kind, folder)
+        except Exception:
+            out[(strategy, kind)] = ("crashed", traceback.format_exc())
+        rw.shutdown()
+    return out
+
+
+REFUSED = [("ddp", "built-outside"), ("zero2", "built-outside"), ("ddp", "stepped-before-prepare")]
+SAVED = [(s, "prepared") for s in PROCESS_STRATEGIES] + [("ddp", "local_sgd"), ("ddp", "tensor")]
+
+
+def test_rt_save_refuses_replicas_that_drifted_apart_and_writes_nothing(tmp_path):
+    # Before: rt.save wrote rank 0's copy (weight sums 0.2756 vs -0.9616 on the two ranks).
+    ranks = run_distributed(
+        _drift_cases, 2, args=(REFUSED + SAVED, str(tmp_path)), init=False, timeout=280
+    )
+    for case in REFUSED:
+        for rank in (0, 1):
+            outcome, text = ranks[rank][case]
+            assert outcome == "refused", f"{case} rank {rank}: {outcome} {text}"
+            assert "rank 0:" in text and "rank 1:" in text  # both sums, named by rank
+            assert "Fix: build the model once" in text and "rt.prepare" in text
+        folder = tmp_path / f"{case[0]}-{case[1]}"
+        assert not folder.exists() or list(folder.iterdir()) == []  # nothing written
+    for case in SAVED:
+        for rank in (0, 1):
+            outcome, text = ranks[rank][case]
+            assert outcome == "saved", f"{case} rank {rank}: {outcome} {text}"
+        assert Path(ranks[0][case][1]).is_file()
+
+
+# -- rt.prepare: per-rank batch sizes ----------------------------------------------------------
+
+
+def _batch_size_case(sizes: tuple[int, int], lengths: tuple[int, int]) -> dict:
+    rt = rw.init(strategy="ddp")
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = DataLoader(_data(lengths[rt.rank]), batch_size=sizes[rt.rank], shuffle=True)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, loader = rt.prepare(model, opt, given)  # <- prepare's line
+    said = [(str(w.message), w.lineno) for w in caught if "rt.prepare()" in str(w.message)]
+    return {"log": err.getvalue(), "said": said, "global": loader.global_batch_size}
+
+
+def _batch_size_cases(cases: list) -> list:
+    out = []
+    for sizes, lengths in cases:
+        out.append(_batch_size_case(sizes, lengths))
+        rw.shutdown()
+    return out
+
+
+def test_rt_prepare_agrees_the_batch_size_and_says_when_the_ranks_differ():
+    # Before: rank 0 logged "global batch 32 = 16 per process x 2 processes"; it was 24.
+    cases = [((16, 8), (64, 64)), ((16, 16), (64, 64)), ((16, 16), (64, 48))]
+    ranks = run_distributed(_batch_size_cases, 2, args=(cases,), init=False, timeout=240)
+    prepare_line = next(i for i, line in enumerate(HERE, 1) if line.endswith("# <- prepare's line"))
+    uneven, even, lengths = ranks[0]
+    assert "global batch 24 = 16 + 8 per process" in uneven["log"]
+    assert "rank 0: 16, rank 1: 8" in uneven["log"]
+    assert uneven["global"] == ranks[1][0]["global"] == 24  # the loader says so too
+    (message, lineno), = uneven["said"]
+    assert lineno == prepare_line
+    assert "global batch of 24, not the 32" in message and "Fix: give the DataLoader" in message
+    assert ranks[1][0]["said"] == []  # rank 0 says it, once
+    assert even["said"] == [] and "global batch 32 = 16 per process x 2 processes" in even["log"]
+    assert even["global"] == 32
+    (message, _), = lengths["said"]
+    assert "data sets differ in length (rank 0: 64, rank 1: 48)" in message

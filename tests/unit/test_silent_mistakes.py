@@ -161,3 +161,80 @@ def test_torch_clip_after_rt_backward_under_fp16_warns_with_the_fix():
 )
 def test_clipping_the_unscaled_gradients_does_not_warn(clip):
     assert _fp16_step(clip) == []
+
+
+# -- rt.prepare(loader): the suggested call works ---------------------------------------------------
+
+
+def test_prepare_given_a_loader_after_the_model_suggests_prepare_loader_which_works():
+    # Before: "pass the model first: rt.prepare(model, optimizer, loader)", which then failed
+    # with "got a model that is already prepared".
+    rt, model, opt = _setup(strategy="ddp")
+    model = rt.prepare(model)
+    given = DataLoader(_data(), batch_size=4)
+    with pytest.raises(rw.ConfigError) as refused:
+        rt.prepare(given)
+    text = str(refused.value)
+    assert "rt.prepare() got a DataLoader as its model" in text
+    assert "Fix: the model is prepared already" in text and "rt.prepare_loader(loader)" in text
+    loader = rt.prepare_loader(given)  # the suggested call
+    assert len(list(loader)) == 6 and loader in rt.loop.loaders  # prepared for rt.accumulate
+
+
+def test_prepare_given_a_loader_first_suggests_both_calls():
+    rt, model, opt = _setup()
+    with pytest.raises(rw.ConfigError) as refused:
+        rt.prepare(DataLoader(_data(), batch_size=4))
+    text = str(refused.value)
+    assert "Fix: pass the model first: model, opt, loader = rt.prepare(model, opt, loader)" in text
+    assert "rt.prepare_loader(loader)" in text
+    model, opt, loader = rt.prepare(model, opt, DataLoader(_data(), batch_size=4))  # works
+
+
+def test_preparing_a_prepared_model_again_with_a_new_loader_points_at_prepare_loader():
+    rt, model, opt = _setup(strategy="ddp")
+    model, opt = rt.prepare(model, opt)
+    with pytest.raises(rw.ConfigError) as refused:
+        rt.prepare(model, opt, DataLoader(_data(), batch_size=4))
+    text = str(refused.value)
+    assert "already prepared" in text and "rt.prepare_loader(loader)" in text
+
+
+# -- a second run into a checkpoint folder ----------------------------------------------------------
+
+
+def _run(folder, steps, *, load=False, step_numbers=True) -> list[str]:
+    """One run: rw.init, prepare, (rt.load), then save ``steps``; returns what it warned."""
+    rw.shutdown()
+    rt, model, opt = _setup()
+    model, opt = rt.prepare(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if load:
+            rt.load(folder, model=model, optimizer=opt)
+        for step in steps:
+            rt.save(folder, model=model, optimizer=opt, step=step if step_numbers else None)
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "this run" in str(w.message)]
+
+
+def test_a_second_run_into_a_checkpoint_folder_without_loading_it_warns(tmp_path):
+    # Before: the second run's saves continued the first run's numbering (ckpt-3, ckpt-4 after
+    # ckpt-0..2) or overwrote its steps, and nothing was said.
+    folder = tmp_path / "ckpt"
+    assert _run(folder, [0, 1, 2]) == []  # a first run: nothing to say, even saving 3 times
+    (said,) = _run(folder, [None, None], step_numbers=False)  # once per folder and run
+    assert f"'{folder}' already holds a checkpoint at step 2" in said
+    assert "continues its numbering as step 3" in said
+    assert "Fix: resume with rt.load(" in said and "or give this run a new folder" in said
+    assert said.startswith(f"{__file__}:")  # at the user's rt.save line
+    (said,) = _run(folder, [4])  # the same step as the folder's last: overwritten
+    assert "at step 4" in said and "this save of step 4 overwrites it" in said
+
+
+def test_resuming_or_a_new_folder_or_a_later_step_does_not_warn(tmp_path):
+    folder = tmp_path / "ckpt"
+    _run(folder, [0, 1])
+    assert _run(folder, [2, 3], load=True) == []  # rt.load(folder) first: a resume
+    assert _run(tmp_path / "fresh", [0]) == []
+    assert _run(folder, [10]) == []  # a later step: the numbering does not collide
+    assert sorted(p.name for p in folder.glob("ckpt-*.pt"))[-1] == "ckpt-00000010.pt"

@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import comm
 from ..checkpoint import files
-from ..checkpoint.state_dict import unwrap_model
+from ..checkpoint.state_dict import registered_inner, unwrap_model
 from ..errors import DistributedError
 from ..parallel import ShardedDataParallel
 from ..updates.base import replicas_apart
@@ -144,7 +144,7 @@ def refuse_drifted(rt: Any, model: Any) -> None:
     of a multi-process job (one small all-gather)."""
     if not isinstance(model, nn.Module) or comm.world_size() < 2:
         return
-    apart = replicas_apart(unwrap_model(model)) or replicas_apart(model)
+    apart = replicas_apart(registered_inner(model)) or replicas_apart(model)
     role = -1.0 if apart else _role(rt, model)
     row = [role, *(_stats(model) if role >= 0 else [0.0] * 4)]
     rows = gather_rows(rt, row, label="rt.save: replica fingerprints")
