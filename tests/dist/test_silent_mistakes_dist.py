@@ -14,8 +14,8 @@ Every case of one test runs in one spawned job of 2 gloo ranks (each rank re-ini
 from __future__ import annotations
 
 import contextlib
-import os
 import io
+import os
 import traceback
 import warnings
 from pathlib import Path
