@@ -127,7 +127,7 @@ class Session(runtime.Runtime, TrainingLoop):
         if evaluation:
             return prepare_loader(self, loader, global_batch_size=global_batch_size,
                                   evaluation=True)  # fmt: skip
-        guards.refuse_prepared_twice(self.prepared, loader=loader)
+        guards.refuse_prepared_twice(self.prepared, "rt.prepare_loader", loader=loader)
         return _training_loader(self, loader, global_batch_size, agree=False)
 
     print = staticmethod(print0)
@@ -135,8 +135,9 @@ class Session(runtime.Runtime, TrainingLoop):
 
     def save(self, path: str | Path, **kwargs: Any) -> Path:
         """``rw.save_checkpoint`` with the prepared scheduler and loss scale; a
-        tensor-parallel model and its optimizer are saved whole (``full_states``). Sync point:
-        all ranks (call it on every rank)."""
+        tensor-parallel model and its optimizer are saved whole (``full_states``). Refuses
+        replicas that drifted apart, warns about a folder reused without ``rt.load``
+        (``saving.py``). Sync point: all ranks (call it on every rank)."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
         saving.before_save(self, path, kwargs)  # drifted replicas refused, a reused folder said
@@ -207,7 +208,9 @@ def prepare(
     not use it.
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
-    rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
+    rank 0's parameters are broadcast, 'auto' agrees on the device capacity, and with a loader
+    the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
+    first training forward compares what the ranks read (``first_batch.py``).
     """
     if loader is None and global_batch_size is not None:
         raise ConfigError(

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..data import Loader, ShardedIterable
 from .agree import data_groups, gather_rows, gathers
 from .guards import user_frame, warn_at_user
+from .loader import DeviceLoader
 
 TENSORS = 8
 """Input tensors fingerprinted (the first ones found in the arguments)."""
@@ -96,7 +97,7 @@ def fingerprint(inputs: Any) -> list[float]:
 
 def _kind(value: Any) -> str | None:
     """'split': reads this rank's share; 'unsplit': every rank reads all of it; None: unknown."""
-    if isinstance(value, Loader) or isinstance(getattr(value, "loader", None), Loader):
+    if isinstance(value, Loader | DeviceLoader):
         return "split"
     if not isinstance(value, DataLoader):
         return None

@@ -64,14 +64,16 @@ def warn_at_user(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=user_frame(1)[1])
 
 
-def refuse_prepared_twice(prepared: weakref.WeakSet, **given: Any) -> None:
+def refuse_prepared_twice(
+    prepared: weakref.WeakSet, call: str = "rt.prepare", **given: Any
+) -> None:
     """Raise if any of ``given`` (model=, optimizer=, loader=) went through ``rt.prepare``."""
     loader = given.get("loader")
     new_loader = loader is not None and not _member(prepared, loader)
     for what, obj in given.items():
         if obj is not None and _member(prepared, obj):
             raise ConfigError(
-                f"rt.prepare() got a {what} ({type(obj).__name__}) that is already prepared: "
+                f"{call}() got a {what} ({type(obj).__name__}) that is already prepared: "
                 f"it was given to, or returned by, an earlier rt.prepare() call",
                 fix=FIX_ONCE
                 + (f" To add a loader after the model was prepared: {PREPARE_LOADER}."
