@@ -39,10 +39,11 @@ from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
 from ..training import LoopState, TrainingLoop, full_states
-from . import guards
+from . import first_batch, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .saving import SaveRecord
 from .sharded import warn_if_too_big
 
 __all__ = [
@@ -74,6 +75,9 @@ class Session(runtime.Runtime, TrainingLoop):
 
     prepared: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
     """What ``prepare`` was given and returned: given again, it is refused (session/guards.py)."""
+
+    saves: SaveRecord = field(default_factory=SaveRecord, repr=False, compare=False)
+    """The checkpoint folders this run loaded or saved (session/saving.py)."""
 
     def prepare(
         self,
@@ -120,19 +124,23 @@ class Session(runtime.Runtime, TrainingLoop):
     ) -> Any:
         """``prepare_loader(rt, ...)``: a loader split over the replicas, batches on the
         device; ``evaluation``: each sample once. No sync point."""
-        return prepare_loader(
-            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
-        )
+        if evaluation:
+            return prepare_loader(self, loader, global_batch_size=global_batch_size,
+                                  evaluation=True)  # fmt: skip
+        guards.refuse_prepared_twice(self.prepared, "rt.prepare_loader", loader=loader)
+        return _training_loader(self, loader, global_batch_size, agree=False)
 
     print = staticmethod(print0)
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
 
     def save(self, path: str | Path, **kwargs: Any) -> Path:
         """``rw.save_checkpoint`` with the prepared scheduler and loss scale; a
-        tensor-parallel model and its optimizer are saved whole (``full_states``). Sync point:
-        all ranks (call it on every rank)."""
+        tensor-parallel model and its optimizer are saved whole (``full_states``). Refuses
+        replicas that drifted apart, warns about a folder reused without ``rt.load``
+        (``saving.py``). Sync point: all ranks (call it on every rank)."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
+        saving.before_save(self, path, kwargs)  # drifted replicas refused, a reused folder said
         return save_checkpoint(path, **full_states(kwargs))
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
@@ -142,6 +150,7 @@ class Session(runtime.Runtime, TrainingLoop):
         kwargs = full_states(self._checkpoint_kwargs(kwargs, saving=False))
         result = load_checkpoint(path, **kwargs)
         self._restore_scaler(result)
+        saving.remember_loaded(self.saves, path)
         return result
 
 
@@ -199,32 +208,46 @@ def prepare(
     not use it.
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
-    rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
+    rank 0's parameters are broadcast, 'auto' agrees on the device capacity, and with a loader
+    the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
+    first training forward compares what the ranks read (``first_batch.py``).
     """
     if loader is None and global_batch_size is not None:
         raise ConfigError(
             f"global_batch_size={global_batch_size} was given without a loader",
             fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )
+    guards.refuse_loader_as_model(rt.prepared, model)
     guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
     wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
+    first_batch.watch(rt, wrapped)  # a loader that was not split: said at the first step
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
     prepared = None
     if loader is not None:
-        prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
-        rt.loop.loaders.append(prepared)
-        guards.warn_when_original_iterated(loader, rt.strategy, rt.world_size)
-    guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer, loader,
-                             prepared)
+        prepared = _training_loader(rt, loader, global_batch_size, agree=True)
+    guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
     return (wrapped, optimizer, prepared, *tail)
+
+
+def _training_loader(
+    rt: Session, loader: Any, global_batch_size: int | None, *, agree: bool
+) -> DeviceLoader:
+    """A training loader, prepared and remembered: ``rt.accumulate`` syncs on its last batch,
+    it cannot be prepared again, and iterating the original warns. ``agree``: compare the
+    ranks' batch sizes (``rt.prepare``'s sync point; ``rt.prepare_loader`` has none)."""
+    prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size, agree=agree)
+    rt.loop.loaders.append(prepared)
+    guards.warn_when_original_iterated(loader, rt.strategy, rt.world_size)
+    guards.remember_prepared(rt.prepared, loader, prepared)
+    return prepared
 
 
 def _with_precision(
