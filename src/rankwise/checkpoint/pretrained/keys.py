@@ -116,7 +116,5 @@ def resolve(
                 chosen[hit] = key
                 used.add(key)
     patterns = [re.compile(p) for p in ignore]
-    unexpected = [
-        k for k in renamed if k not in used and not any(p.search(k) for p in patterns)
-    ]
+    unexpected = [k for k in renamed if k not in used and not any(p.search(k) for p in patterns)]
     return Resolution(chosen, unexpected, skipped)

@@ -181,7 +181,9 @@ def _check(target: Target, key: str, entry: Entry) -> None:
         )
     dtype = DTYPES.get(entry.dtype)
     have = target.tensor.dtype
-    same_kind = dtype is not None and (dtype == have or (dtype.is_floating_point and have.is_floating_point))
+    same_kind = dtype is not None and (
+        dtype == have or (dtype.is_floating_point and have.is_floating_point)
+    )
     if not same_kind:
         raise ConfigError(
             f"tensor {key!r} in {entry.file.name} is {entry.dtype}, but the model's {name} is "

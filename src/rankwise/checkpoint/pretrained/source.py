@@ -114,7 +114,7 @@ def read_index(index: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
         raise ConfigError(
             f"{os.fspath(index)!r} has no 'weight_map' of tensor names to shard files",
-            fix="an index is {\"metadata\": {...}, \"weight_map\": {\"name\": \"file\"}}; save "
+            fix='an index is {"metadata": {...}, "weight_map": {"name": "file"}}; save '
             "the model again with save_pretrained.",
         )
     shards = {name: _plain_name(index.parent, name, index) for name in set(weight_map.values())}
@@ -134,7 +134,9 @@ def _files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
         pickles = sorted({p.name for pattern in _PICKLES for p in path.glob(pattern)})
         hint = (
             f" It holds {pickles[:4]}: pickle files, which rankwise never loads (loading one can "
-            "run code)." if pickles else f" It holds {found[:4] or 'no .safetensors file'}."
+            "run code)."
+            if pickles
+            else f" It holds {found[:4] or 'no .safetensors file'}."
         )
         raise ConfigError(
             f"{os.fspath(path)!r} has neither {SINGLE} nor {INDEX}.{hint}",

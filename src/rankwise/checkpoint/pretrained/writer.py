@@ -101,14 +101,26 @@ def header(items: Sequence[Item]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+CHUNK_BYTES = 16 << 20
+"""Bytes copied out of a tensor per write (its own buffer: a model tensor's storage is never
+handed to numpy, which would pin it, and ZeRO-3 frees its units by resizing their storage)."""
+
+
 def write_tensor(f: IO[bytes], tensor: torch.Tensor) -> None:
-    """A tensor's bytes, little-endian, in C order (one copy of it at most)."""
+    """A tensor's bytes, little-endian, in C order, through a buffer of ``CHUNK_BYTES``."""
     if sys.byteorder != "little":  # pragma: no cover - no such machine runs torch today
         raise ConfigError("safetensors files are little-endian; this machine is not",
                           fix="export on a little-endian machine.")  # fmt: skip
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel():
-        f.write(memoryview(flat.view(torch.uint8).numpy()))
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return
+    step = max(1, CHUNK_BYTES // flat.element_size())
+    buffer = torch.empty(min(n, step), dtype=flat.dtype)
+    for start in range(0, n, step):
+        piece = buffer[: min(step, n - start)]
+        piece.copy_(flat[start : start + len(piece)])
+        f.write(memoryview(piece.view(torch.uint8).numpy()))
 
 
 def swap_into_place(built: Path, target: Path, ours: set[str]) -> None:
@@ -124,7 +136,9 @@ def swap_into_place(built: Path, target: Path, ours: set[str]) -> None:
                 fix="pass a folder path for the export (save_pretrained writes several files).",
             )
         for entry in target.iterdir():
-            stale = entry.name in ours or re.match(r"model.*\.safetensors(\.index\.json)?$", entry.name)
+            stale = entry.name in ours or re.match(
+                r"model.*\.safetensors(\.index\.json)?$", entry.name
+            )
             if stale or (built / entry.name).exists():
                 continue
             _carry(entry, built / entry.name)
