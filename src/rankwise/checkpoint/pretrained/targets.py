@@ -16,14 +16,14 @@ Nothing here communicates or reads a file.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..state_dict import registered_inner
-from .slices import Split, copy_range, local_shape, shard_overlap
+from .slices import Split, copy_range, shard_overlap
 
 
 @dataclass
@@ -42,7 +42,6 @@ class Target:
     """The ZeRO unit (``parallel/zero/shard_unit.FlatUnit``) it lives in, if any."""
     index: int = 0
     """Its position in ``unit.params``."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -137,8 +136,11 @@ def model_targets(model: nn.Module) -> list[Target]:
 def _whole(target: Target, read: Any) -> int:
     """Fill the whole (local) tensor; a tensor still on the meta device is given storage."""
     tensor = target.tensor
-    if tensor.is_meta:
-        tensor.data = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    if tensor.is_meta:  # swapped in place: every module sharing it (tied weights) sees it
+        real = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        if isinstance(tensor, nn.Parameter):
+            real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, real)
     n = tensor.numel()
     if tensor.is_contiguous():
         return copy_range(read, target.full_shape, target.split, 0, n, tensor.data.view(-1))
@@ -172,11 +174,3 @@ def fill(target: Target, read: Any) -> int:
     if unit.gathered:  # gathered right now (inside full_parameters): its full view too
         count += _whole(target, read)
     return count
-
-
-def local_numel(target: Target) -> int:
-    """Elements of the (local) tensor this rank's slices come from."""
-    n = 1
-    for s in local_shape(target.full_shape, target.split):
-        n *= s
-    return n
