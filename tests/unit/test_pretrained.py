@@ -18,7 +18,7 @@ import rankwise as rw
 from rankwise.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-import pretrained_cases as pc  # noqa: E402
+import pretrained_cases as pc
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -145,7 +145,7 @@ def test_truncated_corrupt_and_pickle_files_are_refused_by_name(gpt2_dir, tmp_pa
     (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
     with pytest.raises(ConfigError, match=r"pytorch_model\.bin.*pickle"):
         rw.load_pretrained(pc.gpt2(1), tmp_path / "bin")
-    with pytest.raises(ConfigError, match="not a .safetensors file"):
+    with pytest.raises(ConfigError, match=r"not a \.safetensors file"):
         rw.load_pretrained(pc.gpt2(1), tmp_path / "bin" / "pytorch_model.bin")
 
 
