@@ -119,6 +119,19 @@ def _export(rt, folder: Path) -> dict:
                              for k, v in model.state_dict().items())}  # fmt: skip
 
 
+def _one_rank_fails(rt, folder: Path) -> str:
+    """Rank 1 is given a folder that does not exist; rank 0 the real one."""
+    model = pc.gpt2(1)
+    model, _ = rt.prepare(model, pc.adamw(model))
+    try:
+        rt.load_pretrained(model, folder / ("gpt2" if rt.rank == 0 else "nowhere"))
+        return "loaded"
+    except rw.DistributedError as exc:
+        return f"DistributedError: {exc}"
+    except rw.ConfigError as exc:
+        return f"ConfigError: {exc}"
+
+
 def world2(folder: str) -> dict:
     folder = Path(folder)
     dist.init_process_group("gloo")
@@ -130,6 +143,8 @@ def world2(folder: str) -> dict:
             if strategy == "zero3":
                 out["zero3 nano"] = _nano(rt, folder)
                 out["export"] = _export(rt, folder)
+            if strategy == "ddp":
+                out["one rank fails"] = _one_rank_fails(rt, folder)
             rw.shutdown()  # the group is the test's: rw leaves it alone
     finally:
         dist.destroy_process_group()
@@ -236,6 +251,14 @@ def test_a_failed_export_raises_on_every_rank_and_keeps_the_previous_one(files):
         assert "rank 0" in case["failed"] and "No space left" in case["failed"], case["failed"]
         assert case["moved"], "the second step must change what a successful export would write"
         assert case["kept"] and case["leftovers"] == [], (rank, case["leftovers"])
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_fails_every_rank_by_name(files):
+    first, second = (r["one rank fails"] for r in _world2_results(files))
+    assert second.startswith("ConfigError") and "nowhere" in second, second
+    assert first.startswith("DistributedError") and "rank(s) [1]" in first, first
+    assert "nowhere" in first, first  # rank 1's own error, quoted
 
 
 @functools.cache
