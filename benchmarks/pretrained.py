@@ -12,6 +12,9 @@ The parent builds a GPT-2 from its config (no download) and writes it with HF's
 - **load_pretrained**: the model built from the config and prepared (eagerly: every rank
   builds it whole, then shards it), then ``rt.load_pretrained(model, dir)``; the peak of the
   load call alone is reported, and of the three steps together;
+- **meta build + prepare + load_pretrained** (once ``rt.prepare`` takes meta-device models):
+  the model built under ``torch.device("meta")``, prepared (each rank materializes its shard
+  only, initialised by HF's ``_init_weights``), then loaded;
 - **save_pretrained** (streamed, one unit gathered at a time, rank 0 writes) vs today's
   **state_dict + save_file** (the consolidated state on every rank, written by rank 0).
 
@@ -141,6 +144,31 @@ def _ours(folder: str, size: dict) -> dict:
             "checkpoint_mb": round(info.total_bytes / 2**20, 1), "shard_mb": _shard_mb(model)}  # fmt: skip
 
 
+def _meta(folder: str, size: dict) -> dict:
+    """Meta build + prepare + load_pretrained (deferred init), measured as one phase."""
+    import inspect
+
+    from transformers import GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    _exact_rss()
+    _quiet()
+    rt = rw.init(strategy="zero3")
+    if "init" not in inspect.signature(rt.prepare).parameters:
+        return {"skipped": "rt.prepare does not take meta-device models here"}
+
+    def run():
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(_config(size))
+        opt = torch.optim.AdamW(model.parameters())
+        model, _ = rt.prepare(model, opt, init=model._init_weights)
+        rt.load_pretrained(model, folder)
+        return model
+
+    model, row = _measured(run)
+    return {"meta build + prepare + load_pretrained": row, "shard_mb": _shard_mb(model)}
+
+
 def _merge(per_rank: list[dict]) -> dict:
     out = {}
     for key, value in per_rank[0].items():
@@ -174,10 +202,12 @@ def main() -> None:
         gc.collect()
         today = run_distributed(_today, args.world, args=(folder, size), timeout=3000, init=False)
         ours = run_distributed(_ours, args.world, args=(folder, size), timeout=3000, init=False)
+        meta = run_distributed(_meta, args.world, args=(folder, size), timeout=3000, init=False)
     doc = {"benchmark": "pretrained", "note": args.note, "world": args.world,
            "strategy": "zero3", "model": "GPT2LMHeadModel", "size": size,
            "params_m": round(params / 1e6, 2), "largest_tensor_mb": round(largest, 1),
-           "today": _merge(today), "rankwise": _merge(ours)}  # fmt: skip
+           "today": _merge(today), "rankwise": _merge(ours),
+           "rankwise_meta": meta[0] if "skipped" in meta[0] else _merge(meta)}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc, indent=1))
