@@ -168,6 +168,16 @@ def _one_rank_fails(rt, folder: Path) -> str:
         return f"ConfigError: {exc}"
 
 
+def _pipeline_export(folder: Path) -> str:
+    """A two-stage pipeline cannot be exported from rank 0: refused on both ranks."""
+    pipe = rw.DistributedPipeline(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    try:
+        rw.save_pretrained(pipe, folder / "pipe")
+        return "written"
+    except rw.ConfigError as exc:
+        return str(exc)
+
+
 def world2(folder: str) -> dict:
     folder = Path(folder)
     dist.init_process_group("gloo")
@@ -181,6 +191,7 @@ def world2(folder: str) -> dict:
                 out["export"] = _export(rt, folder)
             if strategy == "ddp":
                 out["one rank fails"] = _one_rank_fails(rt, folder)
+                out["pipeline export"] = _pipeline_export(folder)
             rw.shutdown()  # the group is the test's: rw leaves it alone
     finally:
         dist.destroy_process_group()
@@ -320,6 +331,13 @@ def test_a_rank_that_cannot_load_fails_every_rank_by_name(files):
     assert second.startswith("ConfigError") and "nowhere" in second, second
     assert first.startswith("DistributedError") and "rank(s) [1]" in first, first
     assert "nowhere" in first, first  # rank 1's own error, quoted
+
+
+@pytest.mark.slow
+def test_a_pipeline_is_not_exported_from_one_stage(files):
+    for r in _world2_results(files):
+        assert "pipeline over ranks [0, 1]" in r["pipeline export"], r["pipeline export"]
+    assert not (files / "pipe").exists()
 
 
 @functools.cache

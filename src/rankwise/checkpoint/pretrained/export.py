@@ -27,7 +27,7 @@ from ... import comm, wire
 from ...errors import ConfigError, DistributedError
 from ...parallel.tensor.shards import unshard
 from ..state_dict import registered_inner
-from .targets import Target, model_targets, zero_engine
+from .targets import Target, model_targets, wrappers, zero_engine
 from .writer import (
     NAMES,
     Item,
@@ -60,6 +60,7 @@ def save_pretrained(
     Sync point: all ranks (ZeRO-3 units and tensor-parallel pieces are gathered); rank 0
     writes, and every rank raises if the write failed.
     """
+    _refuse_pipeline(model)
     groups = _groups(model)
     items = {id(t): _item(t, dtype) for _, ts in groups for t in ts}
     files = shard_files([items[id(t)] for _, ts in groups for t in ts], parse_size(max_shard_size))
@@ -77,6 +78,19 @@ def save_pretrained(
             rank=comm.rank(),
         )
     return Path(directory)
+
+
+def _refuse_pipeline(model: nn.Module) -> None:
+    """A pipeline's ranks hold different layers: rank 0 alone would write its own stage."""
+    pipe = next((m for m in wrappers(model) if len(getattr(m, "ranks", ())) > 1
+                 and hasattr(m, "stage_index")), None)  # fmt: skip
+    if pipe is not None:
+        raise ConfigError(
+            f"save_pretrained got a pipeline over ranks {list(pipe.ranks)}: each rank holds "
+            "other layers, and the export is written from rank 0's model",
+            fix="export from a model that holds every layer on every rank (ZeRO, DDP or a "
+            "mesh shard it instead), or save each stage with rw.save_checkpoint.",
+        )
 
 
 def _item(target: Target, dtype: torch.dtype | None) -> Item:
