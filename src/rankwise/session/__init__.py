@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from .. import precision, runtime
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
@@ -152,6 +153,17 @@ class Session(runtime.Runtime, TrainingLoop):
         self._restore_scaler(result)
         saving.remember_loaded(self.saves, path)
         return result
+
+    def load_pretrained(self, model: nn.Module, path: str | Path, **kwargs: Any) -> Any:
+        """``rw.load_pretrained``: a safetensors checkpoint (file, or a folder with its index)
+        into the prepared ``model``, each rank reading only its part. Sync point: all ranks
+        when the model is prepared for several processes."""
+        return load_pretrained(model, path, **kwargs)
+
+    def save_pretrained(self, model: nn.Module, directory: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_pretrained``: the whole model as safetensors (Hugging Face's layout),
+        streamed one unit at a time, written by rank 0. Sync point: all ranks."""
+        return save_pretrained(model, directory, **kwargs)
 
 
 def init(
