@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import rankwise as rw
 
 SKIPPED_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -110,9 +112,12 @@ def cases(entries: list[Entry], extra: dict[str, list[Any]], make: dict) -> list
 
 def _shows_value(value: Any, text: str) -> bool:
     """The message repeats the value: its repr (a scalar), or for a container its repr, its
-    type or one of its items (``devices[0]='tpu'``), for an object its type."""
+    type or one of its items (``devices[0]='tpu'``), for a tensor its shape or dtype, for an
+    object its type."""
     if isinstance(value, SCALARS):
         return repr(value) in text
+    if isinstance(value, torch.Tensor):
+        return str(tuple(value.shape)) in text or str(value.dtype) in text
     if repr(value) in text or type(value).__name__ in text:
         return True
     items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
@@ -127,7 +132,7 @@ def outcome(case: Case, tmp: Path) -> tuple[str, str]:
         text = str(e)
         named = case.param.lower() in text.lower() and _shows_value(case.value, text)
         return ("named" if named else "unnamed"), f"{type(e).__name__}: {text}"
-    except Exception as e:  # noqa: BLE001 - the census counts every other exception as raw
+    except Exception as e:
         return "raw", f"{type(e).__name__}: {e}"
     finally:
         rw.shutdown()

@@ -295,7 +295,7 @@ ENTRIES = [
     ac.Entry("rw.gather_object", rw.gather_object, _comm(rw.gather_object)),
     ac.Entry("rw.barrier", rw.barrier, _comm(rw.barrier)),
     ac.Entry("rw.launch", rw.launch.launch_function, _launch),
-    ac.Entry("rw.get_logger", rw.get_logger, _get_logger),
+    ac.Entry("rw.get_logger", rw.get_logger, _get_logger, skip=("name",)),  # None: the root
     ac.Entry("rw.unwrap_model", rw.unwrap_model, _unwrap),
     ac.Entry("rw.DataParallel", rw.DataParallel, _data_parallel),
     ac.Entry("rw.DistributedDataParallel", rw.DistributedDataParallel, _ddp),
@@ -392,6 +392,7 @@ EXTRA: dict[str, list] = {
     "rw.launch.kwargs": [[1]],
     "rw.launch.timeout": [-1, 0],
     "rw.launch.env": ["A=1", {"A": 1}],
+    "rw.get_logger.name": [3, b"rankwise"],
     "rw.get_logger.level": ["loud"],
     "rw.get_logger.log_dir": [3],
     "rw.unwrap_model.model": [None, "model", [nn.Linear(2, 2)]],

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import precision, runtime
+from .. import precision, runtime, validate
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
@@ -38,6 +38,7 @@ from ..diagnose import fingerprints
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..plan import check_init_arguments
 from ..training import LoopState, TrainingLoop, full_states
 from . import guards
 from .auto import settle as settle_auto
@@ -110,6 +111,7 @@ class Session(runtime.Runtime, TrainingLoop):
 
         Sync point: all ranks under 'zero3'.
         """
+        validate.module("model", model, where="rt.full_parameters()")
         summon = getattr(model, "full_parameters", None)
         if callable(summon):
             return summon(writeback=writeback)
@@ -161,6 +163,7 @@ def init(
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
+    check_init_arguments(backend, device, timeout, env)  # before anything is joined
     rt = runtime.init(
         backend,
         device=device,
@@ -201,6 +204,7 @@ def prepare(
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
     rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
     """
+    guards.check_arguments(model, optimizer, global_batch_size)
     if loader is None and global_batch_size is not None:
         raise ConfigError(
             f"global_batch_size={global_batch_size} was given without a loader",

@@ -24,12 +24,21 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from .. import validate
 from ..errors import ConfigError
 
 FIX_ONCE = (
     "call rt.prepare once, and use what it returns from then on: "
     "model, opt, loader = rt.prepare(model, opt, loader)."
 )
+
+
+def check_arguments(model: Any, optimizer: Any, global_batch_size: Any) -> None:
+    """``rt.prepare``'s arguments, by type, before anything moves (validate.py)."""
+    validate.module("model", model, where="rt.prepare()")
+    validate.optimizer("optimizer", optimizer, where="rt.prepare()")
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare()", example=64)  # fmt: skip
 
 
 def refuse_prepared_twice(prepared: weakref.WeakSet, **given: Any) -> None:

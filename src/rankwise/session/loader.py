@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from .. import validate
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
@@ -16,6 +17,7 @@ from ..log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy
+from ..validate import shown
 from .guards import refuse_empty_loader
 
 
@@ -157,7 +159,8 @@ def prepare_loader(
     visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
     No sync point.
     """
-
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare_loader()", example=64)  # fmt: skip
     if isinstance(loader, DeviceLoader):
         loader = loader.loader
     if isinstance(loader, Loader):
@@ -167,7 +170,8 @@ def prepare_loader(
         built = _rebuild(rt, loader, global_batch_size, evaluation)
     else:
         raise ConfigError(
-            f"loader={type(loader).__name__} is not a torch DataLoader nor an rw.loader",
+            f"loader={shown(loader)} ({type(loader).__name__}) is not a torch DataLoader nor "
+            "an rw.loader",
             fix="pass DataLoader(dataset, batch_size=B, shuffle=...) or rw.loader(dataset, ...).",
         )
     refuse_empty_loader(built, loader, evaluation)
