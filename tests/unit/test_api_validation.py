@@ -451,3 +451,30 @@ def test_census(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         print("\n" + text)
     assert len(CASES) >= 86
     assert not result["raw"] and not result["unnamed"] and not result["accepted"], text
+
+
+def test_valid_arguments_pass_as_before(tmp_path: Path) -> None:
+    """The checks refuse only what is wrong: values torch reads with float(), a numpy seed
+    and rank, logging's level names, the root logger, a timedelta; and a disabled progress
+    bar."""
+    import logging
+    from datetime import timedelta
+
+    import numpy as np
+
+    rt, model = _trained()
+    twin = _net()
+    for p, q in zip(twin.parameters(), model.parameters(), strict=True):
+        p.grad = q.grad.clone()
+    ours = rt.clip_grad_norm_(model, "0.5", norm_type="inf")
+    theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), "0.5", norm_type="inf")
+    assert torch.equal(ours, theirs)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    loader = rw.loader(_data(), batch_size=4, seed=np.int64(1))
+    assert len(loader) == 4 and loader.per_device_batch_size == 4
+    assert rw.get_logger(None, level="DEBUG") is logging.getLogger()
+    rw.barrier(timeout=timedelta(seconds=5))
+    assert rw.broadcast_object("x", src=np.int64(0)) == "x"
+    assert list(rw.progress([1, 2, 3], disable=True)) == [1, 2, 3]  # was: AttributeError
+    logging.getLogger().handlers[:] = [h for h in logging.getLogger().handlers
+                                       if not getattr(h, "_rankwise", False)]  # fmt: skip
