@@ -7,7 +7,8 @@ int. Fix: pass e.g. seed=0.`` A valid argument passes untouched (nothing is conv
 check never changes what a correct call does. ``where`` names the call (``'rw.loader()'``).
 
 Ground floor, and free of torch at import (the checks that name torch types import it), so
-``env``, ``mesh`` and ``topology`` use it and ``rankwise check``/``topology`` stay torch-free.
+``env`` and ``mesh`` use it and the commands that need no torch (``rankwise check``,
+``rankwise topology``) still start without it.
 """
 
 from __future__ import annotations
@@ -80,14 +81,15 @@ def number(
     bound = " > 0" if positive else "" if minimum is None else f" >= {minimum}"
     fix = f"pass a number{bound}, e.g. {name}={example}."
     expected = f"a number{bound}" + (" or None" if optional else "")
+    num = value
     if isinstance(value, str) and numeric_text:
         try:
-            value = float(value)
+            num = float(value)
         except ValueError:
             fail(name, value, expected, where=where, fix=fix)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(num, bool) or not isinstance(num, numbers.Real):
         fail(name, value, expected, where=where, fix=fix)
-    if (positive and not value > 0) or (minimum is not None and not value >= minimum):
+    if (positive and not num > 0) or (minimum is not None and not num >= minimum):
         fail(name, value, expected, where=where, fix=fix)
 
 
@@ -96,14 +98,12 @@ def timeout(name: str, value: Any, *, where: str = "") -> None:
     if value is None:
         return
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
-        fail(
-            name,
-            value,
-            "a positive number of seconds, a timedelta or None",
-            where=where,
-            fix=f"pass the seconds to wait, e.g. {name}=300.",
-        )
+    fix = f"pass the seconds to wait, e.g. {name}=300."
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        fail(name, value, "a number of seconds, a timedelta or None", where=where, fix=fix)
+    if not seconds > 0:
+        raise ConfigError(f"{where + ': ' if where else ''}{name}={value!r} must be positive",
+                          fix=fix)  # fmt: skip
 
 
 def choice(
@@ -142,10 +142,10 @@ def is_optimizer(value: Any) -> bool:
 
     if isinstance(value, torch.optim.Optimizer):
         return True
-    stateful = callable(getattr(value, "state_dict", None)) and callable(
+    has_state = callable(getattr(value, "state_dict", None)) and callable(
         getattr(value, "load_state_dict", None)
     )
-    return stateful and not isinstance(value, (nn.Module, type))
+    return has_state and not isinstance(value, (nn.Module, type))
 
 
 def optimizer(name: str, value: Any, *, where: str = "", optional: bool = True) -> None:
@@ -191,15 +191,10 @@ def sequence(name: str, value: Any, expected: str, *, where: str = "", example: 
         fail(name, value, expected, where=where, fix=f"pass e.g. {name}={example}.")
 
 
-def iterable(name: str, value: Any, *, where: str = "", sized: bool = False) -> None:
-    """Something to iterate (``sized``: with ``len()`` too, as a map-style data set)."""
-    ok = hasattr(value, "__len__") and hasattr(value, "__getitem__") if sized else None
-    if sized and ok:
-        return
-    if not sized and (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
-        return
-    what = "a data set with len() and [index]" if sized else "an iterable"
-    fail(name, value, what, where=where, fix=f"pass the {'data set' if sized else 'iterable'}.")
+def iterable(name: str, value: Any, *, where: str = "") -> None:
+    """Something ``iter()`` takes (``__iter__``, or ``__getitem__`` as a sequence)."""
+    if not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
+        fail(name, value, "an iterable", where=where, fix=f"pass the {name} to go through.")
 
 
 def process_group(name: str, value: Any, *, where: str = "") -> None:

@@ -469,7 +469,8 @@ def test_valid_arguments_pass_as_before(tmp_path: Path) -> None:
     ours = rt.clip_grad_norm_(model, "0.5", norm_type="inf")
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), "0.5", norm_type="inf")
     assert torch.equal(ours, theirs)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    pairs = zip(model.parameters(), twin.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
     loader = rw.loader(_data(), batch_size=4, seed=np.int64(1))
     assert len(loader) == 4 and loader.per_device_batch_size == 4
     assert rw.get_logger(None, level="DEBUG") is logging.getLogger()
