@@ -134,6 +134,7 @@ def save_checkpoint(
 
     Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
     """
+    files.check_arguments(path, model, optimizer, saving=True, epoch=epoch, keep_last=keep_last)
     files.check_step(step)
     if keep_last < 1:
         raise ConfigError(
@@ -341,6 +342,7 @@ def load_checkpoint(
     every rank and load at any M. Rank r restores the RNG state saved by rank r when r < N;
     ranks r >= N keep their current RNG state (there is nothing of theirs to restore).
     """
+    files.check_arguments(path, model, optimizer, saving=False)
     file = resolve(path)
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):

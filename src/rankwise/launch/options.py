@@ -245,7 +245,7 @@ def require_function(fn: object) -> None:
     if isinstance(fn, (LaunchOptions, str)):
         script = fn.script if isinstance(fn, LaunchOptions) else fn
         raise ConfigError(
-            f"rw.launch({fn!r}) runs a Python function in N processes, not a script",
+            f"rw.launch(fn={fn!r}) runs a Python function in N processes, not a script",
             fix=f"for a script use `rankwise run --nproc-per-node 2 {script}` or "
             f"rankwise.launch.launch(LaunchOptions(script={script!r}, nproc_per_node=2)); "
             "for a function pass it: rw.launch(train, nprocs=2).",

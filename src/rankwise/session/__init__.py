@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import precision, runtime
+from .. import precision, runtime, validate
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
@@ -39,6 +39,7 @@ from ..diagnose import fingerprints
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..plan import check_init_arguments
 from ..training import LoopState, TrainingLoop, full_states
 from . import first_batch, guards, saving
 from .auto import settle as settle_auto
@@ -115,6 +116,7 @@ class Session(runtime.Runtime, TrainingLoop):
 
         Sync point: all ranks under 'zero3'.
         """
+        validate.module("model", model, where="rt.full_parameters()")
         summon = getattr(model, "full_parameters", None)
         if callable(summon):
             return summon(writeback=writeback)
@@ -182,6 +184,7 @@ def init(
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
+    check_init_arguments(backend, device, timeout, env)  # before anything is joined
     rt = runtime.init(
         backend,
         device=device,
@@ -224,12 +227,13 @@ def prepare(
     the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
     first training forward compares what the ranks read (``first_batch.py``).
     """
+    guards.refuse_loader_as_model(rt.prepared, model)  # before the type check: says the call
+    guards.check_arguments(model, optimizer, global_batch_size)
     if loader is None and global_batch_size is not None:
         raise ConfigError(
             f"global_batch_size={global_batch_size} was given without a loader",
             fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )
-    guards.refuse_loader_as_model(rt.prepared, model)
     guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from .. import validate
 from ..data import Loader
 from ..errors import ConfigError
 
@@ -48,6 +49,14 @@ _OURS = tuple(
     for m in (torch, sys.modules[__name__.split(".")[0]])
 )
 """Frames under these folders are torch's or rankwise's; the first other one is the user's."""
+
+
+def check_arguments(model: Any, optimizer: Any, global_batch_size: Any) -> None:
+    """``rt.prepare``'s arguments, by type, before anything moves (validate.py)."""
+    validate.module("model", model, where="rt.prepare()")
+    validate.optimizer("optimizer", optimizer, where="rt.prepare()")
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare()", example=64)  # fmt: skip
 
 
 def user_frame(depth: int = 1) -> tuple[FrameType | None, int]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import validate
 from .collectives import (
     copy_to_parallel,
     gather_from_parallel,
@@ -53,6 +54,14 @@ def _slice_param(p: nn.Parameter, dim: int, chunks: int, group: Group, memo: Mem
     if memo is not None:
         memo[key] = out
     return out
+
+
+def _check_layer(name: str, layer: object, kind: type, group: object, where: str) -> None:
+    """The layer to split is an ``nn.<kind>`` and ``group`` a process group (or None)."""
+    if not isinstance(layer, kind):
+        validate.fail(name, layer, f"a torch.nn.{kind.__name__}", where=where,
+                      fix=f"pass the nn.{kind.__name__} to split, e.g. {where[:-2]}(model.proj).")
+    validate.process_group("group", group, where=where)
 
 
 class _TensorParallel(nn.Module):
@@ -82,6 +91,8 @@ class ColumnParallelLinear(_TensorParallel):
         self, linear: nn.Linear, group: Group = None, *, chunks: int = 1,
         gather_output: bool = False, sequence_parallel: bool = False, memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("linear", linear, nn.Linear, group, "ColumnParallelLinear()")
+        validate.integer("chunks", chunks, minimum=1, where="ColumnParallelLinear()")
         super().__init__()
         self._set_group(group)
         self.chunks, self.gather_output, self.sequence_parallel = (
@@ -128,6 +139,7 @@ class RowParallelLinear(_TensorParallel):
         self, linear: nn.Linear, group: Group = None, *, input_is_parallel: bool = True,
         sequence_parallel: bool = False, memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("linear", linear, nn.Linear, group, "RowParallelLinear()")
         super().__init__()
         self._set_group(group)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -165,6 +177,7 @@ class VocabParallelEmbedding(_TensorParallel):
         self, embedding: nn.Embedding, group: Group = None, *, sequence_parallel: bool = False,
         memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("embedding", embedding, nn.Embedding, group, "VocabParallelEmbedding()")
         super().__init__()
         from ...errors import ConfigError
 

@@ -32,6 +32,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from ... import validate
 from ...errors import ConfigError
 from .layers import ColumnParallelLinear, Memo, RowParallelLinear, VocabParallelEmbedding
 from .shards import Group, group_size
@@ -144,6 +145,10 @@ def tensor_parallel(
     place; returns ``model``. ``group``: the tensor dimension's group (``mesh.group("tensor")``);
     None: every rank. No sync point (each rank slices its own part).
     """
+    validate.module("model", model, where="rw.tensor_parallel()")
+    validate.mapping("plan", plan, "a dict of module names to styles", where="rw.tensor_parallel()",
+                     example="{'blocks.*.attn.qkv': Column(chunks=3), 'blocks.*.attn.proj': 'row'}")
+    validate.process_group("group", group, where="rw.tensor_parallel()")
     if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reducer"):
         raise ConfigError(
             f"tensor_parallel got a {type(model).__name__}: split the bare model first",

@@ -38,6 +38,7 @@ from ..ddp.devices import group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
 from ..ddp.sparse import refuse_sparse
 from . import sharded_optim
+from .arguments import check_arguments
 from .engine_view import OptimizerFactory
 from .grad_norm import clip_shards_
 from .layout import layout, module_units, split_by_group
@@ -89,11 +90,8 @@ class ShardedDataParallel(nn.Module):
         wrap: WrapPolicy = None,
     ) -> None:
         super().__init__()
-        if stage not in (1, 2, 3):
-            raise ConfigError(
-                f"stage={stage!r} is not a ZeRO stage",
-                fix="pass stage=1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters).",
-            )
+        check_arguments(module, optimizer, stage, process_group=process_group,
+                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, wrap=wrap)  # fmt: skip
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
