@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -38,11 +38,20 @@ from ..diagnose import fingerprints
 from ..env import DistEnv
 from ..errors import ConfigError
 from ..log import print0
+from ..parallel import deferred
 from ..training import LoopState, TrainingLoop, full_states
 from . import guards
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .model import (
+    agreed_for,
+    check_optimizer,
+    move_optimizer_state,
+    prepare_model,
+    refuse_exact_in_bf16,
+    refuse_wrapped,
+    wrapper,
+)
 from .sharded import warn_if_too_big
 
 __all__ = [
@@ -84,8 +93,11 @@ class Session(runtime.Runtime, TrainingLoop):
         global_batch_size: int | None = None,
         scheduler: Any = None,
         wrap: Any = None,
+        init: Callable[[nn.Module], Any] | None = None,
+        exact_init: bool = False,
     ) -> Any:
-        """``prepare(rt, ...)``: move, then wrap the model; split the loader.
+        """``prepare(rt, ...)``: move (or, built on the meta device, initialise), then wrap
+        the model; split the loader.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
@@ -97,6 +109,8 @@ class Session(runtime.Runtime, TrainingLoop):
             global_batch_size=global_batch_size,
             scheduler=scheduler,
             wrap=wrap,
+            init=init,
+            exact_init=exact_init,
         )
 
     def full_parameters(
@@ -186,6 +200,8 @@ def prepare(
     global_batch_size: int | None = None,
     scheduler: Any = None,
     wrap: Any = None,
+    init: Callable[[nn.Module], Any] | None = None,
+    exact_init: bool = False,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -196,7 +212,11 @@ def prepare(
     under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
     a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
     of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
-    not use it.
+    not use it. A model built under ``with torch.device("meta"):`` is initialised here, each
+    rank building only what it keeps, one module at a time: by ``init(module)`` (called for
+    every module with tensors of its own, in registration order) or else each module's
+    ``reset_parameters()``; ``exact_init=True`` reproduces an eager CPU build at the same seed
+    bit for bit (docs/zero.md, "Models larger than one process").
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
     rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
@@ -211,7 +231,8 @@ def prepare(
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
+    how = deferred.plan(model, init, exact_init)
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how)
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
@@ -228,13 +249,15 @@ def prepare(
 
 
 def _with_precision(
-    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any, how: deferred.DeferredInit | None
 ) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
+    refuse_exact_in_bf16(how, policy.name)
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
-    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap)
+    with agreed_for(rt, how):  # a meta model: every rank draws from the same random state
+        wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap, how)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:
