@@ -149,8 +149,14 @@ def _pair(rt, kind: str) -> dict:
     after = full_state(m_model)
     moved = [k for k in after if k in dict(meta.named_parameters()) and
              not torch.equal(after[k], prepared[k])]  # fmt: skip
-    return {"same_rng": same_rng, "before": before, "after": differing(full_state(e_model), after),
-            "losses": (e_losses, m_losses), "moved": len(moved), "params": len(dict(meta.named_parameters()))}
+    return {
+        "same_rng": same_rng,
+        "before": before,
+        "after": differing(full_state(e_model), after),
+        "losses": (e_losses, m_losses),
+        "moved": len(moved),
+        "params": len(dict(meta.named_parameters())),
+    }
 
 
 def default_mode(rt) -> dict:
@@ -172,8 +178,12 @@ def default_mode(rt) -> dict:
         "nan": nan,
         "kaiming": (float(w.abs().max()) <= bound, float(w.std()) / (bound / math.sqrt(3))),
         "normal": float(state["emb.weight"].std()),
-        "bn": (state["bn.running_mean"].abs().max().item(), state["bn.running_var"].min().item(),
-               state["bn.running_var"].max().item(), int(state["bn.num_batches_tracked"])),
+        "bn": (
+            state["bn.running_mean"].abs().max().item(),
+            state["bn.running_var"].min().item(),
+            state["bn.running_var"].max().item(),
+            int(state["bn.num_batches_tracked"]),
+        ),
         "mask": torch.equal(_bare(model).causal.mask, torch.ones(16, 16).tril().bool()),
         "freqs": torch.equal(_bare(model).causal.freqs, Causal(16)._freqs()),
         "losses": train("checked", model, opt, rt.rank),

@@ -127,7 +127,7 @@ def _check_set(
 
 def _release(module: nn.Module, keep: set[int]) -> None:
     """Send the full module's tensors back to the meta device (its pieces are cut)."""
-    for kind, name, t in own_tensors(module):
+    for _kind, _name, t in own_tensors(module):
         if id(t) not in keep and not t.is_meta:
             torch.utils.swap_tensors(t, _like_meta(t))
 

@@ -83,9 +83,7 @@ def gather_group(engine: ShardedDataParallel) -> Any:
     if engine.stage < 3 or engine.world_size == 1:
         return group
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return dist.new_group(
-        ranks, backend=dist.get_backend(group), use_local_synchronization=True
-    )
+    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
 
 
 def broadcast_the_rest(engine: ShardedDataParallel) -> None:
