@@ -110,12 +110,17 @@ def _run(module: nn.Module, path: str, init: Init | None) -> None:
         reset()
 
 
+def _any_nan(t: torch.Tensor) -> bool:
+    """``t.isnan().any()`` a million elements at a time (no mask as large as ``t``)."""
+    return any(bool(part.isnan().any()) for part in t.detach().reshape(-1).split(1 << 20))
+
+
 def _check_set(
     module: nn.Module, path: str, allocated: list[tuple[str, str, torch.Tensor]], init: Init | None
 ) -> None:
     by = "the init function" if init is not None else "reset_parameters()"
     for kind, name, t in allocated:
-        if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
+        if (t.is_floating_point() or t.is_complex()) and _any_nan(t):
             raise ConfigError(
                 f"{by} of module {path!r} ({type(module).__name__}) left {kind} {name!r} "
                 "(partly) unset: it still holds the NaN it was allocated with",
