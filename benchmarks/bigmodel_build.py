@@ -39,8 +39,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import rankwise as rw
 from _report import emit
+
+import rankwise as rw
 from rankwise.bench.memory import _status_kb, _trim_heap
 from rankwise.testing import run_distributed
 
