@@ -10,6 +10,7 @@ buffers recomputed, this rank's own generator left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -215,3 +216,33 @@ def every_check(strategy: str) -> dict:
         "default": default_mode(rt),
         "refused": unequal_seeds_refused(rt),
     }
+
+
+def mesh_pair(strategy: str) -> dict:
+    """data 2 x tensor 2: the tiny GPT split by ``rw.tensor_parallel`` eagerly and on the meta
+    device (pieces cut at prepare), both prepared and trained on the same batches."""
+    from rankwise.parallel.tensor.tiny_gpt import GPT as TinyGPT
+    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN, GPTConfig as TinyConfig
+
+    rt = rw.init(strategy=strategy, mesh={"data": 2, "tensor": 2})
+    torch.set_num_threads(1)
+    cfg, tensor = TinyConfig(qkv_bias=False), rt.mesh.group("tensor")
+    models = []
+    for meta in (False, True):
+        torch.manual_seed(SEED)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            split = rw.tensor_parallel(TinyGPT(cfg), GPT_PLAN, group=tensor)
+        opt = torch.optim.AdamW(split.parameters(), lr=1e-2)
+        models.append(rt.prepare(split, opt, exact_init=meta))
+    states = [[full_state(m)] for m, _ in models]
+    g = torch.Generator().manual_seed(rt.mesh.coord("data"))
+    for _ in range(STEPS):
+        x, y = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+        for (model, opt), seen in zip(models, states, strict=True):
+            rw.vocab_parallel_cross_entropy(model(x), y, tensor).backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(full_state(model))
+    (eager, meta) = states
+    return {"differ": [differing(a, b) for a, b in zip(eager, meta, strict=True)],
+            "moved": differing(meta[0], meta[-1])}  # fmt: skip
