@@ -222,7 +222,8 @@ def mesh_pair(strategy: str) -> dict:
     """data 2 x tensor 2: the tiny GPT split by ``rw.tensor_parallel`` eagerly and on the meta
     device (pieces cut at prepare), both prepared and trained on the same batches."""
     from rankwise.parallel.tensor.tiny_gpt import GPT as TinyGPT
-    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN, GPTConfig as TinyConfig
+    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN
+    from rankwise.parallel.tensor.tiny_gpt import GPTConfig as TinyConfig
 
     rt = rw.init(strategy=strategy, mesh={"data": 2, "tensor": 2})
     torch.set_num_threads(1)
