@@ -36,7 +36,6 @@ from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
 from ..env import DistEnv
-from ..errors import ConfigError
 from ..log import print0
 from ..parallel import deferred
 from ..training import LoopState, TrainingLoop, full_states
@@ -97,7 +96,9 @@ class Session(runtime.Runtime, TrainingLoop):
         exact_init: bool = False,
     ) -> Any:
         """``prepare(rt, ...)``: move (or, built on the meta device, initialise), then wrap
-        the model; split the loader.
+        the model; split the loader. ``init``: ``init(module)`` for each module with tensors of
+        its own, in registration order, instead of its ``reset_parameters()``; ``exact_init``:
+        equal to an eager CPU build at the same seed, bit for bit.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
@@ -212,26 +213,19 @@ def prepare(
     under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
     a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
     of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
-    not use it. A model built under ``with torch.device("meta"):`` is initialised here, each
-    rank building only what it keeps, one module at a time: by ``init(module)`` (called for
-    every module with tensors of its own, in registration order) or else each module's
-    ``reset_parameters()``; ``exact_init=True`` reproduces an eager CPU build at the same seed
-    bit for bit (docs/zero.md, "Models larger than one process").
+    not use it. A model built on the meta device is initialised here (``init``, ``exact_init``:
+    docs/zero.md, "Models larger than one process").
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
     rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
     """
-    if loader is None and global_batch_size is not None:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} was given without a loader",
-            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
-        )
+    guards.refuse_batch_size_without_loader(loader, global_batch_size)
     guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    how = deferred.plan(model, init, exact_init)
+    how = deferred.plan(model, init, exact_init)  # None: not built on the meta device
     wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how)
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
