@@ -118,9 +118,13 @@ def test_init_function_and_tensor_parallel_pieces_in_one_process():
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.BatchNorm1d(3))
-    model = rt.prepare(model, init=init)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)  # state made at construction
+    model, opt = rt.prepare(model, opt, init=init)
     assert seen == ["Linear", "BatchNorm1d"]
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters())
+    model(torch.randn(4, 2)).sum().backward()
+    opt.step()  # the optimizer given to prepare steps the real parameters (its state remade)
+    assert torch.equal(model[2].bias, torch.full_like(model[2].bias, 0.5 - 0.1))
 
     cfg = GPTConfig()
     torch.manual_seed(3)
