@@ -145,3 +145,21 @@ def test_meta_model_on_a_data_2_by_tensor_2_mesh_equals_eager(strategy):
     for r in run_distributed(mc.mesh_pair, 4, args=(strategy,), init=False, timeout=300):
         assert r["differ"] == [[]] * (mc.STEPS + 1)
         assert r["moved"]  # it trained
+
+
+@pytest.mark.gpu
+def test_meta_model_built_on_cuda():
+    """Default mode builds on the device (its generator); exact mode on the CPU, then moves."""
+    rt = rw.init(strategy="single", device="cuda")
+    torch.manual_seed(mc.SEED)
+    eager = mc.build("gpt").cuda()
+    torch.manual_seed(mc.SEED)
+    with torch.device("meta"):
+        meta = mc.build("gpt")
+    meta = rt.prepare(meta, exact_init=True)
+    assert mc.differing(eager.state_dict(), meta.state_dict()) == []
+    with torch.device("meta"):
+        checked = mc.Checked()
+    checked = rt.prepare(checked)
+    assert all(t.is_cuda and not t.isnan().any() for t in checked.state_dict().values()
+               if t.is_floating_point())  # fmt: skip
