@@ -103,8 +103,11 @@ def meta_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path or "<root>", m) for path, m in model.named_modules() if has_meta(m)]
 
 
-def walk(model: nn.Module, how: DeferredInit, device: torch.device) -> Iterator[
-        tuple[nn.Module, list[torch.Tensor]]]:  # fmt: skip
+Built = tuple[nn.Module, list[torch.Tensor]]
+"""A module whose meta tensors were just initialised, and those tensors (the same objects)."""
+
+
+def walk(model: nn.Module, how: DeferredInit, device: torch.device) -> Iterator[Built]:
     """Initialise the meta modules one by one on ``how.build_device(device)``; yields each
     module with its newly real tensors. No sync point."""
     done: set[int] = set()
@@ -128,9 +131,11 @@ def materialize(model: nn.Module, how: DeferredInit, device: torch.device) -> nn
     for _, tensors in walk(model, how, device):
         to_device(tensors, device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:  # only a module cut from a full one could be missed; say so rather than crash later
-        raise ConfigError(f"tensors left on the meta device after initialisation: {left[:5]}",
-                          fix="report this: every module with meta tensors should be built.")  # fmt: skip
+    if left:  # cannot happen for a module tree; said plainly rather than failing later
+        raise ConfigError(
+            f"tensors left on the meta device after initialisation: {left[:5]}",
+            fix="report this: every module with meta tensors should have been built.",
+        )
     return model
 
 
