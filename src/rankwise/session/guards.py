@@ -185,3 +185,11 @@ def warn_scheduler_not_saved(kwargs: dict[str, Any]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def refuse_batch_size_without_loader(loader: Any, global_batch_size: int | None) -> None:
+    if loader is None and global_batch_size is not None:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} was given without a loader",
+            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
+        )

@@ -75,6 +75,17 @@ class _TensorParallel(nn.Module):
         """Parameter name -> (dim, chunks) of its split; the others are whole on every rank."""
         return dict(self._splits)
 
+    def _keep_source(self, module: nn.Module) -> None:
+        """Made from a meta module: keep it (unregistered) until ``rt.prepare`` builds it
+        whole, one module at a time, and cuts this rank's pieces (``parallel/deferred``)."""
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            self.__dict__["_full_module"] = module
+
+    def cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full parameter ``name`` (a new tensor)."""
+        dim, chunks = self._splits[name]
+        return shard(full, dim, self.tp_rank, self.tp_size, chunks)
+
 
 class ColumnParallelLinear(_TensorParallel):
     """``y[..., slice] = x @ W[slice].T + b[slice]``: this rank's slice of the output features.
@@ -110,6 +121,7 @@ class ColumnParallelLinear(_TensorParallel):
         self.bias = (
             None if linear.bias is None else _slice_param(linear.bias, 0, chunks, group, memo)
         )
+        self._keep_source(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -149,6 +161,7 @@ class RowParallelLinear(_TensorParallel):
         self._splits: dict[str, tuple[int, int]] = {"weight": (1, 1)}
         self.weight = _slice_param(linear.weight, 1, 1, group, memo)
         self.bias = linear.bias  # whole on every rank, added after the sum
+        self._keep_source(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -197,6 +210,7 @@ class VocabParallelEmbedding(_TensorParallel):
         self.vocab_start = self.tp_rank * self.num_embeddings
         self._splits: dict[str, tuple[int, int]] = {"weight": (0, 1)}
         self.weight = _slice_param(embedding.weight, 0, 1, group, memo)
+        self._keep_source(embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

@@ -21,7 +21,10 @@ that stores it (``self.n_head``, ``self.n_embd``) gets it divided by a ``Divide`
 Styles are applied in the plan's order; a pattern that matches nothing is an error (a typo
 would otherwise leave a layer whole and silently replicated). Weights shared by two modules
 (tied embedding and head) stay shared. No communication: every rank slices its own part
-from the same full weights, so build (or load) the model identically on every rank first.
+from the same full weights, so build (or load) the model identically on every rank first — or
+build it under ``torch.device("meta")``: each layer then keeps the meta module it was cut
+from, and ``rt.prepare`` initialises that module whole and cuts this rank's piece
+(``parallel/deferred``).
 """
 
 from __future__ import annotations
