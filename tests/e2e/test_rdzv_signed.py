@@ -65,7 +65,7 @@ def _wait_for(path: Path, job: subprocess.Popen, timeout: float = 120) -> None:
     while not path.exists():
         if job.poll() is not None or time.monotonic() - start > timeout:
             job.kill()
-            out, err = job.communicate()
+            _, err = job.communicate()
             pytest.fail(f"the job never started its worker:\n{err[-3000:]}")
         time.sleep(0.05)
 
