@@ -126,7 +126,9 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth + 1)
             if depth + 1 > MAX_DEPTH:
                 break
-            stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
+            stack.extend(
+                (x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)
+            )
     return deepest
 
 
