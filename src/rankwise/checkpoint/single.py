@@ -309,7 +309,7 @@ def _check_map_location(map_location: Any) -> None:
     machine without GPUs reads like a damaged file (docs/checkpoints.md)."""
     targets = map_location.values() if isinstance(map_location, Mapping) else [map_location]
     for target in targets:
-        if isinstance(target, (str, torch.device)):
+        if isinstance(target, (str, torch.device)) and str(target) not in ("cpu", "meta"):
             try:
                 devices.resolve_device(target, "map_location")
             except ConfigError as exc:
