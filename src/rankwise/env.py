@@ -383,6 +383,12 @@ def parent_draws_bars(environ: Mapping[str, str] | None = None) -> bool:
     return e.get("RANKWISE_LIVE_BARS") == "1"
 
 
+def rdzv_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``RANKWISE_RDZV_TOKEN``: the secret that signs a c10d rendezvous (``--rdzv-token``)."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_RDZV_TOKEN") or None
+
+
 def snapshot() -> dict[str, str]:
     """A copy of the whole environment (for checks such as ``rankwise doctor`` that take a mapping)."""
     return dict(os.environ)

@@ -70,6 +70,14 @@ def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "rdzv-id", default="none", metavar="ID", help="job id shared by all nodes (c10d)")
     _flag(
         parser,
+        "rdzv-token",
+        default=None,
+        metavar="SECRET",
+        help="secret every node of a c10d job shares, to sign the rendezvous state "
+        "(default: $RANKWISE_RDZV_TOKEN; one node: generated)",
+    )
+    _flag(
+        parser,
         "rdzv-timeout",
         type=int,
         default=DEFAULT_RDZV_TIMEOUT_S,
@@ -144,6 +152,7 @@ def options_from_args(args: argparse.Namespace, *, pass_local_rank: bool = False
         rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        rdzv_token=args.rdzv_token,
         rdzv_timeout=args.rdzv_timeout,
         standalone=args.standalone,
         max_restarts=args.max_restarts,

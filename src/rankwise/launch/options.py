@@ -48,6 +48,9 @@ class LaunchOptions:
     """host:port of the rendezvous store (c10d)."""
     rdzv_id: str = "none"
     """Job id shared by all nodes of one job (c10d)."""
+    rdzv_token: str | None = field(default=None, repr=False)
+    """Secret shared by every node of a c10d job, which signs the rendezvous state
+    (``RANKWISE_RDZV_TOKEN`` when None; a one-node job generates its own)."""
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the other nodes or the master before giving up."""
     standalone: bool = False

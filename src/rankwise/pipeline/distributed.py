@@ -225,7 +225,8 @@ class DistributedPipeline(nn.Module):
             if self.is_first:
                 inp = micro[i]
             else:
-                head = self._link.recv_header(self._prev, f"activation {i}")
+                sender = f"stage {self.stage_index - 1} (rank {self._prev})"
+                head = self._link.recv_header(self._prev, f"activation {i}", sender, (i, count))
                 count = head.num_micro_batches
                 inp = self._link.recv(head.shape, head.dtype, self._prev, f"activation {i}")
                 inp = inp.to(self.device).requires_grad_(inp.is_floating_point())
