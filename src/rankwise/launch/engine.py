@@ -38,6 +38,7 @@ from .report import (
     read_culprits,
     read_diagnoses,
     read_finished,
+    read_raised,
 )
 from .restarts import RestartLog, reporting_restarts
 
@@ -182,6 +183,7 @@ def _job_failed(
         culprits=read_culprits(diag),
         finished=read_finished(diag),
         signalled=signalled or None,
+        raised=read_raised(diag),
     )
 
 

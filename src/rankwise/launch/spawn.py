@@ -19,15 +19,15 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import env as envmod
-from ..console import redraws_in_place
-from .bootstrap import die_with_parent
+from ..console import printable, redraws_in_place
+from ..errors import DistributedError
+from .bootstrap import die_with_parent, shown_traceback
 from .output import RankLines
 
 _GRACE_S = 3.0
@@ -130,9 +130,11 @@ def _child(
             # through file descriptors that vanish when this process exits.
             results.put(("result", rank, True, pickle.dumps(value)))
         except SystemExit as exc:
+            _tell_peers(exc)
             results.put(_exited(rank, exc))
         except BaseException as exc:
-            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _tell_peers(exc)  # before leaving the group: the others read why, not "finished"
+            text = shown_traceback(exc, (__file__,))
             sys.stdout.flush()
             sys.stderr.flush()
             results.put(("result", rank, False, (text, _pickled_exception(exc))))
@@ -144,6 +146,17 @@ def _child(
             except Exception:
                 pass
     sys.stdout.flush()
+
+
+def _tell_peers(exc: BaseException) -> None:
+    """This rank ends on ``exc`` (a ``sys.exit(0)`` is a normal end): the other ranks' diagnosis
+    says "rank r raised ..." (``runtime.ending_on``), and the ``shutdown`` that follows does
+    not announce a normal finish over it."""
+    if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        return
+    from ..runtime import ending_on
+
+    ending_on(exc)
 
 
 def _exited(rank: int, exc: SystemExit) -> tuple:
@@ -283,12 +296,44 @@ def _hang(procs, values, failures, stack_files, timeout: float) -> None:
         failures[r] = Failure(f"still running after {timeout:.0f}s (hang). Its stack:\n{stack}")
 
 
+def _consequence(f: Failure) -> bool:
+    """The rank failed only waiting for another: rankwise's diagnosis of a collective."""
+    if f.exception is not None:
+        return isinstance(f.exception, DistributedError)
+    return "DistributedError: " in f.text
+
+
+def _exception_line(f: Failure) -> str:
+    if f.exception is not None:
+        lines = str(f.exception).strip().splitlines()
+        return printable(f"{type(f.exception).__name__}: {lines[0]}" if lines else
+                         type(f.exception).__name__, 300)  # fmt: skip
+    lines = [ln for ln in f.text.strip().splitlines() if ln.strip()]
+    return printable(lines[-1], 300) if lines else "an error"
+
+
+def causes_first(failures: dict[int, Failure]) -> dict[int, Failure]:
+    """The failures with the ranks that raised their own exception first (the cause), then
+    the ranks that failed waiting for them, each group in the order they failed."""
+    first = {r: f for r, f in failures.items() if not _consequence(f)}
+    return {**first, **{r: f for r, f in failures.items() if r not in first}}
+
+
 def report(
     who: str, what: str, failures: dict[int, Failure], values: dict[int, Any], world_size: int
 ) -> str:
-    """Every failed rank's traceback, the first failure (usually the cause) first."""
+    """Every failed rank's traceback, the rank that raised (the cause) first, named with its
+    exception in the first line."""
+    failures = causes_first(failures)
     ranks = ", ".join(str(r) for r in failures)
-    parts = [f"{who} {what} on rank(s) {ranks} of {world_size} (first failure first)"]
+    head = f"{who} {what} on rank(s) {ranks} of {world_size}"
+    raisers = [r for r, f in failures.items() if not _consequence(f)]
+    if raisers and what == "failed":
+        waited = [r for r in failures if r not in raisers]
+        head += f": rank {raisers[0]} raised {_exception_line(failures[raisers[0]])}"
+        if waited:
+            head += f"; rank(s) {', '.join(map(str, waited))} failed waiting for it"
+    parts = [f"{head} (the cause first)"]
     for r, failure in failures.items():
         parts.append(f"--- rank {r} ---\n{failure.text.rstrip()}")
     if values:
