@@ -130,7 +130,6 @@ R = TypeVar("R", bound=Runtime)
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
-_failure_hooks: list[Callable[[BaseException], None]] = []
 
 
 def choose_device(env: DistEnv, device: str | torch.device | None = None) -> torch.device:
@@ -324,27 +323,6 @@ def on_shutdown(hook: Callable[[], None]) -> None:
         _shutdown_hooks.append(hook)
 
 
-def on_failure(hook: Callable[[BaseException], None]) -> None:
-    """Call ``hook(exc)`` when this process ends on an exception (``ending_on``), once per hook.
-
-    The fingerprints register here to tell the other ranks "rank r raised ...": a rank that
-    raised must never read as one that finished normally.
-    """
-    if hook not in _failure_hooks:
-        _failure_hooks.append(hook)
-
-
-def ending_on(exc: BaseException) -> None:
-    """This process is ending because of ``exc``: run the ``on_failure`` hooks (never raises).
-
-    Called at exit after an uncaught exception (``sys.last_value``, which Python and
-    ``rankwise run``'s bootstrap set), and by ``rw.launch``/``run_distributed``'s children.
-    """
-    for hook in list(_failure_hooks):
-        with contextlib.suppress(Exception):
-            hook(exc)
-
-
 def shutdown() -> None:
     """Leave the job: destroy the process group ``init`` created. Safe to call twice.
 
@@ -363,14 +341,10 @@ def _shutdown_at_exit() -> None:
     # teardown they are freed without the GIL and the process dies of SIGABRT ("terminate
     # called without an active exception"). Leave the group while the interpreter is alive,
     # on a clean exit only: after an unhandled exception a collective may still be pending,
-    # and waiting for it could hang (the launcher stops the job instead); the other ranks
-    # are told which exception ended this one.
-    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if failed is not None:
-        ending_on(failed)
-        return
-    with contextlib.suppress(Exception):  # never raise from atexit
-        shutdown()
+    # and waiting for it could hang (the launcher stops the job instead).
+    if getattr(sys, "last_value", None) is None:
+        with contextlib.suppress(Exception):  # never raise from atexit
+            shutdown()
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from .records import RankView, Record
+
+
+class Cause(NamedTuple):
+    """What a diagnosis found: ``tag`` ('raised', 'uneven', 'batch', 'mismatch', 'dead',
+    'finished', 'behind' or 'unknown'), the sentence that says so, the fix, and the ranks the
+    sentence names (the launcher's headline)."""
+
+    tag: str
+    sentence: str
+    fix: str
+    ranks: list[int]
+
 
 FIX_MISMATCH = (
     "every rank must issue the same collectives, in the same order, with the same shapes and "

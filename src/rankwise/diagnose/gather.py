@@ -148,7 +148,8 @@ def failure_error(
     finished = [v.rank for v in views if v.finished]
     raised = {v.rank: v.raised for v in views if v.raised}
     culprits = report.culprits(views, entry.seq)
-    write_diag_file(g.global_rank, msg, fix, culprits, finished, raised)
+    found = report.decide(entry.record(), views)
+    write_diag_file(g.global_rank, msg, fix, culprits, finished, raised, found)
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -180,7 +181,8 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     e.state, e.error = "failed", "fingerprint mismatch"
     seq, records = report.first_divergence(_rings(g, e.seq, interval))
     msg, fix = report.mismatch_report(g.global_rank, seq, records)
-    write_diag_file(g.global_rank, msg, fix)
+    present = {r: rec for r, rec in records.items() if rec is not None}
+    write_diag_file(g.global_rank, msg, fix, cause=report.mismatch_cause(present))
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -191,10 +193,11 @@ def write_diag_file(
     culprits: list[int] | None = None,
     finished: list[int] | None = None,
     raised: dict[int, str] | None = None,
+    cause: report.Cause | None = None,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
     and ``rank<r>.json`` naming the ranks to blame, those that had finished normally and
-    those that raised, with their exception (the launcher's headline)."""
+    those that raised, with their exception, and the cause found (the launcher's headline)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -203,8 +206,13 @@ def write_diag_file(
         with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
         with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump({"culprits": culprits or [], "finished": finished or [],
-                       "raised": {str(r): e for r, e in (raised or {}).items()}}, f)  # fmt: skip
+            facts = {
+                "culprits": culprits or [],
+                "finished": finished or [],
+                "raised": {str(r): e for r, e in (raised or {}).items()},
+                "cause": None if cause is None else {"tag": cause.tag, "ranks": cause.ranks},
+            }
+            json.dump(facts, f)
     except OSError:
         pass
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .report import Site
+from .frames import internal
+from .records import Site
 
 TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 C10D = os.path.join(TORCH, "distributed") + os.sep
@@ -50,8 +51,9 @@ def find(frame: Any) -> tuple[str, Site, int] | None:
         elif op_frame is not None:
             if code.co_filename.startswith(RANKWISE):
                 return None
-            site = Site(code.co_filename, frame.f_lineno, code.co_name)
-            return op_frame.f_code.co_name, site, id(op_frame)
+            if not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools, ...
+                site = Site(code.co_filename, frame.f_lineno, code.co_name)
+                return op_frame.f_code.co_name, site, id(op_frame)
         frame = frame.f_back
     return None
 

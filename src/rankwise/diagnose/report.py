@@ -20,6 +20,7 @@ from .causes import (
     FIX_FINISHED,
     FIX_MISMATCH,
     FIX_UNEVEN,
+    Cause,
     batch_sentence,
     fix_raised,
     is_step,
@@ -29,10 +30,30 @@ from .causes import (
 from .records import LOCAL_FILES, RankView, Record, Site, describe, if_context
 
 __all__ = [
-    "FIX_BATCH", "FIX_BEHIND", "FIX_DEAD", "FIX_FINISHED", "FIX_MISMATCH", "FIX_UNEVEN",
-    "LOCAL_FILES", "RankView", "Record", "Site", "classify", "clean_backend_error", "culprits",
-    "describe", "disagreement", "failure_report", "first_divergence", "if_context",
-    "mismatch_report", "rank_sentence", "stall_report",
+    "FIX_BATCH",
+    "FIX_BEHIND",
+    "FIX_DEAD",
+    "FIX_FINISHED",
+    "FIX_MISMATCH",
+    "FIX_UNEVEN",
+    "LOCAL_FILES",
+    "Cause",
+    "RankView",
+    "Record",
+    "Site",
+    "classify",
+    "clean_backend_error",
+    "culprits",
+    "decide",
+    "describe",
+    "disagreement",
+    "failure_report",
+    "first_divergence",
+    "if_context",
+    "mismatch_cause",
+    "mismatch_report",
+    "rank_sentence",
+    "stall_report",
 ]  # fmt: skip
 
 
@@ -98,50 +119,55 @@ def failure_report(
     elapsed: float,
     verb: str = "failed",
 ) -> tuple[str, str]:
-    """Message and fix for a collective that timed out or failed (or is stuck) on rank ``me``.
-
-    The cause decides the fix, in this order: a rank that raised, ranks that left the training
-    loop (uneven data), ranks that disagree (per-rank batch sizes, or another collective), a
-    rank that stopped, ranks that finished, ranks that never arrived."""
+    """Message and fix for a collective that timed out or failed (or is stuck) on rank ``me``."""
     want = failed.seq
     sentences = [rank_sentence(v, want) for v in sorted(views, key=lambda v: v.rank)]
     head = f"{failed.op} #{want} {verb} on rank {me} after {elapsed:.1f}s ({cause}): "
+    found = decide(failed, views)
     text = head + "; ".join(sentences) + "."
-    current = {v.rank: v.latest for v in views if v.latest is not None and v.latest.seq == want}
+    return (f"{text} {found.sentence}" if found.sentence else text), found.fix
+
+
+def decide(failed: Record, views: list[RankView]) -> Cause:
+    """Why ``failed`` cannot complete, in this order: a rank raised; ranks left the training
+    loop (uneven data); ranks disagree (per-rank batch sizes, or another collective); a rank
+    stopped; ranks finished; ranks never arrived."""
+    want = failed.seq
     raised = raised_sentence(views)
     if raised:
-        return f"{text} {raised[0]}", fix_raised(raised[1])
+        return Cause("raised", raised[0], fix_raised(raised[1]), raised[1])
     uneven = uneven_sentence(failed, views)
     if uneven:
-        return f"{text} {uneven[0]}", FIX_UNEVEN
+        return Cause("uneven", uneven[0], FIX_UNEVEN, uneven[1])
+    current = {v.rank: v.latest for v in views if v.latest is not None and v.latest.seq == want}
     disagree = disagreement(current)
     if disagree:
         batch = batch_sentence(current)
-        return (f"{text} {disagree} {batch}", FIX_BATCH) if batch else (
-            f"{text} {disagree}", FIX_MISMATCH)  # fmt: skip
-    return _by_state(text, failed, views)
-
-
-def _by_state(text: str, failed: Record, views: list[RankView]) -> tuple[str, str]:
-    want = failed.seq
+        if batch:
+            return Cause("batch", f"{disagree} {batch}", FIX_BATCH, sorted(current))
+        return Cause("mismatch", disagree, FIX_MISMATCH, sorted(current))
     dead = [v.rank for v in views if v.alive is False and not v.finished]
     finished = [v.rank for v in views if v.finished]
     behind = [v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want)]
     if dead:
-        return text, f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD
+        return Cause("dead", "", f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD, dead)
     if finished:
         called = [v.rank for v in views if not v.finished]
-        return (
-            f"{text} {failed.op} #{want} was called on rank(s) {_ranks(called)} only: rank(s) "
+        return Cause(
+            "finished",
+            f"{failed.op} #{want} was called on rank(s) {_ranks(called)} only: rank(s) "
             f"{_ranks(finished)} finished normally without it.",
             FIX_FINISHED,
+            called,
         )
     if behind:
-        return f"{text} Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND
-    return (
-        text,
+        return Cause("behind", f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND,
+                     behind)  # fmt: skip
+    return Cause(
+        "unknown", "",
         "check the backend error above and every rank's log; raise the timeout if the work is slow.",
-    )
+        [],
+    )  # fmt: skip
 
 
 def culprits(views: list[RankView], want: int) -> list[int]:
@@ -194,13 +220,22 @@ def mismatch_report(me: int, seq: int, records: dict[int, Record | None]) -> tup
         f"collectives disagree across ranks, caught on rank {me} before collective #{seq} "
         f"could exchange data: {'; '.join(parts)}. {tail}"
     ).rstrip()
+    found = mismatch_cause(present)
+    return (f"{text} {found.sentence}" if found.sentence else text), found.fix
+
+
+def mismatch_cause(present: dict[int, Record]) -> Cause:
+    """Why the ranks' records of one collective number differ: uneven data (one is a training
+    step's, another not), per-rank batch sizes, or another collective."""
     views = [RankView(r, rec, True) for r, rec in sorted(present.items())]
     want = next((rec for rec in present.values() if is_step(rec)), None)
     uneven = uneven_sentence(want, views) if want is not None else None
     if uneven:
-        return f"{text} {uneven[0]}", FIX_UNEVEN
+        return Cause("uneven", uneven[0], FIX_UNEVEN, uneven[1])
     batch = batch_sentence(present)
-    return (f"{text} {batch}", FIX_BATCH) if batch else (text, FIX_MISMATCH)
+    if batch:
+        return Cause("batch", batch, FIX_BATCH, sorted(present))
+    return Cause("mismatch", "", FIX_MISMATCH, sorted(present))
 
 
 def _ranks(ranks: list[int]) -> str:

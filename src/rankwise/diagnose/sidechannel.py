@@ -25,16 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import site as site_module
 import socket
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import peer, raw, report
+from .frames import internal
 from .peer import SEP
 from .records import Site
 
@@ -115,27 +114,6 @@ class Channel:
     def state(self, rank: int) -> dict[str, Any] | None:
         """``rank``'s latest heartbeat, checked field by field (``peer.heartbeat``)."""
         return peer.heartbeat(peer.loads(self.get(key_state(rank))))
-
-
-def _folders(*paths: str | None) -> tuple[str, ...]:
-    return tuple(sorted({os.path.join(p, "") for p in paths if p}))
-
-
-STDLIB = _folders(*(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")))
-"""The standard library's folders: contextlib, threading, runpy are never the user's line."""
-PACKAGES = _folders(
-    *site_module.getsitepackages(), site_module.getusersitepackages(),
-    *(sysconfig.get_paths().get(k) for k in ("purelib", "platlib")),
-)  # fmt: skip
-"""Installed packages (inside the standard library's folder on most installs): user code."""
-
-
-def internal(filename: str, skip: tuple[str, ...]) -> bool:
-    """True for a frame that is not the user's: under ``skip`` (rankwise, torch, frozen
-    modules) or in the standard library (a ``with`` block's ``contextlib.py``)."""
-    if filename.startswith(skip):
-        return True
-    return filename.startswith(STDLIB) and not filename.startswith(PACKAGES)
 
 
 def user_site(frame: Any, skip: tuple[str, ...]) -> Site | None:

@@ -35,6 +35,7 @@ from .report import (
     JobFailed,
     RankFailure,
     from_elastic,
+    read_causes,
     read_culprits,
     read_diagnoses,
     read_finished,
@@ -184,6 +185,7 @@ def _job_failed(
         finished=read_finished(diag),
         signalled=signalled or None,
         raised=read_raised(diag),
+        causes=read_causes(diag),
     )
 
 

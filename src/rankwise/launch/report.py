@@ -5,13 +5,18 @@ Pure functions over a small record type, so the text can be tested without killi
 
 from __future__ import annotations
 
-import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..console import printable
 from ..errors import DistributedError
+from .diagnoses import read_causes, read_culprits, read_diagnoses, read_finished, read_raised
+
+__all__ = [
+    "JobFailed", "RankFailure", "blame", "from_elastic", "raisers", "read_causes",
+    "read_culprits", "read_diagnoses", "read_finished", "read_raised", "split_stopped",
+    "summarize",
+]  # fmt: skip
 
 TRACEBACK_LINES = 8
 """How many of the last traceback lines of each failed rank the summary shows."""
@@ -63,6 +68,7 @@ class JobFailed(DistributedError):
         finished: list[int] | None = None,
         signalled: set[int] | None = None,
         raised: dict[int, str] | None = None,
+        causes: dict[int, tuple[str, list[int]]] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
@@ -72,13 +78,16 @@ class JobFailed(DistributedError):
         """(rank, 'ValueError: ...') of the ranks whose own exception ended the job, first
         first: the cause, named in the headline before anyone who failed waiting for them."""
         blamed = blame(failures, diagnoses, culprits or {}, signalled)
-        self.blamed = [] if self.raisers else blamed
+        quoted = _quoted(split_stopped(failures, signalled)[0], diagnoses)
+        self.cause = (causes or {}).get(quoted) if quoted is not None else None
+        """The quoted diagnosis' cause: ('uneven', [ranks that left the loop]), ('batch', ...)."""
+        self.blamed = [] if self.raisers or self._specific() else blamed
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
         text, diagnosis_fix = summarize(
             failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
             blamed=self.blamed, finished=self.finished, signalled=signalled,
-            raisers=self.raisers,
+            raisers=self.raisers, cause=self.cause,
         )  # fmt: skip
         super().__init__(text, fix=self._fix(diagnosis_fix))
 
@@ -91,6 +100,8 @@ class JobFailed(DistributedError):
                 f"start with [rank{rank}]:) and fix that error. The other ranks failed or were "
                 f"stopped only because rank {rank} left the job."
             )
+        if self._specific() and diagnosis_fix:
+            return diagnosis_fix
         if self.finished and not self.blamed:
             return (
                 f"rank {self.root.rank} called a collective that rank(s) "
@@ -111,6 +122,11 @@ class JobFailed(DistributedError):
             f"see rank {self.root.rank}'s output above (its lines start with "
             f"[rank{self.root.rank}]:); the other ranks were stopped because of it."
         )
+
+    def _specific(self) -> bool:
+        """The diagnosis found a cause with a fix of its own (uneven data, batch sizes, another
+        collective): its fix beats the generic ones."""
+        return self.cause is not None and self.cause[0] in ("uneven", "batch", "mismatch")
 
     @property
     def exit_code(self) -> int:
@@ -175,62 +191,6 @@ def raisers(
     return found
 
 
-def read_culprits(folder: str | os.PathLike) -> dict[int, list[int]]:
-    """The ``rank<r>.json`` blame records that ranks wrote beside their diagnoses, by rank."""
-    import json
-
-    found: dict[int, list[int]] = {}
-    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
-        digits = path.stem[len("rank") :]
-        try:
-            ranks = json.loads(path.read_text(encoding="utf-8")).get("culprits", [])
-        except (OSError, ValueError, AttributeError):
-            continue
-        if digits.isdigit() and all(isinstance(r, int) for r in ranks):
-            found[int(digits)] = ranks
-    return found
-
-
-def read_finished(folder: str | os.PathLike) -> list[int]:
-    """Ranks that a diagnosis found already finished normally (``rank<r>.json``)."""
-    import json
-
-    found: set[int] = set()
-    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
-        try:
-            ranks = json.loads(path.read_text(encoding="utf-8")).get("finished", [])
-        except (OSError, ValueError, AttributeError):
-            continue
-        found.update(r for r in ranks if isinstance(r, int))
-    return sorted(found)
-
-
-def read_raised(folder: str | os.PathLike) -> dict[int, str]:
-    """Ranks that a diagnosis found had raised, with their exception (``rank<r>.json``)."""
-    import json
-
-    found: dict[int, str] = {}
-    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
-        try:
-            raised = json.loads(path.read_text(encoding="utf-8")).get("raised", {})
-        except (OSError, ValueError, AttributeError):
-            continue
-        for rank, error in raised.items() if isinstance(raised, dict) else ():
-            if str(rank).isdigit() and isinstance(error, str):
-                found.setdefault(int(rank), error)
-    return found
-
-
-def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
-    """The ``rank<r>.txt`` diagnoses that ranks wrote (``rankwise.diagnose``), by rank."""
-    found: dict[int, str] = {}
-    for path in sorted(Path(folder).glob("rank*.txt")) if Path(folder).is_dir() else []:
-        digits = path.stem[len("rank") :]
-        if digits.isdigit():
-            found[int(digits)] = path.read_text(encoding="utf-8", errors="replace").strip()
-    return found
-
-
 _SIGNAL_NOTES = {
     signal.SIGKILL: "killed by SIGKILL, so no traceback: the kernel's out-of-memory killer is "
     "a common cause (`dmesg` shows it), or someone killed it",
@@ -263,6 +223,7 @@ def summarize(
     finished: list[int] | None = None,
     signalled: set[int] | None = None,
     raisers: list[tuple[int, str]] | None = None,
+    cause: tuple[str, list[int]] | None = None,
 ) -> tuple[str, str | None]:
     """A few lines per failed rank, in the order a person reads them: the headline (the rank
     that raised, or that hung), each failed rank with its traceback's last lines (the cause),
@@ -277,7 +238,7 @@ def summarize(
     failed, stopped = split_stopped(failures, signalled)
     diagnoses = diagnoses or {}
     quoted = _quoted(failed, diagnoses)
-    lines = [_headline(failed, world_size, node_rank, blamed, finished, raisers or [])]
+    lines = [_headline(failed, world_size, node_rank, blamed, finished, raisers or [], cause)]
     first = {r for r, _ in raisers or []}
     for f in sorted(failed, key=lambda f: f.rank not in first):  # who raised comes first
         lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
@@ -318,6 +279,7 @@ def _headline(
     blamed: list[int] | None,
     finished: list[int] | None,
     raisers: list[tuple[int, str]],
+    cause: tuple[str, list[int]] | None = None,
 ) -> str:
     ranks = ", ".join(str(f.rank) for f in failed)
     where = (
@@ -329,6 +291,18 @@ def _headline(
         more = "".join(f"; rank {r} raised {e}" for r, e in raisers[1:])
         then = f"; rank(s) {', '.join(map(str, waited))} failed waiting for it" if waited else ""
         return f"rank {rank} raised {exc}{more}{then} {where}"
+    if cause is not None and cause[0] == "uneven" and cause[1]:
+        left = ", ".join(map(str, cause[1]))
+        more = "; those had then finished normally" if finished else ""
+        return (
+            f"uneven data: rank(s) {left} ran out of batches and left the training loop while "
+            f"rank(s) {ranks} still trained{more} (world size {world_size}, node {node_rank})"
+        )
+    if cause is not None and cause[0] == "batch":
+        return (
+            f"per-rank batch sizes: rank(s) {ranks} failed in a collective whose tensors' first "
+            f"dimension differs between ranks {where}"
+        )
     if finished:  # they were not stopped: they had ended, exit code 0
         done = ", ".join(str(r) for r in finished)
         where = (

@@ -207,4 +207,3 @@ def _raising_site(exc: BaseException) -> sidechannel.Site | None:
 # Registered at import (comm imports the fingerprints): a rank that issued no collective, whose
 # side channel never started, still announces its end. Runs before STATE.reset (registered later).
 runtime.on_shutdown(announce_finished)
-runtime.on_failure(announce_raised)
