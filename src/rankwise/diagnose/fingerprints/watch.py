@@ -4,6 +4,7 @@ and reports collectives that outlive the timeout on backends that never raise (N
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ... import runtime
 from ...console import printable
-from .. import gather, raw, sidechannel, stall
+from .. import gather, raw, report, sidechannel, stall
 from .entry import completed, failure
 from .state import STATE, Group
 
@@ -105,7 +106,10 @@ def _overdue() -> None:
     wd = STATE.watchdog
     if wd is not None and STATE.world is not None:
         world = STATE.world.size()
-        raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(), stall.after_s())
+        found = raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(),
+                          stall.after_s())  # fmt: skip
+        if found is not None and found.deadlocked:
+            _end_deadlocked(wd.rank, found.text)
     limit = STATE.timeout_s() - 2 * STATE.interval()
     now = time.time()
     for g in list(STATE.groups.values()):
@@ -121,6 +125,27 @@ def _overdue() -> None:
 _ENDED: dict[str, bool] = {"raised": False}
 """Set once this process announced an exception: a later ``rw.shutdown`` must not say
 "finished normally" over it (``spawn`` shuts down after reporting the error)."""
+
+
+def _end_deadlocked(rank: int, text: str | None) -> None:
+    """Every rank is blocked in a raw torch.distributed call that can never return (``raw``):
+    leave the report for the launcher and end this rank now, not at the timeout. The main
+    thread is inside the backend's C++ wait, where no Python exception can reach it: the
+    process ends from here, its output flushed."""
+    if text is not None:
+        body, _, fix = text.partition("\nFix: ")
+        body = body.removeprefix(f"rankwise: [rank {rank}] ")
+        cause = report.Cause("mismatch", "", fix, [])
+        gather.write_diag_file(rank, body, fix, cause=cause)
+    print(
+        f"rankwise: [rank {rank}] ending this rank (exit code 1): the ranks are blocked in "
+        "torch.distributed calls that can never complete (see the stall report).",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(1)
 
 
 def announce_finished() -> None:
