@@ -122,7 +122,8 @@ def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) 
     for r in range(world):
         state = states.get(r) or {}
         found = state.get("raw")
-        if not found or now - state.get("t", 0) > 3 * interval or now - found[4] < 3 * interval:
+        stale = now - state.get("t", 0) > 5 * interval  # a heartbeat late under load is no proof
+        if not found or stale or now - found[4] < 3 * interval:
             return False
         ops.add(found[0])
     return len(ops) > 1 and not ops <= P2P
@@ -157,23 +158,29 @@ def report(
 
 def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: int,
           interval: float, limit: float) -> Stall | None:  # fmt: skip
-    """Print the report once per stuck call, from the lowest rank stuck in a raw collective;
-    every rank finds out whether the ranks are deadlocked (another rank may have said so)."""
+    """Print the report once per stuck call, from the lowest rank stuck in a raw collective,
+    and look again at every heartbeat after it: once the ranks are deadlocked, that rank says
+    so (``DEADLOCK_KEY``) and every rank ends."""
     if limit <= 0 or mine is None or world < 2:
         return None
     since, now = mine[4], time.time()
     if channel.get(DEADLOCK_KEY) is not None and now - since > 3 * interval:
         return Stall(None, True)  # the rank that reported it ends; so does this one
-    if now - since < limit or tracker.reported == since:
+    if now - since < limit:
         return None
+    first = tracker.reported != since
+    tracker.reported = since
     states = {r: (channel.state(r) if r != rank else {"raw": mine, "t": now}) for r in range(world)}
     stuck = [r for r, s in states.items() if s and s.get("raw")]
-    tracker.reported = since
-    ending = deadlocked(states, world, now, interval)
     if stuck and rank != min(stuck):
-        return Stall(None, ending)
+        return None  # the lowest stuck rank reports, and says when to end (DEADLOCK_KEY)
+    ending = deadlocked(states, world, now, interval)
+    if not first and not ending:
+        return None  # reported already, and not (yet) certain
     text = report(rank, world, states, now, interval, ending)
-    print(text, file=sys.stderr, flush=True)
+    print(text if first else f"rankwise: [rank {rank}] the stall reported above is a deadlock: "
+          "every rank is blocked in a call that can never complete.", file=sys.stderr,
+          flush=True)  # fmt: skip
     if ending:
         channel.set(DEADLOCK_KEY, str(rank))
     return Stall(text, ending)

@@ -31,8 +31,10 @@ from .output import RankLines
 
 __all__ = ["Failure", "_QueueWriter", "causes_first", "exit_text", "report", "spawn_ranks"]
 
-_GRACE_S = 3.0
-"""How long the other ranks get to report their own error after the first one fails."""
+_GRACE_S = 10.0
+"""How long the other ranks get to report their own error after the first one fails (their
+diagnosis names the rank that raised; under load, making it takes a few seconds). The run
+ends as soon as every rank has reported."""
 
 
 @dataclass(frozen=True)
