@@ -32,6 +32,11 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   file, and the previous checkpoint must load.
 - ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
   runs where it ran on rank 0, and the error must name rank 1.
+- ``raise_rank0``, ``raise_rank1``, ``uneven_data``, ``rogue_call_site``, ``raw_mismatch``,
+  ``ps_worker_drop`` (benchmarks/_faults_report.py): whether the failure report tells the
+  truth (``misblamed``: a headline that does not name the rank that raised, or blames one
+  that did not fail; ``noisy``: Gloo's noise, caret lines, more than one Fix; ``opened``: a
+  file a peer named was opened), and how soon a raw deadlock or a deaf worker ends.
 
 Prints one JSON row per fault: trials, runs that lost data or hung (and, where they apply,
 executed payloads, shared-memory files left, errors that did not name the cause), and the
@@ -249,6 +254,7 @@ def main() -> None:
     args = parser.parse_args()
     random.seed(0)
     import _faults_more as more  # beside this script
+    import _faults_report as reports  # beside this script
 
     from rankwise.env import STALL_REPORT_S
 
@@ -268,6 +274,7 @@ def main() -> None:
         ],
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],
+        **reports.plan(ENV, stall, _tmp, args.kills),
     }
     rows = []
     for fault, run in plan.items():
@@ -275,7 +282,8 @@ def main() -> None:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank") else {}
+        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank", "raw_mismatch") else {}
+        extra.update(reports.counts(results))
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)

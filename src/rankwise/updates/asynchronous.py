@@ -44,7 +44,7 @@ class AsyncUpdates(UpdateRule):
         server_rank: int = 0,
         dedicated_server: bool = False,
         timeout: float | None = None,
-        stall_timeout: float = 10.0,
+        stall_timeout: float = 8.0,
     ) -> None:
         StalenessGate((), staleness)  # validates the bound on every rank, before any traffic
         super().__init__(model, optimizer)
@@ -60,7 +60,7 @@ class AsyncUpdates(UpdateRule):
                 fix="pass e.g. timeout=300 (the longest a worker may go without a step), "
                 "or leave it unset to use the runtime's.",
             )
-        _check_seconds("stall_timeout", stall_timeout, "pass e.g. stall_timeout=10 (how long "
+        _check_seconds("stall_timeout", stall_timeout, "pass e.g. stall_timeout=8 (how long "
                        "a reply may wait for its worker to receive it before that worker is "
                        "dropped), or leave it unset.")  # fmt: skip
         self.stall_timeout = float(stall_timeout)
@@ -245,7 +245,7 @@ def asynchronous(
     server_rank: int = 0,
     dedicated_server: bool = False,
     timeout: float | None = None,
-    stall_timeout: float = 10.0,
+    stall_timeout: float = 8.0,
 ) -> AsyncUpdates:
     """Wrap ``optimizer``: gradients go to a parameter server that applies them as they arrive.
 

@@ -16,8 +16,8 @@ Timeouts measure the silence of whoever is being waited for, never a legitimate 
   server's silence, and a long wait for a live, slow worker is not an error.
 
 A worker waits for its reply as soon as it has sent its request, so a reply that cannot be
-delivered for ``stall_timeout`` seconds (10 by default, much less than ``timeout``) means that
-worker stopped receiving (stopped with SIGSTOP, held in a debugger, not a rankwise worker): it
+delivered for ``stall_timeout`` seconds (8 by default, looked for twice a second: dropped within
+10 s; much less than ``timeout``) means that worker stopped receiving (stopped with SIGSTOP, held in a debugger, not a rankwise worker): it
 is *dropped*, and the others train on without it. If it comes back, its next request is
 answered with STOP.
 """
@@ -77,7 +77,7 @@ class ParameterServer:
         bound: int | None,
         rank: int,
         timeout: float,
-        stall_timeout: float = 10.0,
+        stall_timeout: float = 8.0,
     ) -> None:
         self._flat = FlatParams(params)
         self._opt = optimizer
@@ -105,7 +105,7 @@ class ParameterServer:
         self._timeout = timeout
         self._stall = stall_timeout
         self._heartbeat = timeout / 4
-        self._check_every = max(0.05, min(1.0, stall_timeout / 4))  # how often deafness is looked for
+        self._check_every = max(0.05, min(0.5, stall_timeout / 4))  # how often deafness is looked for
         self._local_since = time.monotonic()  # when the local worker last got a reply
         # Rank 0's training thread hands CUDA gradients to the loop and reads the parameters it
         # sends back: both threads queue their kernels on the stream current here (the training
