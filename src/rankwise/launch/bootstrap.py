@@ -13,10 +13,12 @@ orphan training unsupervised. SIGKILL, not SIGTERM: a user's SIGTERM handler (a 
 preemption) would enter collectives with peers that are dying too, and hang with no one left
 to stop it.
 
-A run that finishes (normally or with exit code 0) ends with ``finish_cleanly``: everything the
-script can observe of Python's shutdown happens (threads joined, ``atexit`` handlers run, open
-files flushed), then the process leaves without the interpreter's teardown of native libraries,
-which under load occasionally ended a finished run with SIGABRT.
+A run ends with ``finish_cleanly``: everything the script can observe of Python's shutdown
+happens (threads joined, ``atexit`` handlers run, open files flushed), then the process leaves
+without the interpreter's teardown of native libraries, which under load occasionally ended a
+finished run with SIGABRT. A run that raised leaves its exception where Python leaves an
+uncaught one (``sys.last_value``), so that rankwise tells the other ranks "rank r raised ..."
+instead of "finished normally"; a diagnosis the launcher will quote is printed there, once.
 
 This file is executed by path and imports only the standard library: it must not pay for
 importing torch (or rankwise) before the user's script does. For the same reason it reads the
