@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     "Runtime": ".runtime",
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
+    "seed_everything": ".data",
     "Session": ".session",
     "ShardedIterable": ".data",
     "ShardedDataParallel": ".parallel",
@@ -94,7 +95,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         broadcast_object,
         gather_object,
     )
-    from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
+    from .data import (
+        DistributedSampler,
+        Loader,
+        ShardedIterable,
+        gather_for_metrics,
+        join,
+        loader,
+        seed_everything,
+    )
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
@@ -159,6 +168,7 @@ __all__ = [
     "print0",
     "progress",
     "save_checkpoint",
+    "seed_everything",
     "shutdown",
     "split",
     "tensor_parallel",

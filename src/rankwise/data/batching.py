@@ -28,6 +28,7 @@ from . import _coords, _resume
 from .contract import per_device_batch
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
+from .seeding import default_seed
 
 
 class Loader:
@@ -238,7 +239,7 @@ def loader(
     global_batch_size: int | None = None,
     shuffle: bool = False,
     drop_last: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     sampler: Sampler | None = None,
     evaluation: bool = False,
     replicas_in_process: int = 1,
@@ -251,6 +252,8 @@ def loader(
 
     Exactly one of ``batch_size`` (per device) or ``global_batch_size`` (per step, whole job).
     ``shuffle``/``seed``/``drop_last`` configure the ``DistributedSampler`` the loader builds
+    (``seed`` default: the last ``rw.seed_everything``'s, else 0; the workers' seeds derive
+    from it, the rank and the epoch)
     (``drop_last`` also drops the last incomplete batch). ``evaluation=True`` neither pads nor
     drops: each sample is seen once; combine with ``rw.gather_for_metrics``.
     ``replicas_in_process`` is the number of devices a ``rw.DataParallel`` model in this process
@@ -260,6 +263,7 @@ def loader(
     arguments go to ``torch.utils.data.DataLoader``. No sync point.
     """
     rank, num_replicas = _coords.resolve(num_replicas, rank)
+    seed = default_seed() if seed is None else seed
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
     _check_not_empty(dataset)

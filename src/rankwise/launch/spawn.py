@@ -186,7 +186,10 @@ def spawn_ranks(
             target=_child,
             args=(fn, args, r, world_size, *common, stack_files[r], extra, init, stream, me),
             name=f"rank{r}",
-            daemon=True,
+            # Not daemonic: a rank may start processes of its own (DataLoader workers), which
+            # multiprocessing refuses to daemons. _end() still kills every rank left, and each
+            # dies with its parent (die_with_parent).
+            daemon=False,
         )
         for r in range(world_size)
     ]
