@@ -118,7 +118,8 @@ def test_json_schema(run):
         step = r["step_ms"]
         assert len(step["runs"]) == 3
         assert step["min"] <= step["p25"] <= step["median"] <= step["p75"] <= step["max"]
-        assert r["samples_per_s"] == pytest.approx(16 / step["median"] * 1e3, rel=1e-3)
+        # samples/s is rounded to 0.1: at 32 samples/s (a loaded machine) that is 0.15%
+        assert r["samples_per_s"] == pytest.approx(16 / step["median"] * 1e3, rel=1e-3, abs=0.05)
         assert r["scaling_efficiency"] == pytest.approx(r["speedup"] / r["workers"], abs=2e-3)
         assert isinstance(r["loss"], float)
         multi = r["name"] not in ("single", "threads", "dp", "independent")
