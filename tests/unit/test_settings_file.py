@@ -80,7 +80,7 @@ def test_the_launcher_says_which_file_it_read(here, capsys, monkeypatch):
     (here / "rankwise.toml").write_text("nproc-per-node = 2\nmax-restarts = 1\n")
     assert main(["run", "--nproc-per-node", "4", "train.py"]) == 0
     err = capsys.readouterr().err
-    assert f"settings from {here / 'rankwise.toml'}: max-restarts = 1" in err
+    assert "settings from rankwise.toml: max-restarts = 1" in err
     assert "the command line overrides --nproc-per-node 4 (the file's 2)" in err
     assert (launched[0].nproc_per_node, launched[0].max_restarts) == (4, 1)
 
@@ -124,7 +124,7 @@ def test_config_show_says_where_each_value_comes_from(here, monkeypatch, capsys)
     assert got["max-restarts"] == (5, "command line")
     assert got["rdzv-timeout"] == (300, "default")
     table = _config(["--show"], None, monkeypatch, capsys)
-    assert f"settings file: {here / 'rankwise.toml'}" in table
+    assert "settings file: rankwise.toml" in table
     assert any(line.split() == ["nproc-per-node", "2", "rankwise.toml"] for line in table.splitlines())
 
 

@@ -104,10 +104,11 @@ def _show(args: argparse.Namespace) -> int:
     s = st.resolve(vars(args), Path.cwd(), args.config)
     if args.json:
         rows = {k: {"value": v, "from": s.sources[k]} for k, v in s.values.items()}
-        print(json.dumps({"file": None if s.path is None else str(s.path), "settings": rows},
+        file = None if s.path is None else str(s.path.resolve())
+        print(json.dumps({"file": file, "settings": rows},
                          indent=2))
         return 0
-    print(f"settings file: {s.path}" if s.path else
+    print(f"settings file: {s.where}" if s.path else
           f"settings file: none ({st.FILE_NAME} or [tool.rankwise] in {st.PYPROJECT} here)")
     print(f"{'setting':<16} {'value':<18} from")
     for key, value in s.values.items():

@@ -71,11 +71,22 @@ class Settings:
     """The file read, if any."""
     from_file: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def where(self) -> str:
+        """The file, relative to the current folder when it is in it (``rankwise.toml``)."""
+        if self.path is None:
+            return "no file"
+        try:
+            shown = str(self.path.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            shown = str(self.path)
+        return shown + (" [tool.rankwise]" if self.path.name == PYPROJECT else "")
+
     def announce(self, command: str = "rankwise run") -> str | None:
         """One line saying which file was read and what it set (None when no file was)."""
         if self.path is None:
             return None
-        where = str(self.path) + (" [tool.rankwise]" if self.path.name == PYPROJECT else "")
+        where = self.where
         used = [f"{k} = {_show(v)}" for k, v in self.from_file.items() if self.sources[k] != "command line"]
         over = [f"--{k} {_show(self.values[k])} (the file's {_show(v)})"
                 for k, v in self.from_file.items() if self.sources[k] == "command line"]
