@@ -46,7 +46,7 @@ def config_command(args: argparse.Namespace) -> int:
     current = _current(path)
     values = {**current, **given} if given else ask(current, sys.stdin, sys.stdout)
     st.write(path, values)
-    shown = ", ".join(f"{k} = {st._show(v)}" for k, v in values.items()) or "no setting"
+    shown = ", ".join(f"{k} = {st.show_value(v)}" for k, v in values.items()) or "no setting"
     print(f"rankwise config: wrote {path}: {shown}")
     print(f"rankwise run reads it in {path.resolve().parent}; flags on its command line win.")
     return 0
@@ -77,7 +77,7 @@ def ask(current: dict[str, Any], stdin: TextIO, stdout: TextIO) -> dict[str, Any
 
 def _ask_one(key: str, question: str, default: Any, stdin: TextIO, stdout: TextIO) -> Any:
     for _ in range(3):
-        shown = "" if default is None else st._show(default).strip('"')
+        shown = "" if default is None else st.show_value(default).strip('"')
         print(f"{question} (--{key}) [{shown}]: ", end="", file=stdout, flush=True)
         line = stdin.readline()
         text = line.strip()
@@ -95,7 +95,7 @@ def _ask_one(key: str, question: str, default: Any, stdin: TextIO, stdout: TextI
 
 def _typed(key: str, text: str) -> Any:
     """An answer as the type the setting takes: counts as numbers, the rest as written."""
-    if key in st._COUNTS:
+    if key in st.COUNTS:
         return int(text) if text.lstrip("-").isdigit() else text
     return text
 
@@ -112,7 +112,7 @@ def _show(args: argparse.Namespace) -> int:
           f"settings file: none ({st.FILE_NAME} or [tool.rankwise] in {st.PYPROJECT} here)")
     print(f"{'setting':<16} {'value':<18} from")
     for key, value in s.values.items():
-        shown = "-" if value is None else st._show(value)
+        shown = "-" if value is None else st.show_value(value)
         print(f"{key:<16} {shown:<18} {s.sources[key]}")
     return 0
 

@@ -49,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
 """Every setting a file may hold (``rankwise run``'s flags), with the value used when neither
 the command line nor the file gives one."""
 
-_COUNTS = ("node-rank", "master-port", "rdzv-timeout", "max-restarts")
+COUNTS = ("node-rank", "master-port", "rdzv-timeout", "max-restarts")
 _SWITCHES = ("standalone", "no-prefix", "debug")
 _WORDS_OR_COUNTS = ("nproc-per-node", "nnodes")  # 2, "auto"; 2, "1:4"
 _WORDS = {"nproc-per-node": r"auto|gpu|cpu", "nnodes": r"\d+:\d+"}
@@ -87,15 +87,19 @@ class Settings:
         if self.path is None:
             return None
         where = self.where
-        used = [f"{k} = {_show(v)}" for k, v in self.from_file.items() if self.sources[k] != "command line"]
-        over = [f"--{k} {_show(self.values[k])} (the file's {_show(v)})"
+        used = [f"{k} = {show_value(v)}" for k, v in self.from_file.items()
+                if self.sources[k] != "command line"]
+        over = [f"--{k} {show_value(self.values[k])} (the file's {show_value(v)})"
                 for k, v in self.from_file.items() if self.sources[k] == "command line"]
         line = f"{command}: settings from {where}: {', '.join(used) or 'none used'}"
         return line + (f"; the command line overrides {', '.join(over)}" if over else "")
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+def show_value(value: Any) -> str:
+    """A value as TOML writes it: strings quoted, ``true``/``false``, numbers as they are."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def find(cwd: Path, explicit: str | None = None) -> tuple[Path, dict[str, Any]] | None:
@@ -149,7 +153,7 @@ def check(table: dict[str, Any], path: Path) -> dict[str, Any]:
 def _checked(key: str, value: Any, path: Path) -> Any:
     if key in _SWITCHES:
         ok, want = isinstance(value, bool), "true or false"
-    elif key in _COUNTS:
+    elif key in COUNTS:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
     elif key in _WORDS_OR_COUNTS:
         value = normal(key, value)
@@ -161,7 +165,7 @@ def _checked(key: str, value: Any, path: Path) -> Any:
         ok, want = isinstance(value, str), "a string"
     if not ok:
         raise ConfigError(f"{path}: {key} = {value!r} ({type(value).__name__}) is not {want}",
-                          fix=f"write e.g. {key} = {_show(_example(key))}.")
+                          fix=f"write e.g. {key} = {show_value(_example(key))}.")
     return value
 
 
@@ -197,7 +201,7 @@ def to_toml(values: dict[str, Any]) -> str:
     """Flat ``key = value`` lines (strings as TOML basic strings: JSON's escapes are TOML's)."""
     lines = []
     for key, value in values.items():
-        text = _show(value) if not isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        text = show_value(value) if not isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         lines.append(f"{key} = {text}")
     return "\n".join(lines) + "\n"
 
