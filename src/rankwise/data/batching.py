@@ -252,10 +252,9 @@ def loader(
 
     Exactly one of ``batch_size`` (per device) or ``global_batch_size`` (per step, whole job).
     ``shuffle``/``seed``/``drop_last`` configure the ``DistributedSampler`` the loader builds
-    (``seed`` default: the last ``rw.seed_everything``'s, else 0; the workers' seeds derive
-    from it, the rank and the epoch)
-    (``drop_last`` also drops the last incomplete batch). ``evaluation=True`` neither pads nor
-    drops: each sample is seen once; combine with ``rw.gather_for_metrics``.
+    (``seed`` by default ``rw.seed_everything``'s, else 0, also seeds the workers with the rank
+    and epoch; ``drop_last`` also drops the last incomplete batch). ``evaluation=True`` neither
+    pads nor drops: each sample is seen once; combine with ``rw.gather_for_metrics``.
     ``replicas_in_process`` is the number of devices a ``rw.DataParallel`` model in this process
     splits each batch over: the loader batch is then that process's whole (global at world
     size 1) batch. ``num_replicas``/``rank`` default to the runtime's. Iterable datasets are
@@ -268,10 +267,8 @@ def loader(
     _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
     _check_not_empty(dataset)
     process_batch = per_device * replicas_in_process
-    dataset, sampler = _share(
-        dataset, sampler, num_replicas, rank, shuffle, seed, drop_last, evaluation, shard,
-        process_batch,
-    )  # fmt: skip
+    dataset, sampler = _share(dataset, sampler, num_replicas, rank, shuffle, seed, drop_last,
+                              evaluation, shard, process_batch)  # fmt: skip
     own_generator = dataloader_kwargs.get("generator") is None
     if own_generator:
         dataloader_kwargs["generator"] = torch.Generator()

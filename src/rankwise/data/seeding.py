@@ -42,7 +42,7 @@ def seed_everything(seed: int, *, per_rank: bool = False) -> int:
     """Seed Python's ``random``, numpy's global RNG and torch (CPU and every CUDA device) with
     ``seed`` (``per_rank=True``: ``seed + r``, ``r`` the data-parallel rank), and make the loaders
     ``rw.loader`` and ``rt.prepare`` build from now on shuffle with ``seed`` and seed their
-    workers from (``seed``, rank, epoch). Returns the seed given to the main-process streams.
+    workers from (``seed``, rank, epoch). Returns the number the main-process streams got.
 
     Call it on every rank with the same ``seed``, before building the model (and, under a
     mesh, after ``rw.init(mesh=...)`` when ``per_rank``). No sync point.
@@ -64,5 +64,5 @@ def seed_everything(seed: int, *, per_rank: bool = False) -> int:
 
 
 def default_seed() -> int:
-    """The seed a loader uses when given none: the last ``seed_everything``'s, else 0."""
+    """A loader's ``seed`` when it is given none: the last ``seed_everything``'s, else 0."""
     return 0 if _seed is None else _seed
