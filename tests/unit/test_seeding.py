@@ -117,3 +117,12 @@ def test_the_same_seed_trains_the_same_losses():
     first = _train(3)
     assert _train(3) == first
     assert _train(4) != first
+
+
+@pytest.mark.gpu
+def test_every_cuda_device_gets_the_seed():
+    rw.seed_everything(21)
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        oracle = torch.rand(4, device=device, generator=torch.Generator(device).manual_seed(21))
+        assert torch.equal(torch.rand(4, device=device), oracle), device
