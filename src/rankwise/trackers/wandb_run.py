@@ -31,4 +31,11 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def close(self, failed: bool = False) -> None:
+        import wandb
+
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() can return before W&B's service process has written the run's file; when
+        # no other run of this process is open, stop the service, which writes it all, so the
+        # files are complete when rw.shutdown() returns (wandb sync, a test reading them).
+        if wandb.run is None:
+            wandb.teardown()
