@@ -31,6 +31,7 @@ from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .mesh import DeviceMesh
 from .plan import (
+    BACKENDS,
     Plan,
     Precision,
     as_timeout,
@@ -58,7 +59,7 @@ __all__ = [
     "shutdown",
 ]
 
-_BACKENDS = ("gloo", "nccl", "mpi")
+_BACKENDS = BACKENDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +148,8 @@ def choose_device(env: DistEnv, device: str | torch.device | None = None) -> tor
         count = torch.cuda.device_count()
         if dev.index >= count:
             raise ConfigError(
-                f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
+                ("" if device is None else f"device={device!r}: ")
+                + f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
                 f"for LOCAL_WORLD_SIZE={env.local_world_size} processes",
                 fix=f"start at most {count} process(es) per node (--nproc-per-node {count}), "
                 "or check CUDA_VISIBLE_DEVICES.",

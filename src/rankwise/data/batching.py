@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
 from . import _coords, _resume
-from .contract import per_device_batch
+from .contract import check_built_loader, check_loader_arguments, per_device_batch
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
 from .seeding import default_seed
@@ -56,6 +56,9 @@ class Loader:
         replicas_in_process: int,
         generator_seed: int | None = None,
     ) -> None:
+        check_built_loader(dataloader, {"per_device_batch_size": per_device_batch_size,
+                           "num_replicas": num_replicas, "replicas_in_process": replicas_in_process},
+                           generator_seed)  # fmt: skip
         self.dataloader = dataloader
         # DataLoader draws its workers' base seed from its generator, or else from torch's
         # global RNG, at every iter(): a draw a resumed run would not repeat in the same place.
@@ -264,7 +267,7 @@ def loader(
     rank, num_replicas = _coords.resolve(num_replicas, rank)
     seed = default_seed() if seed is None else seed
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
-    _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
+    _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last, dataset, seed)
     _check_not_empty(dataset)
     process_batch = per_device * replicas_in_process
     dataset, sampler = _share(dataset, sampler, num_replicas, rank, shuffle, seed, drop_last,
@@ -323,8 +326,10 @@ def _share(
 
 
 def _check_kwargs(
-    kwargs: dict[str, Any], shuffle: bool, sampler: Any, evaluation: bool, drop_last: bool
-) -> None:
+    kwargs: dict[str, Any], shuffle: bool, sampler: Any, evaluation: bool, drop_last: bool,
+    dataset: Any, seed: Any,
+) -> None:  # fmt: skip
+    check_loader_arguments(dataset, seed, sampler)  # by type first (validate.py)
     if "batch_sampler" in kwargs:
         raise ConfigError(
             "batch_sampler= was given to rw.loader; it would bypass the batch-size contract",

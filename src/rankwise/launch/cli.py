@@ -22,6 +22,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     settings file, and what to run."""
     add_launch_flags(parser)
     add_config_flag(parser)
+    # Not in add_launch_flags: a secret is given here or by the environment, never written
+    # into a settings file (rankwise config does not take it; settings.py refuses the key).
+    _flag(
+        parser,
+        "rdzv-token",
+        default=None,
+        metavar="SECRET",
+        help="secret every node of a c10d job shares, to sign the rendezvous state "
+        "(default: $RANKWISE_RDZV_TOKEN; one node: generated)",
+    )
     _flag(
         parser,
         "monitor-interval",
@@ -168,6 +178,7 @@ def options_from_args(
         rdzv_backend=s["rdzv-backend"],
         rdzv_endpoint=s["rdzv-endpoint"],
         rdzv_id=s["rdzv-id"],
+        rdzv_token=args.rdzv_token,
         rdzv_timeout=s["rdzv-timeout"],
         standalone=s["standalone"],
         max_restarts=s["max-restarts"],

@@ -139,6 +139,13 @@ def check(table: dict[str, Any], path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for raw, value in table.items():
         key = raw.replace("_", "-")
+        if key == "rdzv-token":
+            raise ConfigError(
+                f"{path}: rdzv-token is a secret, and a settings file is not the place for it "
+                "(it is copied, committed, shared)",
+                fix="remove it from the file; pass --rdzv-token on each node or set "
+                "RANKWISE_RDZV_TOKEN in the environment.",
+            )
         if key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""

@@ -34,6 +34,7 @@ class AsyncUpdates(UpdateRule):
     """
 
     name = "async"
+    apart = True  # each worker steps on the parameters the server last sent it
 
     def __init__(
         self,
