@@ -59,6 +59,7 @@ def test_no_file_means_the_defaults(here):
         ("nproc-per-node = 'many'", ["nproc-per-node = 'many'", '"auto"']),
         ("debug = 1", ["debug = 1", "true or false"]),
         ("nnodes = = 2", ["is not valid TOML"]),
+        ("rdzv-token = 'hunter2'", ["rdzv-token is a secret", "RANKWISE_RDZV_TOKEN"]),
     ],
 )
 def test_a_bad_setting_names_the_file_the_key_and_the_fix(here, line, named, capsys):
@@ -147,3 +148,12 @@ def test_the_writer_round_trips_through_tomllib():
     values = {"log-dir": 'runs/"quoted" \\ back\tslash é\n', "master-port": 29500,
               "debug": False, "nnodes": "1:4"}
     assert tomllib.loads(to_toml(values)) == values
+
+
+def test_the_rendezvous_secret_is_a_flag_never_a_setting(here, capsys):
+    (here / "rankwise.toml").write_text("nproc-per-node = 2\n")
+    assert _options("--rdzv-token", "s3cret").rdzv_token == "s3cret"
+    with pytest.raises(SystemExit):
+        main(["config", "--rdzv-token", "s3cret"])
+    assert "unrecognized argument --rdzv-token" in capsys.readouterr().err
+    assert "s3cret" not in (here / "rankwise.toml").read_text()
