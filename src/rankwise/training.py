@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,15 +249,36 @@ class TrainingLoop:
         self.log_to().log(metrics, step=step, reduce=reduce)
 
     def log_to(
-        self: Runtime, log_dir: str | Path | None = None, *, tensorboard: bool | None = None
+        self: Runtime,
+        log_dir: str | Path | None = None,
+        *,
+        tensorboard: bool | None = None,
+        log_with: str | Sequence[str] | None = None,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> MetricsLogger:
-        """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
-        installed. Returns the logger; calling it again with a directory starts a new one."""
+        """Where ``rt.log`` writes: ``log_dir`` (default ``rankwise_logs/``) and the trackers
+        ``log_with`` names (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+        ``"wandb"``; default CSV, JSONL and TensorBoard when installed), their run named
+        ``project``/``run_name``, ``config`` logged once; ``init_kwargs`` per tracker. Returns
+        the logger; called again with arguments, it finishes the previous one and opens anew.
+        Rank 0 writes; every rank checks the arguments. No sync point."""
         validate.path("log_dir", log_dir, optional=True, where="rt.log_to()")
-        if self.loop.metrics is None or log_dir is not None:
+        given = (log_dir, tensorboard, log_with, project, run_name, config, init_kwargs)
+        if self.loop.metrics is None or any(a is not None for a in given):
             if self.loop.metrics is not None:
                 self.loop.metrics.close()
-            self.loop.metrics = MetricsLogger(log_dir or "rankwise_logs", tensorboard=tensorboard)
+            self.loop.metrics = MetricsLogger(
+                log_dir or "rankwise_logs",
+                tensorboard=tensorboard,
+                log_with=log_with,
+                project=project,
+                run_name=run_name,
+                config=config,
+                init_kwargs=init_kwargs,
+            )
         return self.loop.metrics
 
     # -- what rt.prepare and rt.save/load call ---------------------------------------------

@@ -81,7 +81,10 @@ def spawn_ranks(
                 args=(fn, args, r, world_size, *common, writer, stack_files[r], extra, init,
                       stream, me),
                 name=f"rank{r}",
-                daemon=True,
+                # Not daemonic: a rank may start processes of its own (DataLoader workers),
+                # which multiprocessing refuses to daemons. _end() still kills every rank
+                # left, and each dies with its parent (die_with_parent).
+                daemon=False,
             )  # fmt: skip
             ranks.append(_Rank(proc, reader))
             proc.start()
