@@ -265,7 +265,7 @@ class TrainingLoop:
         ``project``/``run_name``, ``config`` logged once; ``init_kwargs`` per tracker. Returns
         the logger; called again with arguments, it finishes the previous one and opens anew.
         Rank 0 writes; every rank checks the arguments. No sync point."""
-        validate.path("log_dir", log_dir, optional=True, where="rt.log_to()")
+        _check_log_to(log_dir, project, run_name, config, init_kwargs)
         given = (log_dir, tensorboard, log_with, project, run_name, config, init_kwargs)
         if self.loop.metrics is None or any(a is not None for a in given):
             if self.loop.metrics is not None:
@@ -370,3 +370,16 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     if optimizer is not None and not isinstance(optimizer, FullOptimState):
         out["optimizer"] = FullOptimState(optimizer, model)
     return out
+
+
+def _check_log_to(log_dir: Any, project: Any, run_name: Any, config: Any, kwargs: Any) -> None:
+    """``rt.log_to``'s arguments by type (validate.py), before a tracker opens."""
+    where = "rt.log_to()"
+    validate.path("log_dir", log_dir, optional=True, where=where)
+    validate.text("project", project, optional=True, where=where)
+    validate.text("run_name", run_name, optional=True, where=where)
+    if config is not None:
+        validate.mapping("config", config, "a dict of settings", where=where, example="{'lr': 3e-4}")
+    if kwargs is not None:
+        validate.mapping("init_kwargs", kwargs, "a dict per tracker name", where=where,
+                         example="{'wandb': {'entity': 'me'}}")  # fmt: skip
