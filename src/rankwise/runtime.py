@@ -31,6 +31,7 @@ from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .mesh import DeviceMesh
 from .plan import (
+    BACKENDS,
     Plan,
     Precision,
     as_timeout,
@@ -58,7 +59,7 @@ __all__ = [
     "shutdown",
 ]
 
-_BACKENDS = ("gloo", "nccl", "mpi")
+_BACKENDS = BACKENDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,7 @@ R = TypeVar("R", bound=Runtime)
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
+_leave_hooks: list[Callable[[], None]] = []  # on_shutdown(always=True): world size 1 too
 
 
 def choose_device(env: DistEnv, device: str | torch.device | None = None) -> torch.device:
@@ -146,7 +148,8 @@ def choose_device(env: DistEnv, device: str | torch.device | None = None) -> tor
         count = torch.cuda.device_count()
         if dev.index >= count:
             raise ConfigError(
-                f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
+                ("" if device is None else f"device={device!r}: ")
+                + f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
                 f"for LOCAL_WORLD_SIZE={env.local_world_size} processes",
                 fix=f"start at most {count} process(es) per node (--nproc-per-node {count}), "
                 "or check CUDA_VISIBLE_DEVICES.",
@@ -313,16 +316,20 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(hook: Callable[[], None], *, first: bool = False) -> None:
+def on_shutdown(
+    hook: Callable[[], None], *, always: bool = False, first: bool = False
+) -> None:
     """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook),
-    in registration order; ``first``: before the hooks registered so far (a background save
+    in registration order; ``always``: whenever a runtime is left, world size 1 too
+    (``rt.log``'s trackers); ``first``: before the hooks registered so far (a background save
     must end before the fingerprints stop recording its collectives).
 
     For layers above this one that hold on to the group (the fingerprints' watchdog talks to
     its store): they register here, so that this module never imports them.
     """
-    if hook not in _shutdown_hooks:
-        _shutdown_hooks.insert(0, hook) if first else _shutdown_hooks.append(hook)
+    hooks = _leave_hooks if always else _shutdown_hooks
+    if hook not in hooks:
+        hooks.insert(0, hook) if first else hooks.append(hook)
 
 
 def shutdown() -> None:
@@ -331,6 +338,8 @@ def shutdown() -> None:
     Sync point: none (torch's destroy is local), but call it on every rank at the end.
     """
     global _current
+    for hook in _leave_hooks if _current is not None else ():
+        hook()
     if _current is not None and _current.owns_process_group and dist.is_initialized():
         for hook in _shutdown_hooks:
             hook()

@@ -105,3 +105,82 @@ def test_a_save_guarded_by_not_multiprocessing_distributed_runs_on_every_rank_un
     # And under mp.spawn on several nodes `args.rank % ngpus_per_node == 0` is the local rank:
     # once per node (RW015). Before: not flagged.
     assert rules_of(src) == [("RW008", 7), ("RW015", 7)]
+
+
+# -- RW018 loader-not-prepared, RW019 model-outside-prepare -----------------------------------------
+
+PRELUDE = """
+import rankwise as rw
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+rt = rw.init({init})
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+LOOP = """
+for x, y in {loader}:
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+"""
+
+
+def _session_script(body: str, init: str = "") -> str:
+    return PRELUDE.format(init=init) + textwrap.dedent(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        # Before: none of these was reported.
+        ("model, opt = rt.prepare(model, opt)\nloader = DataLoader(ds, batch_size=8)\n"
+         + LOOP.format(loader="rw.progress(loader)"), [("RW018", 10)]),
+        ("loader = DataLoader(ds, batch_size=8)\nmodel, opt, prepared = rt.prepare(model, opt, loader)\n"
+         + LOOP.format(loader="loader"), [("RW018", 9)]),
+        # fine: the prepared loader, prepare_loader, an evaluation loop, a sampler of one's own
+        ("loader = DataLoader(ds, batch_size=8)\nmodel, opt, loader = rt.prepare(model, opt, loader)\n"
+         + LOOP.format(loader="loader"), []),
+        ("model, opt = rt.prepare(model, opt)\nloader = DataLoader(ds, batch_size=8)\n"
+         + LOOP.format(loader="rt.prepare_loader(loader)"), []),
+        ("model = rt.prepare(model)\nval = DataLoader(ds, batch_size=8)\n"
+         "for x, y in val:\n    rt.print(model(x))\n", []),
+        ("model, opt = rt.prepare(model, opt)\n"
+         "loader = DataLoader(ds, batch_size=8, sampler=torch.utils.data.DistributedSampler(ds))\n"
+         + LOOP.format(loader="loader"), []),
+    ],
+    ids=["never-prepared", "result-unused", "prepared", "prepare_loader", "evaluation", "own-sampler"],
+)  # fmt: skip
+def test_loader_not_prepared_is_rw018(body, want):
+    assert rules_of(_session_script(body)) == want
+
+
+def test_one_process_strategies_are_not_reported():
+    body = "model, opt = rt.prepare(model, opt)\nloader = DataLoader(ds, batch_size=8)\n"
+    body += LOOP.format(loader="loader")
+    assert rules_of(_session_script(body, init='strategy="single"')) == []
+    assert rules_of(_session_script(body, init='strategy="dp"')) == []
+    assert rules_of(_session_script(body, init='strategy="zero2"')) == [("RW018", 10)]
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        # Before: none of these was reported; the replicas drifted apart.
+        ("other = torch.nn.Linear(4, 1)\nmodel = rt.prepare(model)\n"
+         "opt2 = torch.optim.Adam(other.parameters())\n", [("RW019", 11)]),
+        ("model = rt.prepare(torch.nn.Linear(4, 1))\n"
+         "opt2 = torch.optim.Adam([{'params': model.parameters()}, {'params': head.parameters()}])\n",
+         [("RW019", 10)]),
+        (LOOP.format(loader="batches") + "model, opt = rt.prepare(model, opt)\n", [("RW019", 10)]),
+        # fine: the optimizer over the prepared model, over part of it, a rank-0-only warm-up
+        ("model, opt = rt.prepare(model, opt)\n", []),
+        ("ddp = rt.prepare(model)\nopt2 = torch.optim.SGD(ddp.module.fc.parameters(), lr=0.1)\n",
+         []),
+        ("if rt.rank == 0:\n" + textwrap.indent(LOOP.format(loader="batches"), "    ")
+         + "model, opt = rt.prepare(model, opt)\n", []),
+    ],
+    ids=["other-model", "param-groups-of-another", "trained-before", "prepared", "submodule",
+         "rank0-warm-up"],
+)  # fmt: skip
+def test_model_outside_prepare_is_rw019(body, want):
+    assert rules_of(_session_script(body)) == want

@@ -1,8 +1,10 @@
 """Checkpoints: what is saved (``state_dict``: the model without ``module.``, optimizer, RNG,
 loader position), in which format (``single``: one verified file written by rank 0;
 ``sharded_save``/``sharded_load``: torch DCP's folder, every rank writing and reading its own
-pieces), and how files are kept (``files``: atomic writes, ``latest``, rotation; ``verify``/
-``sums``/``digests``: every record checked on load). ``api`` chooses the format.
+pieces; ``pretrained``: Hugging Face safetensors), and how files are kept (``files``: atomic
+writes, ``latest``, rotation; ``zipcheck``/``verify``/``sums``: the zip structure and every
+record checked on load; ``digest``/``digest_file``: the XXH3 digest, for other files too;
+``digests``: the sharded format's per-file and per-item checksums). ``api`` chooses the format.
 
 The names below load on first use, as ``rankwise``'s own do: importing this package (which
 ``rankwise checkpoint``'s parser does, ``checkpoint/cli.py``) does not import torch.
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "LATEST": ".files",
+    "digest": ".sums",
+    "digest_file": ".sums",
     "list_checkpoints": ".files",
     "load_checkpoint": ".api",
     "load_model_state": ".single",
@@ -26,6 +30,8 @@ _LAZY = {
 
 __all__ = [
     "LATEST",
+    "digest",
+    "digest_file",
     "list_checkpoints",
     "load_checkpoint",
     "load_model_state",
@@ -48,3 +54,4 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .files import LATEST, list_checkpoints
     from .single import load_model_state
     from .state_dict import unwrap_model
+    from .sums import digest, digest_file

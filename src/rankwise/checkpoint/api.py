@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import single
+from .. import validate
+from . import files, single
 from .dcp_meta import is_sharded
 
 
@@ -41,6 +42,8 @@ def save_checkpoint(
     """
     from .background import SAVES
 
+    files.check_arguments(path, model, optimizer, saving=True, epoch=epoch, keep_last=keep_last)
+    check_flag("sharded", sharded, where="rw.save_checkpoint()")
     SAVES.wait()  # a background save in flight ends first (it may write into the same folder)
     kwargs = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                   step=step, epoch=epoch, keep_last=keep_last)  # fmt: skip
@@ -49,6 +52,13 @@ def save_checkpoint(
 
         return save_sharded(path, **kwargs, **extra)
     return single.save_checkpoint(path, **kwargs, **extra)
+
+
+def check_flag(name: str, value: Any, *, where: str, optional: bool = False) -> None:
+    """``value`` must be True or False (or None when ``optional``): ``"no"`` is not False."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        validate.fail(name, value, "True or False" + (" (or None)" if optional else ""),
+                      where=where, fix=f"pass {name}=True or {name}=False.")  # fmt: skip
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -76,6 +86,7 @@ def load_checkpoint(
     it holds (``map_location`` and ``trusted`` do not apply: tensors go where the model's
     are, and nothing but tensors and plain values is ever read). No sync point.
     """
+    files.check_arguments(path, model, optimizer, saving=False)
     found = resolve(path)
     if is_sharded(found):
         from .sharded_load import load_sharded

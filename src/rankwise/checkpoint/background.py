@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, runtime
-from . import sharded_save, single
+from . import files, sharded_save, single
 
 _NICENESS = 10
 """How much lower the writing thread's CPU priority is than the training's (``nice``)."""
@@ -89,15 +89,15 @@ class _Saves:
     def save_group(self) -> Any:
         """The background saves' own group (Gloo: the thread moves JSON bytes, on the CPU).
         Sync point: all ranks, the first time."""
+        if not self.hooked:  # rw.shutdown() waits for the save in flight, first of all
+            runtime.on_shutdown(self.at_shutdown, always=True, first=True)
+            self.hooked = True
         if comm.world_size() == 1:
             return None
         if self.group is None:
             rt = runtime.get_runtime() if runtime.is_initialized() else None
             kwargs = {"timeout": rt.timeout} if rt is not None else {}
             self.group = dist.new_group(backend="gloo", **kwargs)
-        if not self.hooked:
-            runtime.on_shutdown(self.at_shutdown, first=True)
-            self.hooked = True
         return self.group
 
 
@@ -136,6 +136,7 @@ def save_in_background(
 ) -> PendingSave:  # fmt: skip
     """Stage now, write in a thread. Sync point: all ranks (the previous save is waited for,
     the plan or the consolidation is collective)."""
+    files.check_arguments(path, model, optimizer, saving=True, epoch=epoch, keep_last=keep_last)
     SAVES.wait()
     group = SAVES.save_group()
     if sharded:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from .. import validate
 from ..errors import ConfigError
 
 LATEST = "latest"
@@ -193,6 +194,7 @@ def _written_order(paths: list[Path]) -> list[Path]:
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """Checkpoints in a directory written by ``save_checkpoint`` (``ckpt-<step>.pt`` files and
     complete ``ckpt-<step>/`` sharded folders), least recently written first."""
+    validate.path("directory", directory, where="rw.list_checkpoints()")
     d = Path(directory)
     if not d.is_dir():
         return []
@@ -201,6 +203,20 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 def _complete(p: Path) -> bool:
     return p.is_file() if p.suffix == ".pt" else (p / DCP_METADATA).is_file()
+
+
+def check_arguments(
+    path: object, model: object, optimizer: object, *, saving: bool, epoch: object = None,
+    keep_last: object = 3,
+) -> None:
+    """``save_checkpoint``/``load_checkpoint``'s arguments by type (validate.py), before
+    anything is read, gathered or written."""
+    where = "rw.save_checkpoint()" if saving else "rw.load_checkpoint()"
+    validate.path("path", path, where=where)
+    validate.stateful("model", model, where=where, optional=not saving)
+    validate.optimizer("optimizer", optimizer, where=where)
+    validate.integer("epoch", epoch, minimum=0, optional=True, where=where)
+    validate.integer("keep_last", keep_last, where=where, example=3)
 
 
 def check_step(step: object) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,18 +30,29 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import precision, runtime
+from .. import precision, runtime, validate
+from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
 from ..env import DistEnv
-from ..errors import ConfigError
 from ..log import print0
+from ..parallel import deferred
+from ..plan import check_init_arguments
 from ..training import LoopState, TrainingLoop
-from . import formats, guards
+from . import first_batch, formats, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .model import (
+    agreed_for,
+    check_optimizer,
+    move_optimizer_state,
+    prepare_model,
+    refuse_exact_in_bf16,
+    refuse_wrapped,
+    wrapper,
+)
+from .saving import SaveRecord
 from .sharded import warn_if_too_big
 
 __all__ = [
@@ -74,6 +85,9 @@ class Session(runtime.Runtime, TrainingLoop):
     prepared: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
     """What ``prepare`` was given and returned: given again, it is refused (session/guards.py)."""
 
+    saves: SaveRecord = field(default_factory=SaveRecord, repr=False, compare=False)
+    """The checkpoint folders this run loaded or saved (session/saving.py)."""
+
     def prepare(
         self,
         model: nn.Module,
@@ -83,8 +97,13 @@ class Session(runtime.Runtime, TrainingLoop):
         global_batch_size: int | None = None,
         scheduler: Any = None,
         wrap: Any = None,
+        init: Callable[[nn.Module], Any] | None = None,
+        exact_init: bool = False,
     ) -> Any:
-        """``prepare(rt, ...)``: move, then wrap the model; split the loader.
+        """``prepare(rt, ...)``: move (or, built on the meta device, initialise), then wrap
+        the model; split the loader. ``init``: ``init(module)`` for each module with tensors of
+        its own, in registration order, instead of its ``reset_parameters()``; ``exact_init``:
+        equal to an eager CPU build at the same seed, bit for bit.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
@@ -96,6 +115,8 @@ class Session(runtime.Runtime, TrainingLoop):
             global_batch_size=global_batch_size,
             scheduler=scheduler,
             wrap=wrap,
+            init=init,
+            exact_init=exact_init,
         )
 
     def full_parameters(
@@ -109,6 +130,7 @@ class Session(runtime.Runtime, TrainingLoop):
 
         Sync point: all ranks under 'zero3'.
         """
+        validate.module("model", model, where="rt.full_parameters()")
         summon = getattr(model, "full_parameters", None)
         if callable(summon):
             return summon(writeback=writeback)
@@ -119,9 +141,11 @@ class Session(runtime.Runtime, TrainingLoop):
     ) -> Any:
         """``prepare_loader(rt, ...)``: a loader split over the replicas, batches on the
         device; ``evaluation``: each sample once. No sync point."""
-        return prepare_loader(
-            self, loader, global_batch_size=global_batch_size, evaluation=evaluation
-        )
+        if evaluation:
+            return prepare_loader(self, loader, global_batch_size=global_batch_size,
+                                  evaluation=True)  # fmt: skip
+        guards.refuse_prepared_twice(self.prepared, "rt.prepare_loader", loader=loader)
+        return _training_loader(self, loader, global_batch_size, agree=False)
 
     print = staticmethod(print0)
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
@@ -134,9 +158,12 @@ class Session(runtime.Runtime, TrainingLoop):
         strategy registry gives (``sharded``: DCP's folder, every rank writing its shards; a
         mesh with tensor or pipeline ranks too; else one file: ``session/formats.py``).
         ``background=True`` returns a ``PendingSave`` once the state is in host memory and
-        writes it in a thread (the next save waits for it). Sync point: all ranks."""
+        writes it in a thread (the next save waits for it). Refuses replicas that drifted
+        apart, warns about a folder reused without ``rt.load`` (``saving.py``). Sync point:
+        all ranks (call it on every rank)."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
+        saving.before_save(self, path, kwargs)  # drifted replicas refused, a reused folder said
         return formats.save(self, path, sharded, background, kwargs)
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
@@ -145,7 +172,19 @@ class Session(runtime.Runtime, TrainingLoop):
         sync point."""
         result = formats.load(path, self._checkpoint_kwargs(kwargs, saving=False))
         self._restore_scaler(result)
+        saving.remember_loaded(self.saves, path)
         return result
+
+    def load_pretrained(self, model: nn.Module, path: str | Path, **kwargs: Any) -> Any:
+        """``rw.load_pretrained``: a safetensors checkpoint (file, or a folder with its index)
+        into the prepared ``model``, each rank reading only its part. Sync point: all ranks
+        when the model is prepared for several processes."""
+        return load_pretrained(model, path, **kwargs)
+
+    def save_pretrained(self, model: nn.Module, directory: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_pretrained``: the whole model as safetensors (Hugging Face's layout),
+        streamed one unit at a time, written by rank 0. Sync point: all ranks."""
+        return save_pretrained(model, directory, **kwargs)
 
 
 def init(
@@ -164,6 +203,7 @@ def init(
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
+    check_init_arguments(backend, device, timeout, env)  # before anything is joined
     rt = runtime.init(
         backend,
         device=device,
@@ -189,6 +229,8 @@ def prepare(
     global_batch_size: int | None = None,
     scheduler: Any = None,
     wrap: Any = None,
+    init: Callable[[nn.Module], Any] | None = None,
+    exact_init: bool = False,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -199,45 +241,60 @@ def prepare(
     under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
     a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
     of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
-    not use it.
+    not use it. A model built on the meta device is initialised here (``init``, ``exact_init``:
+    docs/zero.md, "Models larger than one process").
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
-    rank 0's parameters are broadcast, and 'auto' agrees on the device capacity.
+    rank 0's parameters are broadcast, 'auto' agrees on the device capacity, and with a loader
+    the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
+    first training forward compares what the ranks read (``first_batch.py``).
     """
-    if loader is None and global_batch_size is not None:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} was given without a loader",
-            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
-        )
+    guards.refuse_loader_as_model(rt.prepared, model)  # before the type check: says the call
+    guards.check_arguments(model, optimizer, global_batch_size)
+    guards.refuse_batch_size_without_loader(loader, global_batch_size)
     guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
+    how = deferred.plan(model, init, exact_init)  # None: not built on the meta device
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how)
+    first_batch.watch(rt, wrapped)  # a loader that was not split: said at the first step
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
     prepared = None
     if loader is not None:
-        prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size)
-        rt.loop.loaders.append(prepared)
-        guards.warn_when_original_iterated(loader, rt.strategy, rt.world_size)
-    guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer, loader,
-                             prepared)
+        prepared = _training_loader(rt, loader, global_batch_size, agree=True)
+    guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
     return (wrapped, optimizer, prepared, *tail)
 
 
+def _training_loader(
+    rt: Session, loader: Any, global_batch_size: int | None, *, agree: bool
+) -> DeviceLoader:
+    """A training loader, prepared and remembered: ``rt.accumulate`` syncs on its last batch,
+    it cannot be prepared again, and iterating the original warns. ``agree``: compare the
+    ranks' batch sizes (``rt.prepare``'s sync point; ``rt.prepare_loader`` has none)."""
+    prepared = prepare_loader(rt, loader, global_batch_size=global_batch_size, agree=agree)
+    rt.loop.loaders.append(prepared)
+    guards.warn_when_original_iterated(loader, rt.strategy, rt.world_size)
+    guards.remember_prepared(rt.prepared, loader, prepared)
+    return prepared
+
+
 def _with_precision(
-    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any, how: deferred.DeferredInit | None
 ) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
+    refuse_exact_in_bf16(how, policy.name)
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
-    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap)
+    with agreed_for(rt, how):  # a meta model: every rank draws from the same random state
+        wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap, how)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import load_checkpoint, resolve, save_checkpoint
+from ..checkpoint.api import check_flag, load_checkpoint, resolve, save_checkpoint
 from ..checkpoint.dcp_meta import is_sharded
 from ..checkpoint.pieces import find_engine
 from ..parallel.tensor.state import has_split_layers
@@ -39,6 +39,8 @@ def saves_sharded(rt: Runtime, model: Any = None) -> bool:
 def save(rt: Runtime, path: str | Path, sharded: bool | None, background: bool,
          kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Save in the chosen format, now or in the background. Sync point: all ranks."""
+    check_flag("sharded", sharded, where="rt.save()", optional=True)
+    check_flag("background", background, where="rt.save()")
     sharded = saves_sharded(rt, kwargs.get("model")) if sharded is None else bool(sharded)
     if background:
         from ..checkpoint.background import save_in_background

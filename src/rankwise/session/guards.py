@@ -9,7 +9,13 @@ Each guard catches a mistake that trains without an error but trains wrong or lo
 - ``warn_when_original_iterated``: the ``DataLoader`` given to ``rt.prepare`` iterated
   afterwards (prepare's result not used): every rank reads the whole data set;
 - ``warn_scheduler_not_saved``: a checkpoint of an optimizer that a learning-rate scheduler
-  drives, without the scheduler: a resumed run restarts the schedule.
+  drives, without the scheduler: a resumed run restarts the schedule;
+- ``refuse_loader_as_model``: ``rt.prepare(loader)`` says which call prepares a loader alone.
+
+``warn_at_user`` points a warning at the user's own line, past torch's and rankwise's frames.
+The other guards of the one-call path live beside their subject: ``first_batch.py`` (a loader
+that was not split over the ranks), ``agree.py`` (per-rank batch sizes), ``saving.py`` (replicas
+that drifted apart, a checkpoint folder reused without resuming).
 
 ``torch.save`` on every rank is left to ``rankwise check`` (RW008): torch writes the file from
 C++, so no Python-level event shows it without patching torch.
@@ -18,29 +24,94 @@ C++, so no Python-level event shows it without patching torch.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
+from .. import validate
+from ..data import Loader
 from ..errors import ConfigError
 
 FIX_ONCE = (
     "call rt.prepare once, and use what it returns from then on: "
     "model, opt, loader = rt.prepare(model, opt, loader)."
 )
+PREPARE_LOADER = "loader = rt.prepare_loader(loader)"
+"""The call that prepares a loader on its own (the model was prepared already)."""
+_OURS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(m.__file__)), "")
+    for m in (torch, sys.modules[__name__.split(".")[0]])
+)
+"""Frames under these folders are torch's or rankwise's; the first other one is the user's."""
 
 
-def refuse_prepared_twice(prepared: weakref.WeakSet, **given: Any) -> None:
+def check_arguments(model: Any, optimizer: Any, global_batch_size: Any) -> None:
+    """``rt.prepare``'s arguments, by type, before anything moves (validate.py)."""
+    validate.module("model", model, where="rt.prepare()")
+    validate.optimizer("optimizer", optimizer, where="rt.prepare()")
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare()", example=64)  # fmt: skip
+
+
+def user_frame(depth: int = 1) -> tuple[FrameType | None, int]:
+    """The first frame outside torch and rankwise, above our caller's ``depth`` levels, and
+    its ``stacklevel`` as seen from that caller (for ``warnings.warn``)."""
+    frame, level = sys._getframe(depth + 1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    return frame, level
+
+
+def warn_at_user(message: str) -> None:
+    """``warnings.warn(message)`` pointing at the user's line, whatever called us."""
+    warnings.warn(message, UserWarning, stacklevel=user_frame(1)[1])
+
+
+def refuse_prepared_twice(
+    prepared: weakref.WeakSet, call: str = "rt.prepare", **given: Any
+) -> None:
     """Raise if any of ``given`` (model=, optimizer=, loader=) went through ``rt.prepare``."""
+    loader = given.get("loader")
+    new_loader = loader is not None and not _member(prepared, loader)
     for what, obj in given.items():
         if obj is not None and _member(prepared, obj):
             raise ConfigError(
-                f"rt.prepare() got a {what} ({type(obj).__name__}) that is already prepared: "
+                f"{call}() got a {what} ({type(obj).__name__}) that is already prepared: "
                 f"it was given to, or returned by, an earlier rt.prepare() call",
-                fix=FIX_ONCE,
-            )
+                fix=FIX_ONCE
+                + (f" To add a loader after the model was prepared: {PREPARE_LOADER}."
+                   if new_loader else ""),
+            )  # fmt: skip
+
+
+def _is_loader(obj: Any) -> bool:
+    """A torch DataLoader, an ``rw.loader``, or a prepared loader (which holds one)."""
+    return isinstance(obj, DataLoader | Loader) or isinstance(getattr(obj, "loader", None), Loader)
+
+
+def refuse_loader_as_model(prepared: weakref.WeakSet, model: Any) -> None:
+    """``rt.prepare(loader)``: say which call prepares it, given what was prepared before (a
+    prepared model cannot go through ``rt.prepare`` again)."""
+    if not _is_loader(model):
+        return
+    if _member(prepared, model):
+        fix = "use the loader rt.prepare returned as it is: it is prepared already."
+    elif any(isinstance(obj, torch.nn.Module) for obj in list(prepared)):
+        fix = f"the model is prepared already, so prepare the loader on its own: {PREPARE_LOADER}."
+    else:
+        fix = (
+            "pass the model first: model, opt, loader = rt.prepare(model, opt, loader); "
+            f"or, for a loader on its own: {PREPARE_LOADER}."
+        )
+    raise ConfigError(
+        f"rt.prepare() got a {type(model).__name__} as its model (the first argument)", fix=fix
+    )
 
 
 def remember_prepared(prepared: weakref.WeakSet, *objs: Any) -> None:
@@ -113,4 +184,12 @@ def warn_scheduler_not_saved(kwargs: dict[str, Any]) -> None:
             "rt.load then include it), or rt.save(..., scheduler=sched).",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def refuse_batch_size_without_loader(loader: Any, global_batch_size: int | None) -> None:
+    if loader is None and global_batch_size is not None:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} was given without a loader",
+            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from .. import validate
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
@@ -16,7 +17,9 @@ from ..log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy
-from .guards import refuse_empty_loader
+from ..validate import shown
+from .agree import agree_batches, uneven_line, uneven_warning
+from .guards import refuse_empty_loader, warn_at_user
 
 
 def _shuffle_of(dl: DataLoader) -> bool:
@@ -147,6 +150,7 @@ def prepare_loader(
     *,
     global_batch_size: int | None = None,
     evaluation: bool = False,
+    agree: bool = False,
 ) -> DeviceLoader:
     """``loader`` split over the replicas with our sampler; batches arrive on ``rt.device``.
 
@@ -155,9 +159,11 @@ def prepare_loader(
     process; 'dp': the global batch, split over the devices) unless
     ``global_batch_size`` is given. The meaning is logged once, on rank 0. ``evaluation=True``
     visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
-    No sync point.
+    ``agree`` (``rt.prepare``'s): compare the per-process batch sizes over the ranks
+    (``agree.py``), and log the global batch they really make. Sync point only with ``agree``.
     """
-
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare_loader()", example=64)  # fmt: skip
     if isinstance(loader, DeviceLoader):
         loader = loader.loader
     if isinstance(loader, Loader):
@@ -167,15 +173,25 @@ def prepare_loader(
         built = _rebuild(rt, loader, global_batch_size, evaluation)
     else:
         raise ConfigError(
-            f"loader={type(loader).__name__} is not a torch DataLoader nor an rw.loader",
+            f"loader={shown(loader)} ({type(loader).__name__}) is not a torch DataLoader nor "
+            "an rw.loader",
             fix="pass DataLoader(dataset, batch_size=B, shuffle=...) or rw.loader(dataset, ...).",
         )
     refuse_empty_loader(built, loader, evaluation)
+    batches = agree_batches(rt, built) if agree else None
     line = describe_batch(rt.strategy, built, _source(rt, loader, global_batch_size))
+    if batches is not None and batches.uneven:
+        line = uneven_line(rt.strategy, batches)
     if rt.mesh is not None and rt.mesh.world_size > rt.mesh.sizes["data"]:
         line += f" (data ranks of the mesh {rt.mesh.describe()}: their peers read the same)"
     get_logger("rankwise.session").info(line + (" (evaluation: each sample once)" * evaluation))
-    return DeviceLoader(built, rt.device)
+    prepared = DeviceLoader(built, rt.device)
+    if batches is not None:
+        prepared.agreed_global_batch_size = batches.global_batch if batches.uneven else None
+        said = uneven_warning(batches, built.global_batch_size)
+        if said is not None and rt.rank == 0:
+            warn_at_user(said)
+    return prepared
 
 
 def _loaders(name: str, doc: str) -> property:
@@ -196,7 +212,6 @@ class DeviceLoader:
     dataset = _loaders("dataset", "The dataset (this rank's share of a stream, if iterable).")
     sampler = _loaders("sampler", "The sampler that splits the data over the ranks.")
     batch_size = _loaders("batch_size", "Samples per batch this process receives.")
-    global_batch_size = _loaders("global_batch_size", "Samples per optimizer step, whole job.")
     per_device_batch_size = _loaders("per_device_batch_size", "Samples per device per step.")
     num_replicas = _loaders("num_replicas", "Processes in the job, each with its own share.")
     replicas_in_process = _loaders("replicas_in_process", "Devices each batch is split over.")
@@ -208,16 +223,29 @@ class DeviceLoader:
         self.device = device
         self.at_last_batch = False
         """True while the epoch's last batch is out (``rt.accumulate`` synchronises on it)."""
+        self.in_pass = False
+        """True while a pass is under way (the first-batch check trusts these batches)."""
+        self.agreed_global_batch_size: int | None = None
+        """The global batch the ranks' batch sizes add up to, when ``rt.prepare`` found that
+        they differ (otherwise the loader's own figure holds)."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, whole job."""
+        return self.agreed_global_batch_size or self.loader.global_batch_size
 
     def __iter__(self) -> Iterator[Any]:
         try:
             total = len(self.loader)
         except TypeError:  # an iterable dataset of unknown length
             total = -1
-        for i, batch in enumerate(self.loader):
-            self.at_last_batch = i + 1 == total
-            yield to_device(batch, self.device)
-        self.at_last_batch = False
+        self.in_pass = True
+        try:
+            for i, batch in enumerate(self.loader):
+                self.at_last_batch = i + 1 == total
+                yield to_device(batch, self.device)
+        finally:
+            self.at_last_batch = self.in_pass = False
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -38,13 +39,27 @@ def _joined_runtime(name: str) -> runtime.Runtime:
     return runtime.init()
 
 
+_APART: weakref.WeakSet = weakref.WeakSet()
+"""Models whose replicas a rule lets differ between its sync points (``replicas_apart``)."""
+
+
+def replicas_apart(model: torch.nn.Module) -> bool:
+    """Does an update rule let ``model``'s replicas differ between sync points (asynchronous,
+    local SGD)? ``rt.save`` then does not compare them (session/saving.py)."""
+    return model in _APART
+
+
 class UpdateRule:
     """Base of the update rules: ``step()``, ``zero_grad()``, ``close()``, a context manager."""
 
     name = "base"
+    apart = False
+    """True when replicas may differ between this rule's sync points."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.runtime = _joined_runtime(self.name)
+        if self.apart:
+            _APART.add(model)
         self.model = model
         self.optimizer = optimizer
         self.flat = FlatParams(model.parameters())

@@ -23,6 +23,7 @@ class LocalSGD(UpdateRule):
     """
 
     name = "local_sgd"
+    apart = True  # replicas differ between two averages
 
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int

@@ -14,6 +14,7 @@ from .model import ddp_before_device, torch_load_without_weights_only, wrapped_s
 from .multinode import global_rank_as_device, init_rank_from_local_rank, save_guarded_by_local_rank
 from .process_group import init_process_group_twice, local_rank_without_env
 from .ranks import collective_in_rank_branch, print_without_rank_guard, save_without_rank_guard
+from .session import loader_not_prepared, model_outside_prepare
 from .training import clip_before_unscale, resume_decided_per_rank
 
 RULES: tuple[Rule, ...] = tuple(
@@ -36,6 +37,8 @@ RULES: tuple[Rule, ...] = tuple(
             save_guarded_by_local_rank,
             clip_before_unscale,
             resume_decided_per_rank,
+            loader_not_prepared,
+            model_outside_prepare,
         ),
         key=lambda r: r.id,
     )

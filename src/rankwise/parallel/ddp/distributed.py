@@ -36,14 +36,13 @@ from ..agreement import (
     verify_same_model,
 )
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from . import compression as comp
 from . import passes, shared_reduce
 from .comm_hooks import HookFn, check_hook
 from .devices import check_devices, group_size_and_rank
 from .join import DDPJoinHook, sync_flag
 from .logging_data import DDPLogger, clock
 from .no_sync import gradient_sync_off
-from .options import buffer_sync, group_from_mesh, refuse_unsupported
+from .options import buffer_sync, check_args, group_from_mesh, refuse_unsupported
 from .reducer import Reducer
 from .sparse import sparse_flags
 
@@ -90,6 +89,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         compression: str | torch.dtype | None = None,
         shared_memory_reduce: bool | None = None,
     ) -> None:
+        check_args(module, device_ids, output_device, dim, process_group, bucket_cap_mb, compression)
         super().__init__()
         Joinable.__init__(self)
         unsupported = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
@@ -99,7 +99,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.world_size, self.rank = group_size_and_rank(process_group)
         checked = check_devices(module, device_ids, output_device, self.rank)
         self.device_ids, self.output_device = checked
-        comp.wire_dtype(compression)  # a bad compression name is refused before any collective
         self.dim = dim
         self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)

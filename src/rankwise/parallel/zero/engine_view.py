@@ -24,6 +24,9 @@ class ShardedEngine(Protocol):
     module: nn.Module
     stage: int
     rank: int
+    world_size: int
+    process_group: Any
+    names: list[str]
     params: list[nn.Parameter]
     units: list[FlatUnit]
     stage3: Any
