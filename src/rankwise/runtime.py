@@ -316,9 +316,7 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(
-    hook: Callable[[], None], *, always: bool = False, first: bool = False
-) -> None:
+def on_shutdown(hook: Callable[[], None], *, always: bool = False, first: bool = False) -> None:
     """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook),
     in registration order; ``always``: whenever a runtime is left, world size 1 too
     (``rt.log``'s trackers); ``first``: before the hooks registered so far (a background save

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint import files
 from ..checkpoint.api import check_flag, load_checkpoint, resolve, save_checkpoint
 from ..checkpoint.dcp_meta import is_sharded
 from ..checkpoint.pieces import find_engine
@@ -39,6 +40,8 @@ def saves_sharded(rt: Runtime, model: Any = None) -> bool:
 def save(rt: Runtime, path: str | Path, sharded: bool | None, background: bool,
          kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Save in the chosen format, now or in the background. Sync point: all ranks."""
+    files.check_arguments(path, kwargs.get("model"), kwargs.get("optimizer"), saving=True,
+                          epoch=kwargs.get("epoch"), keep_last=kwargs.get("keep_last", 3))  # fmt: skip
     check_flag("sharded", sharded, where="rt.save()", optional=True)
     check_flag("background", background, where="rt.save()")
     sharded = saves_sharded(rt, kwargs.get("model")) if sharded is None else bool(sharded)
@@ -52,6 +55,7 @@ def save(rt: Runtime, path: str | Path, sharded: bool | None, background: bool,
 def load(path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Load either format: a sharded folder with each rank's own pieces, a file with the
     tensor-parallel slicing of ``full_states``. No sync point."""
+    files.check_arguments(path, kwargs.get("model"), kwargs.get("optimizer"), saving=False)
     sharded = is_sharded(resolve(path))
     return load_checkpoint(path, **_whole_unless(sharded, kwargs))
 
