@@ -154,6 +154,37 @@ def param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in root_module(model).named_parameters()}
 
 
+def state_entries(model: nn.Module) -> dict[str, Any]:
+    """The user's model's state-dict keys -> its own tensors (``keep_vars``), as they are.
+
+    Under ZeRO-3 the root's ``state_dict()`` gathers every unit into full copies (a
+    collective: ``stage3.Stage3Hooks._full_state``); a sharded save must see the sharded
+    parameters themselves, so the entries are read as ``state_dict`` reads them, without its
+    hooks: each module's parameters and persistent buffers, its extra state, its children.
+    """
+    root = root_module(model)
+    engine = find_engine(model)
+    if engine is None or engine.stage < 3:
+        return root.state_dict(keep_vars=True)
+    out: dict[str, Any] = {}
+    _entries(root, "", out)
+    return out
+
+
+def _entries(module: nn.Module, prefix: str, out: dict[str, Any]) -> None:
+    for name, p in module._parameters.items():
+        if p is not None:
+            out[prefix + name] = p
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            out[prefix + name] = b
+    if type(module).get_extra_state is not nn.Module.get_extra_state:
+        out[prefix + "_extra_state"] = module.get_extra_state()
+    for name, child in module._modules.items():
+        if child is not None:
+            _entries(child, f"{prefix}{name}.", out)
+
+
 def model_pieces(model: nn.Module, *, loading: bool) -> tuple[list[Piece], list[Blob]]:
     """This rank's pieces of the model's state (``model.<key>``) and its non-tensor entries.
 
@@ -170,7 +201,7 @@ def model_pieces(model: nn.Module, *, loading: bool) -> tuple[list[Piece], list[
         sharded = {id(p): (u, k) for u in engine.units for k, p in enumerate(u.params)}
     pieces: list[Piece] = []
     blobs: list[Blob] = []
-    for name, value in root.state_dict(keep_vars=True).items():
+    for name, value in state_entries(model).items():
         key, path = model_key(name)
         if not isinstance(value, torch.Tensor):
             blobs.append(Blob(key, path, value, shared=True))
@@ -191,7 +222,7 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
     root = root_module(model)
     splits = splits_of(root)
     out: dict[str, tuple[int, ...] | None] = {}
-    for name, value in root.state_dict(keep_vars=True).items():
+    for name, value in state_entries(model).items():
         if not isinstance(value, torch.Tensor):
             out[name] = None
         else:
