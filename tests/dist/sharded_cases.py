@@ -185,3 +185,21 @@ def pipeline_rank(folder: str) -> dict:
     lrs = [g["lr"] for g in opt2.param_groups]
     rw.shutdown()
     return {"path": str(path), "saved": saved, "loaded": loaded, "lrs": lrs}
+
+
+def collectives_of_a_save(folder: str) -> dict:
+    """What ``rt.save`` issues under zero3, read from the fingerprints' records: the
+    collectives added to each process group by one save."""
+    from rankwise.diagnose import fingerprints
+
+    torch.set_num_threads(1)
+    rt = rw.init(strategy="zero3")
+    model, opt = prepared(rt)
+    step(rt, model, opt, 0)
+    before = {g.name: g.seq for g in fingerprints.STATE.groups.values()}
+    rt.save(folder, model=model, optimizer=opt, step=1)
+    after = {g.name: g.seq for g in fingerprints.STATE.groups.values()}
+    added = {name: seq - before.get(name, 0) for name, seq in after.items()}
+    labels = [e["label"] for e in fingerprints.recent(added.get("world", 0))]
+    rw.shutdown()
+    return {"added": added, "labels": labels}

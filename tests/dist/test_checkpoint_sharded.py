@@ -140,3 +140,15 @@ def test_a_pipeline_saves_each_stage_and_loads_by_stage_and_in_one_process(tmp_p
     assert set(got[0]) == stages[0] | stages[1]
     for rank, r in enumerate(ranks):
         _equal_by_name(got, r["saved"], f"one process, stage {rank}'s part")
+
+
+def test_a_zero3_sharded_save_gathers_no_parameter(tmp_path):
+    """Each rank writes its own shards: the save's only collectives are small messages on the
+    default group (rt.save's replica check, who writes what, each rank's outcome, the status),
+    never a unit's all-gather (a full model on any rank)."""
+    ranks = run_distributed(sc.collectives_of_a_save, 2, args=(str(tmp_path),), init=False,
+                            timeout=300)  # fmt: skip
+    for r in ranks:
+        assert {n: k for n, k in r["added"].items() if k} == {"world": 4}, r["added"]
+        assert r["labels"] == ["rt.save: replica fingerprints", "sharded checkpoint plan",
+                               "sharded checkpoint writes", "sharded checkpoint status"]  # fmt: skip
