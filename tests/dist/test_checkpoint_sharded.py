@@ -38,6 +38,7 @@ def _resume_each(folder: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # one job of 2 ranks per sharded strategy (~25 s under load)
 def test_every_sharded_strategy_writes_a_dcp_folder_and_resumes_bit_for_bit(tmp_path):
     ranks = run_distributed(_resume_each, 2, args=(str(tmp_path),), init=False, timeout=300)
     sharded = {n for n, s in STRATEGIES.items() if s.checkpoint == "sharded"}
@@ -142,6 +143,7 @@ def test_a_pipeline_saves_each_stage_and_loads_by_stage_and_in_one_process(tmp_p
         _equal_by_name(got, r["saved"], f"one process, stage {rank}'s part")
 
 
+@pytest.mark.slow  # ~20 s under load
 def test_a_zero3_sharded_save_gathers_no_parameter(tmp_path):
     """Each rank writes its own shards: the save's only collectives are small messages on the
     default group (rt.save's replica check, who writes what, each rank's outcome, the status),
