@@ -98,12 +98,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)
         unsupported = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
         refuse_unsupported(*unsupported, bucket_cap_mb_list, check_reduction)
-        self.module = module
+        self.module, self.dim = module, dim
         self.process_group = process_group = group_from_mesh(process_group, device_mesh)
         self.world_size, self.rank = group_size_and_rank(process_group)
         checked = check_devices(module, device_ids, output_device, self.rank)
         self.device_ids, self.output_device = checked
-        self.dim = dim
         self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
