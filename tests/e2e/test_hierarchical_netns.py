@@ -10,6 +10,7 @@ ours and removed afterwards.
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from .test_launch import finish, reports, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _twonodes import TwoNodes, Unavailable, unavailable  # noqa: E402
+from _twonodes import TwoNodes, Unavailable, unavailable
 
 TRAIN = textwrap.dedent("""
     # Trains rt.prepare's DDP (as it comes, and flat) and ZeRO stage 2 on this rank's batches;
@@ -79,9 +80,10 @@ def test_two_nodes_reduce_node_first_and_train_as_the_flat_path(two_nodes, tmp_p
     (tmp_path / "train.py").write_text(TRAIN)
     common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr",
               two_nodes.addr[0], "--master-port", "29531", "--rdzv-timeout", "90"]  # fmt: skip
-    procs = [start(*common, "--node-rank", str(i), "train.py", str(tmp_path), cwd=tmp_path,
-                   prefix=tuple(two_nodes.prefix(i)))  # fmt: skip
-             for i in (1, 0)]
+    procs = []
+    for i in (1, 0):
+        argv = (*common, "--node-rank", str(i), "train.py", str(tmp_path))
+        procs.append(start(*argv, cwd=tmp_path, prefix=tuple(two_nodes.prefix(i))))
     for proc in procs:
         code, _, stderr = finish(proc, timeout=300)
         assert code == 0, stderr
@@ -96,3 +98,24 @@ def test_two_nodes_reduce_node_first_and_train_as_the_flat_path(two_nodes, tmp_p
             assert np.allclose(ours, flat, rtol=1e-5, atol=1e-6)
         for ours, flat in zip(r["zero"], r["flat"], strict=True):
             assert np.allclose(ours, flat, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_comm_launched_on_two_nodes_measures_the_shaped_link(two_nodes, tmp_path: Path):
+    shaping = two_nodes.shape("100mbit", None)  # a token bucket, or netem where there is one
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", two_nodes.addr[0],
+              "--master-port", "29532", "--rdzv-timeout", "90"]  # fmt: skip
+    bench = ["-m", "rankwise", "bench", "comm", "--comm-max-bytes", str(2**20), "--repeats", "3"]
+    procs = []
+    for i in (1, 0):
+        argv = (*common, "--node-rank", str(i), *bench, "--out", str(tmp_path / f"node{i}"))
+        procs.append(start(*argv, cwd=tmp_path, prefix=tuple(two_nodes.prefix(i))))
+    for proc in procs:
+        code, _, stderr = finish(proc, timeout=300)
+        assert code == 0, stderr
+    assert not (tmp_path / "node1" / "comm.json").exists()  # rank 0 reports
+    report = json.loads((tmp_path / "node0" / "comm.json").read_text())
+    assert report["world_size"] == 2 and shaping["rate"] == "100mbit"
+    big = report["rows"][-1]  # 1 MiB: a ring of two sends it once each way, at <= 100 Mbit/s
+    assert big["bytes"] == 2**20 and big["algbw_GBps"] * 8 < 0.1 * 1.15
+    fitted = report["fit"]["bandwidth_GBps"] * 8  # Gbit/s, for --node-network
+    assert 0.05 < fitted < 0.115, report["fit"]

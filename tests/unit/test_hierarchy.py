@@ -54,3 +54,27 @@ def test_one_rank_per_node_makes_the_hierarchy_a_plain_ring():
     assert flat == pytest.approx(pj.ring_allreduce_s(8, M, LINK))
     # ... and with several ranks per node it beats the ring over every rank on a slow link.
     assert pj.hierarchical_allreduce_s(8, 4, M, LINK, 5e9) < pj.ring_allreduce_s(32, M, LINK)
+
+
+def test_bench_projection_across_nodes_rows_are_the_model_at_each_world():
+    from rankwise.bench import across_nodes
+
+    b = across_nodes.block("1Gbps,0.5ms", 4, 0.001, 32, M, 2e9, worlds=(8, 64))
+    assert b["ranks_per_node"] == 4 and [r["nodes"] for r in b["rows"]] == [2, 16]
+    for r in b["rows"]:
+        ring = pj.predict_across_nodes(0.032, M, r["nodes"], 4, LINK, 2e9, hierarchical=False)
+        hier = pj.predict_across_nodes(0.032, M, r["nodes"], 4, LINK, 2e9, hierarchical=True)
+        assert (r["ring_step_ms"], r["hierarchical_step_ms"]) == (ring["step_ms"], hier["step_ms"])
+    assert "hierarchical" in across_nodes.lines(b)[1] and "2 nodes" in across_nodes.lines(b)[1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("node_network", "fast", "--node-network 'fast'"), ("ranks_per_node", 0, "--ranks-per-node 0")],
+)
+def test_bench_refuses_a_bad_link_between_nodes(field, value, named):
+    from rankwise.bench.runner import BenchConfig
+    from rankwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        BenchConfig(**{field: value})

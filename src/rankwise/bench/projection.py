@@ -74,21 +74,21 @@ class Network:
         return cls(d["alpha_us"] * 1e-6, 1.0 / (d["bandwidth_GBps"] * 1e9), d.get("source", ""))
 
 
-def parse_network(text: str) -> Network:
+def parse_network(text: str, flag: str = "--network") -> Network:
     """``'100Gbps,5us'`` -> Network. Bandwidth in Gbps/Mbps (bits) or GB/s, MB/s (bytes)."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z/]+)\s*,\s*([\d.]+)\s*([a-z]+)\s*", text or "")
     bw_unit = match and match.group(2).lower()
     lat_unit = match and match.group(4).lower()
     if not match or bw_unit not in _BW_UNITS or lat_unit not in _LAT_UNITS:
         raise ConfigError(
-            f"--network {text!r} is not BANDWIDTH,LATENCY",
-            fix="write e.g. --network 100Gbps,5us (bandwidth in Gbps, Mbps, GB/s or MB/s; "
+            f"{flag} {text!r} is not BANDWIDTH,LATENCY",
+            fix=f"write e.g. {flag} 100Gbps,5us (bandwidth in Gbps, Mbps, GB/s or MB/s; "
             "latency in s, ms, us or ns).",
         )
     bandwidth = float(match.group(1)) * _BW_UNITS[bw_unit]
     latency = float(match.group(3)) * _LAT_UNITS[lat_unit]
     if bandwidth <= 0:
-        raise ConfigError(f"--network {text!r}: bandwidth must be positive", fix="e.g. 100Gbps,5us")
+        raise ConfigError(f"{flag} {text!r}: bandwidth must be positive", fix="e.g. 100Gbps,5us")
     return Network(latency, 1.0 / bandwidth, "given")
 
 
