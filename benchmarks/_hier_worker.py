@@ -139,7 +139,6 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
     nominal = projection.parse_network(
         f"{shaping['rate'].replace('bit', 'bps')},{(shaping.get('delay') or '0ms')}"
     )
-    nominal = projection.Network(2 * nominal.alpha_s, nominal.beta_s_per_byte, "given")  # RTT
     checks = {}
     for name, net in (("measured_link", link), ("nominal_link", nominal)):
         pred = _predictions(m, net, med["independent"])
@@ -166,8 +165,10 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
         "replicas_bit_identical": m["replicas_bit_identical"],
         "max_abs_diff_vs_torch": m["max_abs_diff_vs_torch"],
         "link_sweep": m["sweep"],
+        "bench_flags": f"--node-network {link.flag()} --ranks-per-node {m['per_node']}",
         "memcpy_GBps": m["memcpy_GBps"],
-        "projection": checks,
+        "projection": {"model": "rankwise.bench.projection.predict_across_nodes (compute = "
+                       "the independent step)", **checks},
         "targets": {
             "hierarchical_le_0.75x_torch": ratio <= 0.75,
             "projection_within_15pct": worst <= 0.15,
