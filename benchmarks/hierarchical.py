@@ -75,13 +75,17 @@ def main(argv: list[str] | None = None) -> dict:
     reason = unavailable()
     if reason:
         return emit({"skipped": reason}, args.out)
+    load = os.getloadavg()[0]
     try:
         measured, shaping = _run_job(args)
     except Unavailable as exc:
         return emit({"skipped": str(exc)}, args.out)
     from _hier_worker import summarise
 
-    return emit(summarise(measured, shaping, args), args.out)
+    result = summarise(measured, shaping, args)
+    result["machine"] = {"cpus": os.cpu_count(),
+                         "loadavg_1m_before_after": [round(load, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+    return emit(result, args.out)
 
 
 def _run_job(args: argparse.Namespace) -> tuple[dict, dict]:

@@ -209,7 +209,22 @@ def _zero_two_nodes() -> dict:
         ours, used = _zero(stage, rank, None)
         flat, flat_used = _zero(stage, rank, False)
         out[stage] = {"ours": ours, "flat": flat, "hier": used, "flat_hier": flat_used}
+    out["gan"] = {hier: _zero_gan(rank, hier) for hier in (None, False)}
     return out
+
+
+def _zero_gan(rank: int, hier: bool | None) -> list:
+    """Two stage-3 engines in one backward: their node-first collectives share one lane."""
+    torch.manual_seed(1)
+    gen, critic = nn.Linear(16, 64), nn.Linear(64, 64)
+    engines = [rw.ShardedDataParallel(m, torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
+                                      hierarchical_reduce=hier) for m in (gen, critic)]  # fmt: skip
+    for x, _ in _batches(rank, 3, features=16):
+        engines[1](torch.relu(engines[0](x))).pow(2).mean().backward()
+        for e in engines:
+            e.optimizer.step()
+            e.optimizer.zero_grad()
+    return [v.numpy().copy() for e in engines for v in e.state_dict().values()]
 
 
 def test_zero_stages_across_two_nodes_are_node_first_and_train_as_flat():
@@ -220,6 +235,7 @@ def test_zero_stages_across_two_nodes_are_node_first_and_train_as_flat():
             assert case["hier"] and not case["flat_hier"], stage
             assert _close(case["ours"], case["flat"]), stage
             assert _same(case["ours"], res[0][stage]["ours"]), stage
+        assert _close(r["gan"][None], r["gan"][False]) and _same(r["gan"][None], res[0]["gan"][None])
 
 
 def _uneven() -> dict:

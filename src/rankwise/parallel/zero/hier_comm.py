@@ -18,8 +18,9 @@ Within a node the data moves through Gloo on loopback (the unit buffers are made
 every step, so they do not live in shared memory as DDP's buckets do). The phases of one call
 depend on each other, so a ``Lane`` runs them on one worker thread, call after call in the
 order they were made, which is the same on every rank; its ``Work`` (``wait``/``is_completed``)
-is watched by the fingerprints like Gloo's own. A lane has its own groups: stage 3's gathers
-and its reductions (each ordered alike on every rank, their interleaving not) get one each.
+is watched by the fingerprints like Gloo's own. A lane has its own groups and is shared by every engine on
+the process group; stage 3's gathers and the reductions (each ordered alike on every rank,
+their interleaving not) get one lane each.
 Every chunk has one owner, and an all-reduce's result is the same on every participant, so
 ranks agree bit for bit; the order of the sum differs from the flat collectives'.
 """
@@ -129,5 +130,17 @@ def lanes(
                 fix="leave hierarchical_reduce unset: it is used whenever the job spans nodes.",
             )
         return None, None
-    reduce = Lane(why, why.groups("zero"))
-    return reduce, (Lane(why, why.groups("zero-gather")) if stage == 3 else reduce)
+    reduce = _lane(why, "zero")
+    return reduce, (_lane(why, "zero-gather") if stage == 3 else reduce)
+
+
+_LANES: dict[tuple[int, str], Lane] = {}
+"""(id(hierarchy), purpose) -> its lane, shared by every engine on the group: one thread per
+group of collectives, so two engines (a GAN's) never issue on one group from two threads."""
+
+
+def _lane(h: hier.Hierarchy, purpose: str) -> Lane:
+    found = _LANES.get((id(h), purpose))
+    if found is None:
+        found = _LANES[(id(h), purpose)] = Lane(h, h.groups(purpose))
+    return found
