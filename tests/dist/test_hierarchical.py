@@ -10,7 +10,8 @@ group. Against torch's DistributedDataParallel in the same ranks and the flat pa
   queue), and a small bucket beside the shared one (the flat all-reduce);
 - torch's communication hooks take precedence (no bucket goes through shared memory);
 - ``hierarchical_reduce=True`` is refused with the reason: one node, uneven nodes,
-  compression, ``shared_memory_reduce=False``; nothing is left in /dev/shm;
+  compression, ``shared_memory_reduce=False``, a node that cannot map its file (every rank
+  then takes the flat path, never one node alone); nothing is left in /dev/shm;
 - ZeRO stages 1-3 pick node-first collectives, and train as the flat ones do (AdamW with two
   parameter groups), the full state identical on every rank.
 """
@@ -31,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import rankwise as rw
 from rankwise.errors import ConfigError
-from rankwise.parallel.ddp import shared_reduce
+from rankwise.parallel.ddp import shared_reduce, shm_file
 from rankwise.parallel.ddp.hierarchical import HierarchicalBuckets
 from rankwise.testing import run_distributed
 
@@ -112,9 +113,23 @@ def _ddp_two_nodes() -> dict:
         _net(), compression="bf16", hierarchical_reduce=True))  # fmt: skip
     out["without_shm"] = _refusal(lambda: rw.DistributedDataParallel(
         _net(), shared_memory_reduce=False, hierarchical_reduce=True))  # fmt: skip
+    out["node_without_room"] = _node_without_room(rank)
     dist.barrier()
     out["leftovers"] = sorted(set(glob.glob(LEFTOVERS)) - before)
     return out
+
+
+def _node_without_room(rank: int) -> dict:
+    """Node 1 cannot map its file: every rank takes the flat path (Gloo), none alone."""
+    real_map = shm_file.map_file
+    if rank >= 2:
+        shm_file.map_file = lambda *args: None
+    try:
+        model = rw.DistributedDataParallel(_net())
+        insisted = _refusal(lambda: rw.DistributedDataParallel(_net(), hierarchical_reduce=True))
+    finally:
+        shm_file.map_file = real_map
+    return {"shared": model.reducer.shared is not None, "insisted": insisted}
 
 
 def _join(rank: int) -> dict:
@@ -185,6 +200,8 @@ def test_ddp_across_two_nodes_is_hierarchical_and_matches_torch():
         assert r["two_models"]["hier"] and _close(r["two_models"]["ours"], r["two_models"]["torch"])
         assert "compression='bf16'" in r["with_compression"]
         assert "shared_memory_reduce=False" in r["without_shm"]
+        assert not r["node_without_room"]["shared"]
+        assert "a node could not map" in r["node_without_room"]["insisted"]
         assert r["leftovers"] == []
 
 
