@@ -177,17 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N,...",
         help="world sizes to check the projection at",
     )
-    flag(
-        p,
-        "network",
-        default=None,
-        metavar="BANDWIDTH,LATENCY",
-        help="projection network, e.g. 100Gbps,5us",
-    )
-    flag(p, "node-network", default=None, metavar="BANDWIDTH,LATENCY",
-         help="link between nodes: also project across nodes, flat ring and hierarchical")  # fmt: skip
-    flag(p, "ranks-per-node", type=positive_int, default=None, metavar="L",
-         help="ranks per node in that projection (default --nproc-per-node)")  # fmt: skip
+    _network_flags(p)
     _max_bytes(p, "largest all-reduce in the fit (default 64 MiB)")
     flag(
         p,
@@ -197,6 +187,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory for bench.json and bench.png",
     )
     flag(p, "json", action="store_true", help="print the report as JSON instead of the table")
+
+
+def _network_flags(p: argparse.ArgumentParser) -> None:
+    flag(p, "network", default=None, metavar="BANDWIDTH,LATENCY",
+         help="projection network, e.g. 100Gbps,5us")  # fmt: skip
+    flag(p, "node-network", default=None, metavar="BANDWIDTH,LATENCY",
+         help="link between nodes: also project across nodes, flat ring and hierarchical")  # fmt: skip
+    flag(p, "ranks-per-node", type=positive_int, default=None, metavar="L",
+         help="ranks per node in that projection (default --nproc-per-node)")  # fmt: skip
 
 
 def _nproc(p: argparse.ArgumentParser, help: str) -> None:
