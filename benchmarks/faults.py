@@ -37,6 +37,11 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   record (each must fail to load naming the file and record; ``lost`` counts silent loads,
   ``torch_silent`` what plain ``torch.load`` did), and an outsider's pickle written to a c10d
   job's rendezvous key (``executed`` counts runs where it ran; the job must stop naming the key).
+- ``raise_rank0``, ``raise_rank1``, ``uneven_data``, ``rogue_call_site``, ``raw_mismatch``,
+  ``ps_worker_drop`` (benchmarks/_faults_report.py): whether the failure report tells the
+  truth (``misblamed``: a headline that does not name the rank that raised, or blames one
+  that did not fail; ``noisy``: Gloo's noise, caret lines, more than one Fix; ``opened``: a
+  file a peer named was opened), and how soon a raw deadlock or a deaf worker ends.
 
 Prints one JSON row per fault: trials, runs that lost data or hung (and, where they apply,
 executed payloads, shared-memory files left, errors that did not name the cause), and the
@@ -252,6 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     random.seed(0)
     import _faults_more as more  # beside this script
+    import _faults_report as reports  # beside this script
     import _faults_security as security
 
     from rankwise.env import STALL_REPORT_S
@@ -273,6 +279,7 @@ def main() -> None:
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],
         **security.plan(ENV, _tmp, args.kills),  # directory_bit, word_swap, rendezvous_forgery
+        **reports.plan(ENV, stall, _tmp, args.kills),
     }
     rows = []
     for fault, run in plan.items():
@@ -280,7 +287,8 @@ def main() -> None:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank") else {}
+        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank", "raw_mismatch") else {}
+        extra.update(reports.counts(results))
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)

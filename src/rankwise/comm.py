@@ -211,7 +211,7 @@ def barrier(timeout: float | timedelta | None = None) -> None:
         entry.done()
     except RuntimeError as exc:
         if fingerprints.settings().enabled:
-            raise fingerprints.failure(entry, exc) from exc
+            raise fingerprints.failure(entry, exc) from None  # the message quotes the backend error
         raise DistributedError(
             f"barrier timed out after {td.total_seconds():.0f}s: {str(exc).splitlines()[0]}",
             fix="every rank must reach the same barriers; look for a barrier (or a helper that "

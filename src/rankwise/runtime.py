@@ -131,6 +131,7 @@ R = TypeVar("R", bound=Runtime)
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
+_leave_hooks: list[Callable[[], None]] = []  # on_shutdown(always=True): world size 1 too
 
 
 def choose_device(env: DistEnv, device: str | torch.device | None = None) -> torch.device:
@@ -315,14 +316,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook).
+def on_shutdown(hook: Callable[[], None], *, always: bool = False) -> None:
+    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook);
+    ``always``: whenever a runtime is left, world size 1 too (``rt.log``'s trackers).
 
     For layers above this one that hold on to the group (the fingerprints' watchdog talks to
     its store): they register here, so that this module never imports them.
     """
-    if hook not in _shutdown_hooks:
-        _shutdown_hooks.append(hook)
+    hooks = _leave_hooks if always else _shutdown_hooks
+    if hook not in hooks:
+        hooks.append(hook)
 
 
 def shutdown() -> None:
@@ -331,6 +334,8 @@ def shutdown() -> None:
     Sync point: none (torch's destroy is local), but call it on every rank at the end.
     """
     global _current
+    for hook in _leave_hooks if _current is not None else ():
+        hook()
     if _current is not None and _current.owns_process_group and dist.is_initialized():
         for hook in _shutdown_hooks:
             hook()

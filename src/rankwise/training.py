@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,15 +249,36 @@ class TrainingLoop:
         self.log_to().log(metrics, step=step, reduce=reduce)
 
     def log_to(
-        self: Runtime, log_dir: str | Path | None = None, *, tensorboard: bool | None = None
+        self: Runtime,
+        log_dir: str | Path | None = None,
+        *,
+        tensorboard: bool | None = None,
+        log_with: str | Sequence[str] | None = None,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> MetricsLogger:
-        """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
-        installed. Returns the logger; calling it again with a directory starts a new one."""
-        validate.path("log_dir", log_dir, optional=True, where="rt.log_to()")
-        if self.loop.metrics is None or log_dir is not None:
+        """Where ``rt.log`` writes: ``log_dir`` (default ``rankwise_logs/``) and the trackers
+        ``log_with`` names (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+        ``"wandb"``; default CSV, JSONL and TensorBoard when installed), their run named
+        ``project``/``run_name``, ``config`` logged once; ``init_kwargs`` per tracker. Returns
+        the logger; called again with arguments, it finishes the previous one and opens anew.
+        Rank 0 writes; every rank checks the arguments. No sync point."""
+        _check_log_to(log_dir, project, run_name, config, init_kwargs)
+        given = (log_dir, tensorboard, log_with, project, run_name, config, init_kwargs)
+        if self.loop.metrics is None or any(a is not None for a in given):
             if self.loop.metrics is not None:
                 self.loop.metrics.close()
-            self.loop.metrics = MetricsLogger(log_dir or "rankwise_logs", tensorboard=tensorboard)
+            self.loop.metrics = MetricsLogger(
+                log_dir or "rankwise_logs",
+                tensorboard=tensorboard,
+                log_with=log_with,
+                project=project,
+                run_name=run_name,
+                config=config,
+                init_kwargs=init_kwargs,
+            )
         return self.loop.metrics
 
     # -- what rt.prepare and rt.save/load call ---------------------------------------------
@@ -349,3 +370,16 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     if optimizer is not None and not isinstance(optimizer, FullOptimState):
         out["optimizer"] = FullOptimState(optimizer, model)
     return out
+
+
+def _check_log_to(log_dir: Any, project: Any, run_name: Any, config: Any, kwargs: Any) -> None:
+    """``rt.log_to``'s arguments by type (validate.py), before a tracker opens."""
+    where = "rt.log_to()"
+    validate.path("log_dir", log_dir, optional=True, where=where)
+    validate.text("project", project, optional=True, where=where)
+    validate.text("run_name", run_name, optional=True, where=where)
+    if config is not None:
+        validate.mapping("config", config, "a dict of settings", where=where, example="{'lr': 3e-4}")
+    if kwargs is not None:
+        validate.mapping("init_kwargs", kwargs, "a dict per tracker name", where=where,
+                         example="{'wandb': {'entity': 'me'}}")  # fmt: skip

@@ -37,9 +37,11 @@ from .report import (
     JobFailed,
     RankFailure,
     from_elastic,
+    read_causes,
     read_culprits,
     read_diagnoses,
     read_finished,
+    read_raised,
 )
 from .restarts import RestartLog, reporting_restarts
 
@@ -198,6 +200,8 @@ def _job_failed(
         culprits=read_culprits(diag),
         finished=read_finished(diag),
         signalled=signalled or None,
+        raised=read_raised(diag),
+        causes=read_causes(diag),
     )
 
 

@@ -28,7 +28,7 @@ from .. import env as envmod
 from .. import validate
 from ..errors import ConfigError, DistributedError
 from .options import require_function
-from .spawn import report, spawn_ranks
+from .spawn import causes_first, report, spawn_ranks
 
 
 def _interactive(fn: Callable[..., Any]) -> bool:
@@ -121,7 +121,7 @@ def launch_function(
     if not failures:
         return [values[r] for r in range(nprocs)]
     text = report("rw.launch", "timed out" if timed_out else "failed", failures, values, nprocs)
-    rank, first = next(iter(failures.items()))
+    rank, first = next(iter(causes_first(failures).items()))  # the rank that raised, if one did
     if first.exception is None:
         raise DistributedError(text, rank=rank)
     exc = first.exception
