@@ -28,7 +28,7 @@ from . import env as envmod
 from . import mesh as meshmod
 from . import process_group
 from .env import DEFAULT_TIMEOUT_S, DistEnv
-from .errors import ConfigError, RuntimeStateError
+from .errors import ConfigError, EnvError, RuntimeStateError
 from .mesh import DeviceMesh
 from .plan import (
     BACKENDS,
@@ -320,11 +320,9 @@ def on_shutdown(hook: Callable[[], None], *, always: bool = False, first: bool =
     """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook),
     in registration order; ``always``: whenever a runtime is left, world size 1 too
     (``rt.log``'s trackers); ``first``: before the hooks registered so far (a background save
-    must end before the fingerprints stop recording its collectives).
-
-    For layers above this one that hold on to the group (the fingerprints' watchdog talks to
-    its store): they register here, so that this module never imports them.
-    """
+    must end before the fingerprints stop recording its collectives). For layers above this
+    one that hold on to the group (the fingerprints' watchdog talks to its store): they
+    register here, so that this module never imports them."""
     hooks = _leave_hooks if always else _shutdown_hooks
     if hook not in hooks:
         hooks.insert(0, hook) if first else hooks.append(hook)
@@ -370,23 +368,25 @@ class Coords:
     data: tuple[int, int] | None = None
     """Under ``rw.init(mesh=...)``: (coordinate, size) along the data dimension, the share of
     the data this process reads (tensor and pipeline peers read the same); else None."""
+    node: int = 0  # this process's machine, as the launcher says (GROUP_RANK, SLURM_NODEID...)
 
 
 def coords() -> Coords:
-    """Rank and world size of this process: the runtime's, else torch's process group's, else
-    the launcher's environment (a loader built before ``rw.init()`` still splits the data).
-
-    The one place that decides which source wins. No sync point.
-    """
+    """Rank, world size and node of this process: the runtime's, else torch's process group's,
+    else the launcher's environment (a loader built before ``rw.init()`` still splits the data).
+    The one place that decides which source wins. No sync point."""
     if _current is not None:
         grid = _current.mesh
         data = None if grid is None else (grid.coord("data"), grid.sizes["data"])
         return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime",
-                      data)  # fmt: skip
+                      data, _current.env.node_rank)  # fmt: skip
     if dist.is_available() and dist.is_initialized():
-        return Coords(dist.get_rank(), dist.get_world_size(), source="torch")
+        where = (dist.get_rank(), dist.get_world_size())
+        with contextlib.suppress(EnvError):  # a group made by hand: launcher variables partial
+            return Coords(*where, source="torch", node=envmod.detect().node_rank)
+        return Coords(*where, source="torch")
     e = envmod.detect()
-    return Coords(e.rank, e.world_size, source=e.source)
+    return Coords(e.rank, e.world_size, source=e.source, node=e.node_rank)
 
 
 def data_group() -> Any:

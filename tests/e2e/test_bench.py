@@ -66,6 +66,8 @@ def run(tmp_path_factory):
         "2",
         "--comm-max-bytes",
         str(16 << 20),
+        "--node-network",
+        "1Gbps,500us",
         "--out",
         str(out),
     ]
@@ -148,6 +150,18 @@ def test_projection_validation_row_is_consistent(run):
     assert check["predicted_ms"] > 0, check
     error = check["predicted_ms"] / check["measured_ms"] - 1
     assert check["error"] == pytest.approx(error, abs=1e-3), check
+
+
+def test_projection_across_nodes_with_a_given_link(run):
+    proc, doc, _ = run
+    across = doc["projection"]["across_nodes"]
+    assert across["link"]["bandwidth_GBps"] == 0.125 and across["link"]["alpha_us"] == 500
+    assert across["ranks_per_node"] == 2  # --nproc-per-node
+    assert [(r["world"], r["nodes"]) for r in across["rows"]] == [(8, 4), (64, 32), (256, 128)]
+    for r in across["rows"]:  # on a 1 Gbit/s link, summing inside each node first sends less
+        assert r["hierarchical_step_ms"] < r["ring_step_ms"]
+    assert "across nodes (2 ranks per node" in proc.stdout
+    assert "8 ranks (4 nodes): flat ring" in proc.stdout
 
 
 def test_plot_is_a_png(run):

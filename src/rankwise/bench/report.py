@@ -21,6 +21,7 @@ import statistics
 
 import torch
 
+from . import across_nodes
 from . import strategies as st
 from .projection import Network, parse_network, predict, project, validate
 from .rows import BASELINE, REPLICATED, THREADS
@@ -125,7 +126,16 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
             "rows": checks,
             "max_abs_error": max((abs(c["error"]) for c in checks), default=None),
         },
+        "across_nodes": _across(cfg, per_sample, grad_bytes, copy),
     }
+
+
+def _across(cfg, per_sample: float, grad_bytes: int, copy: float) -> dict | None:
+    """The projection across nodes, with ``--node-network`` (``across_nodes.py``)."""
+    if cfg.node_network is None:
+        return None
+    per_node = cfg.ranks_per_node or cfg.nproc
+    return across_nodes.block(cfg.node_network, per_node, per_sample, cfg.batch, grad_bytes, copy)
 
 
 def recommend(rows: list[dict]) -> dict:
@@ -310,4 +320,6 @@ def _projection_lines(p: dict) -> list[str]:
             f"  model check here ({v.get('strategy', REPLICATED)} step = independent + modelled "
             f"copies + all-reduce): {checks}"
         )
+    if p.get("across_nodes"):
+        lines += across_nodes.lines(p["across_nodes"])
     return lines

@@ -20,6 +20,7 @@ from ...errors import ConfigError
 from .. import deferred
 from ..agreement import broadcast_tensors
 from ..buckets import assign_buckets
+from . import hier_comm
 from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
 from .wrap import WrapPolicy, resolve
@@ -51,6 +52,9 @@ def build_units(
     modules = [m for m, _, _ in pieces]
     engine.unit_group = [k for _, _, k in pieces]
     gathers = gather_group(engine)
+    lanes = hier_comm.lanes(
+        engine.process_group, engine.world_size, engine.stage, engine.hierarchical_reduce
+    )
     specs = layout(numels, [g for _, g, _ in pieces], engine.world_size)
     engine.units = [
         FlatUnit(
@@ -60,6 +64,8 @@ def build_units(
         )
         for n, spec in enumerate(specs)
     ]  # fmt: skip
+    for unit in engine.units:
+        unit.lane, unit.gather_lane = lanes
     engine._unit_modules = modules
     engine._where = [(0, 0)] * len(engine.params)
     for u, unit in enumerate(engine.units):

@@ -30,6 +30,8 @@ class ShardedEngine(Protocol):
     params: list[nn.Parameter]
     units: list[FlatUnit]
     stage3: Any
+    hierarchical_reduce: bool | None
+    """Node-first collectives across nodes: None when the job spans nodes (``hier_comm``)."""
     """The stage-3 hooks, or None under stages 1 and 2."""
     _active: bool
     _full: bool

@@ -54,6 +54,7 @@ class FlatUnit:
         self.grad_full: torch.Tensor | None = None
         self._reduce_entry: fingerprints.Entry | None = None
         self._reduce_out: torch.Tensor | None = None
+        self.lane = self.gather_lane = None  # hier_comm lanes when the job spans nodes (build)
         self.unfilled = set(range(len(params)))
         """Parameters still on the meta device (``fill`` gives them their values)."""
         if first.is_meta:
@@ -144,7 +145,8 @@ class FlatUnit:
             "all_gather", self.shard, label=f"parameters of unit {self.number}",
             group=self.gather_group,
         )  # fmt: skip
-        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group)
+        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group,
+                                     self.gather_lane)  # fmt: skip
         self._gather_entry = entry
         entry.watch(work)
 
@@ -161,7 +163,8 @@ class FlatUnit:
             "all_gather", self.shard, label=f"updated parameters of unit {self.number}",
             group=self.group,
         )  # fmt: skip
-        entry.watch(shard_comm.all_gather(self.full, self.full[self.lo : self.hi], self.group))
+        mine = self.full[self.lo : self.hi]
+        entry.watch(shard_comm.all_gather(self.full, mine, self.group, self.lane))
         return entry
 
     # -- gradients ----------------------------------------------------------------------------
@@ -182,14 +185,14 @@ class FlatUnit:
             return
         if self.stage == 1:
             op, out = "all_reduce", None
-            work = lambda: dist.all_reduce(self.grad_full, group=self.group, async_op=True)  # noqa: E731
+            work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
         else:
             op = "reduce_scatter"
-            if shard_comm.in_place(self.group):  # the sum lands in this rank's own chunk
+            if shard_comm.in_place(self.group) or self.lane:  # the sum lands in its own chunk
                 out = self.grad_full[self.lo : self.hi]
             else:
                 out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
-            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group)  # noqa: E731
+            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group, self.lane)  # noqa: E731
         entry = fingerprints.record(
             op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
             extra="sum",

@@ -74,6 +74,8 @@ class ShardedDataParallel(nn.Module):
     same seed; ``device``: where it is built (default the CPU). The user's own methods and
     public attributes (``generate``, ``config``, ``save_pretrained``) are reachable on the
     engine: they run on the wrapped module, whose hooks gather what they need.
+    ``hierarchical_reduce``: a job over several nodes reduces and gathers node first
+    (``hier_comm``); None whenever the job spans nodes, False never, True insists.
 
     After a synchronised backward the averaged gradient lives in the optimizer's shards, not in
     the model parameters' ``.grad`` (stage 1 keeps the full ``.grad`` as well); clip with
@@ -97,6 +99,7 @@ class ShardedDataParallel(nn.Module):
         init: deferred.Init | None = None,
         exact_init: bool = False,
         device: torch.device | str | None = None,
+        hierarchical_reduce: bool | None = None,
     ) -> None:
         super().__init__()
         check_arguments(module, optimizer, stage, process_group=process_group,
@@ -104,6 +107,7 @@ class ShardedDataParallel(nn.Module):
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
+        self.hierarchical_reduce = hierarchical_reduce  # read by build (hier_comm.lanes)
         self.require_backward_grad_sync = True
         self._forward_sync = True
         refuse_sparse(module, self.rank, "ShardedDataParallel (ZeRO)")
