@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -207,3 +208,29 @@ def test_shared_values_must_agree_but_a_groups_names_are_merged():
     stages = [[_blob(key, ["0.w"], ["0.w"])], [_blob(key, ["1.w", "2.w"], ["1.w", "2.w"])]]
     assert sum(len(w) for w in assign(stages)) == 1  # written once
     assert merged_names(stages, key) == ["0.w", "1.w", "2.w"]
+
+
+def _second_run(folder, step, *, load=False):
+    """A run that saves sharded into ``folder``: what it warned about the folder."""
+    rw.shutdown()
+    rt = rw.init(strategy="single")
+    model = rt.prepare(_net())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if load:
+                rt.load(folder, model=model)
+            rt.save(folder, model=model, step=step, sharded=True)
+    finally:
+        rw.shutdown()
+    return [str(w.message) for w in caught if "this run" in str(w.message)]
+
+
+def test_a_folder_of_sharded_checkpoints_reused_without_loading_it_warns(tmp_path):
+    # rt.save's reused-folder check reads ckpt-<step>/ folders, not only ckpt-<step>.pt files.
+    for step in (1, 2):
+        rw.save_checkpoint(tmp_path, model=_net(), step=step, sharded=True)
+    (said,) = _second_run(tmp_path, 1)
+    assert "at step 2 (ckpt-00000002)" in said and "'latest' point below it" in said
+    assert _second_run(tmp_path, 3, load=True) == []  # a resume says nothing
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-00000003"
