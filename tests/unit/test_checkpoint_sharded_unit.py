@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 import warnings
 
 import pytest
@@ -234,3 +235,27 @@ def test_a_folder_of_sharded_checkpoints_reused_without_loading_it_warns(tmp_pat
     assert "at step 2 (ckpt-00000002)" in said and "'latest' point below it" in said
     assert _second_run(tmp_path, 3, load=True) == []  # a resume says nothing
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000003"
+
+
+def test_a_load_right_after_a_background_save_waits_for_it(tmp_path, monkeypatch):
+    # Before: rt.load read 'latest' while the thread still wrote, and got the previous step.
+    from rankwise.checkpoint import sharded_save
+
+    slow_write = sharded_save.write
+
+    def write(plan):
+        time.sleep(1.0)  # the thread is still writing when rt.load is called
+        return slow_write(plan)
+
+    monkeypatch.setattr(sharded_save, "write", write)
+    rw.shutdown()
+    rt = rw.init(strategy="single")
+    model = rt.prepare(_net())
+    try:
+        rt.save(tmp_path, model=model, step=1, sharded=True)
+        pending = rt.save(tmp_path, model=model, step=2, sharded=True, background=True)
+        assert not pending.done()
+        assert rt.load(tmp_path, model=model)["step"] == 2
+        assert pending.done()
+    finally:
+        rw.shutdown()

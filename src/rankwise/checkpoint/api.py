@@ -84,9 +84,13 @@ def load_checkpoint(
 
     A sharded folder loads at any world size, strategy or mesh: each rank reads the pieces
     it holds (``map_location`` and ``trusted`` do not apply: tensors go where the model's
-    are, and nothing but tensors and plain values is ever read). No sync point.
+    are, and nothing but tensors and plain values is ever read). A background save in flight
+    is waited for first. No sync point.
     """
+    from .background import SAVES
+
     files.check_arguments(path, model, optimizer, saving=False)
+    SAVES.wait()  # a background save in flight ends first: it may be the checkpoint asked for
     found = resolve(path)
     if is_sharded(found):
         from .sharded_load import load_sharded
