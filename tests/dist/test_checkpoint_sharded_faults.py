@@ -68,6 +68,7 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # the world-2 fixture: ~20-70 s (the fast tier: the unit test)
 def test_one_flipped_byte_in_one_shard_is_refused_naming_the_file(world_2_checkpoint, tmp_path,
                                                                   capsys):  # fmt: skip
     copy = tmp_path / "copy"
@@ -87,6 +88,7 @@ def test_one_flipped_byte_in_one_shard_is_refused_naming_the_file(world_2_checkp
     _plain_load(world_2_checkpoint)  # the original still loads
 
 
+@pytest.mark.slow  # the world-2 fixture: ~20-70 s (the fast tier: the unit test)
 def test_a_flipped_byte_in_the_metadata_is_refused_naming_it(world_2_checkpoint, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(world_2_checkpoint, copy)

@@ -259,3 +259,19 @@ def test_a_load_right_after_a_background_save_waits_for_it(tmp_path, monkeypatch
         assert pending.done()
     finally:
         rw.shutdown()
+
+
+def test_a_flipped_byte_in_a_shard_file_is_refused_naming_it(tmp_path):
+    # The fast tier's check of the shard checksums (world 2: tests/dist/..._faults.py).
+    model, opt, _ = _trained()
+    path = rw.save_checkpoint(tmp_path, model=model, optimizer=opt, step=1, sharded=True)
+    md = dcp_meta.read_metadata(path)
+    info = next(s for i, s in md.storage_data.items() if i.fqn == "model.0.weight")
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length - 8] ^= 0x01  # inside the tensor's bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(rw.ConfigError) as refused:
+        rw.load_checkpoint(path, model=_net())
+    assert info.relative_path in str(refused.value) and "damaged" in str(refused.value)
+    assert "model.0.weight" in str(refused.value)
