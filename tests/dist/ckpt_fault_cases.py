@@ -14,7 +14,7 @@ import sharded_cases as sc
 import torch
 
 import rankwise as rw
-from rankwise.checkpoint import files, sharded_save
+from rankwise.checkpoint import files, sharded_save, verify
 
 
 def _die_writing(plan) -> None:
@@ -47,6 +47,29 @@ def killed_in_save(folder: str, where: str) -> None:
     if where == "background write":
         sc.step(rt, model, opt, 2)  # training goes on while the thread writes (and dies)
         pending.wait()
+
+
+def _die_in_file_write(payload, f) -> None:
+    f.write(b"half a checkpoint file")
+    f.flush()
+    os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_in_background_file_save(folder: str) -> None:
+    """ddp at world 2 (one file, written by rank 0): step 1 saved; rank 0 is killed while its
+    background thread writes step 2, as training goes on."""
+    torch.set_num_threads(1)
+    rt = rw.init(strategy="ddp", timeout=30)
+    model, opt = sc.prepared(rt)
+    sc.step(rt, model, opt, 0)
+    rt.save(folder, model=model, optimizer=opt, step=1)
+    if rt.rank == 0:
+        verify.save = _die_in_file_write
+    sc.step(rt, model, opt, 1)
+    pending = rt.save(folder, model=model, optimizer=opt, step=2, background=True)
+    sc.step(rt, model, opt, 2)
+    pending.wait()
 
 
 def saved_in_background(folder: str, strategy: str) -> dict:

@@ -2,9 +2,9 @@
 
 - A rank SIGKILLed while it writes its shard, rank 0 SIGKILLed with everything written but
   the folder not yet renamed into place, a rank SIGKILLed while a background save's thread
-  writes: the job stops, ``latest`` still names the previous checkpoint, which loads and
-  checks clean, no half folder counts as a checkpoint, and the next save removes what the
-  killed one left.
+  writes (a sharded save; and rank 0 writing one file under ddp): the job stops, ``latest``
+  still names the previous checkpoint, which loads and checks clean, no half folder or file
+  counts as a checkpoint, and the next save removes what the killed one left.
 - One flipped byte in one rank's shard file: loading fails with a ``ConfigError`` naming that
   file; ``rankwise checkpoint inspect`` reports it damaged (exit status 1).
 - ``rt.save(..., background=True)`` returns a ``PendingSave`` holding the state of the moment it
@@ -53,6 +53,21 @@ def test_a_rank_killed_during_a_sharded_save_loses_nothing(tmp_path, where):
     rw.save_checkpoint(folder, model=sc.gpt(), step=3, sharded=True)  # the next save tidies
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
     assert [p.name for p in rw.list_checkpoints(folder)] == ["ckpt-00000001", "ckpt-00000003"]
+
+
+@pytest.mark.slow
+def test_rank_0_killed_while_a_background_save_writes_one_file_loses_nothing(tmp_path):
+    folder = tmp_path / "ckpt"
+    with pytest.raises(rw.DistributedError) as failed:
+        run_distributed(fc.killed_in_background_file_save, 2, args=(str(folder),), init=False,
+                        timeout=120)  # fmt: skip
+    assert "-9" in str(failed.value) or "SIGKILL" in str(failed.value), str(failed.value)[:500]
+    assert rw.list_checkpoints(folder) == [folder / "ckpt-00000001.pt"]
+    assert (folder / "latest").read_text().strip() == "ckpt-00000001.pt"
+    info, _ = _plain_load(folder)
+    assert info["step"] == 1
+    left = sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+    assert len(left) == 1 and left[0].startswith(".ckpt-00000002.pt.") and left[0].endswith(".tmp")
 
 
 @pytest.fixture(scope="module")
