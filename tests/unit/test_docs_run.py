@@ -48,8 +48,10 @@ import ast
 import builtins
 import contextlib
 import io
+import itertools
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -98,8 +100,8 @@ CHECKOUT = ("examples", "benchmarks")
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
 LAUNCH_TIMEOUT = 300  # seconds for one launched script or command; the machine may be loaded
 
-SECONDS: dict[str, float] = {}
-"""Each block's wall time in this session (the figure lists the slowest)."""
+SECONDS: dict[str, tuple[float, float]] = {}
+"""Each block's wall and CPU seconds (this process and its children) in this session."""
 OUTCOMES: dict[str, dict[str, str]] = {}
 """Per page, each block's outcome in this session: ran, checked, not run, failed, not reached."""
 
@@ -244,6 +246,12 @@ def _run_mistake(block: db.Block) -> None:
     )
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished children (launched ranks included)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -363,11 +371,11 @@ def test_commands_are_bash_blocks() -> None:
     unlabelled = []
     for p in PAGES:
         found = db.blocks(p)
-        outputs = {below.line for b, below in zip(found, found[1:]) if b.output is not None}
+        outputs = {below.line for b, below in itertools.pairwise(found) if b.output is not None}
+        pattern = {"": COMMAND, "text": RUN}
         unlabelled += [
             b.where for b in found
-            if b.line not in outputs and (b.lang == "" and COMMAND.match(b.code.lstrip())
-                                          or b.lang == "text" and RUN.match(b.code.lstrip()))
+            if b.line not in outputs and b.lang in pattern and pattern[b.lang].match(b.code.lstrip())
         ]
     assert not unlabelled, f"commands in unlabelled or text blocks (make them ```bash): {unlabelled}"
 
@@ -387,9 +395,9 @@ def test_blocks_run(page: Path, tmp_path: Path, monkeypatch) -> None:
     try:
         for block in blocks:
             outcomes[block.where] = "failed"
-            start = time.perf_counter()
+            start = time.perf_counter(), _cpu()
             outcomes[block.where] = _run_block(block, blocks, namespace, tmp_path)
-            SECONDS[block.where] = time.perf_counter() - start
+            SECONDS[block.where] = (time.perf_counter() - start[0], _cpu() - start[1])
     finally:
         _shutdown()
     for where, outcome in outcomes.items():
@@ -418,8 +426,9 @@ def test_report_how_many_blocks_run_as_written(capsys) -> None:
               f"{launched} launched, "
               f"{sum(o == 'checked' for o in outcomes.values())} mistakes checked by rankwise check)"
               + "".join(f"\n  not run: {x}" for x in left)
-              + "\n  slowest: " + ", ".join(
-                  f"{w} {t:.0f} s" for w, t in sorted(SECONDS.items(), key=lambda i: -i[1])[:8]))
+              + f"\n  {sum(c for _, c in SECONDS.values()):.0f} CPU seconds; the costliest: "
+              + ", ".join(f"{w} {c:.0f} s ({t:.0f} s wall)" for w, (t, c) in
+                          sorted(SECONDS.items(), key=lambda i: -i[1][1])[:10]))
     assert len(ran) >= 0.95 * len(counted), left
 
 
