@@ -328,6 +328,26 @@ def test_illustrative_blocks_say_what_this_machine_cannot_do() -> None:
     assert not wrong, "\n".join(wrong) + "\n" + db.GUIDE
 
 
+def test_headers_are_well_formed() -> None:
+    """`# launch: N` is a number, `# continues:` names a block above, `# mistake:` marks its
+    line, `# not run:` says why: checked without running anything."""
+    wrong = []
+    for p in PAGES:
+        page = db.code_blocks(p)
+        for b in page:
+            try:
+                assert b.launch is None or b.launch >= 1, f"{b.where}: `# launch: N` takes a number"
+                assert b.launch is None or b.lang == "python", f"{b.where}: only python is launched"
+                if b.continues is not None:
+                    _chain(b, page)
+                assert b.mistake is None or f"# {b.mistake}" in b.body, (
+                    f"{b.where}: `# mistake: {b.mistake}` but no line is marked `# {b.mistake}`")
+                assert b.not_run != "", f"{b.where}: `# not run:` needs a reason"
+            except AssertionError as e:
+                wrong.append(str(e).splitlines()[0])
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.parametrize(
     ("reason", "code"),
     [
