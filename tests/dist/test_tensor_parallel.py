@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from tp_cases import compare, max_diff, twins
 
+from rankwise.models import GPT, GPT_PLAN, Block, GPTConfig
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, Block, GPTConfig
 from rankwise.testing import run_distributed
 
 TOL = 1e-5
@@ -87,6 +87,9 @@ def _gpt_cases() -> dict[str, dict]:
         lambda out: tp.vocab_parallel_cross_entropy(out, target),
         out_view=lambda out: out[..., rank * 16 : (rank + 1) * 16],
     )  # fmt: skip
+    _, want = ref(ids, target)  # the model's own loss: vocab-parallel once the head is split
+    _, got = twin(ids, target)
+    res["GPT(ids, targets) loss"] = {"loss": abs(want.item() - got.item())}
     res["shapes"] = {
         "qkv": tuple(twin.blocks[0].attn.qkv.weight.shape),
         "tied": twin.lm_head.weight is twin.wte.weight,
