@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from tp_cases import compare, max_diff, twins
 
+from rankwise.errors import ConfigError
 from rankwise.models import GPT, GPT_PLAN, Block, GPTConfig
 from rankwise.parallel import tensor as tp
 from rankwise.testing import run_distributed
@@ -93,8 +94,17 @@ def _gpt_cases() -> dict[str, dict]:
     res["shapes"] = {
         "qkv": tuple(twin.blocks[0].attn.qkv.weight.shape),
         "tied": twin.lm_head.weight is twin.wte.weight,
+        "generate": _refusal(lambda: twin.generate(ids, 1)),  # a slice cannot be sampled
     }
     return res
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
 
 
 def _sequence_parallel_case() -> dict:
@@ -138,6 +148,7 @@ def test_tensor_parallel_layers_and_gpt_equal_the_unsplit_modules():
     results = run_distributed(_all_cases, 2, timeout=180)
     for rank, cases in enumerate(results):
         shapes = cases.pop("shapes")
+        assert "head holds 16 of 32 tokens" in shapes.pop("generate")
         assert shapes == {"qkv": (24, 16), "tied": True}  # half of [q; k; v], still tied
         for case, diffs in cases.items():
             worst = max(diffs.values())
