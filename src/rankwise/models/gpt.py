@@ -214,14 +214,15 @@ class GPT(nn.Module):
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (shape ``(batch, t)``), each from
         the model's distribution over the last ``block_size`` tokens, sharpened by
         ``temperature`` and restricted to the ``top_k`` likeliest when given."""
-        if self.lm_head.weight.shape[0] != self.config.vocab_size:
-            raise ConfigError(
-                "GPT.generate() samples from the whole vocabulary; this GPT's head holds "
-                f"{self.lm_head.weight.shape[0]} of {self.config.vocab_size} tokens (split)",
-                fix="generate with an unsplit GPT (load the full state dict into one).",
-            )
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
+            if logits.shape[-1] != self.config.vocab_size:  # read from the output: under
+                # ZeRO-3 the head's weight is a shard between forwards
+                raise ConfigError(
+                    "GPT.generate() samples from the whole vocabulary; this GPT's head holds "
+                    f"{logits.shape[-1]} of {self.config.vocab_size} tokens (split)",
+                    fix="generate with an unsplit GPT (load the full state dict into one).",
+                )
             logits = logits[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
