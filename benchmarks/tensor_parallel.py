@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
 
 import rankwise as rw
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+from rankwise.models import GPT, GPT_PLAN, GPTConfig
 from rankwise.testing import run_distributed
 
 WORLD = 4
@@ -77,7 +77,7 @@ def _ours(cfg: GPTConfig, tensor: int):
     group = mesh.group("tensor")
 
     def loss(x, y):
-        out = rw.vocab_parallel_cross_entropy(wrapped(x), y, group)
+        out = rw.vocab_parallel_cross_entropy(wrapped(x)[0], y, group)
         out.backward()
         return out
 
@@ -108,7 +108,7 @@ def _torch(cfg: GPTConfig, tensor: int):
 
     def loss(x, y):
         with loss_parallel():  # the backward too: it sees the sharded logits
-            out = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            out = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten())
             out.backward()
         return out
 

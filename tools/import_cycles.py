@@ -2,9 +2,9 @@
 
 Every ``import``/``from ... import`` counts, at module level, inside a function and under
 ``if TYPE_CHECKING:`` (never executed, but a type named there is a dependency all the same: a
-circle through annotations is a circle in the design), except those under
-``if __name__ == "__main__":`` (executed only when the file runs as a script, as the module
-``__main__``, not as itself). ``from .pkg import name`` is an edge to
+circle through annotations is a circle in the design) and under ``if __name__ == "__main__":``
+(a script that imports the module that imports it is the same circle, run one way round; a
+script entry point belongs in cli.py, ``python -m rankwise <command>``). ``from .pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``. The implicit import of a parent package
 (``import a.b`` runs ``a/__init__``) is not an edge: it is what makes packages, not layering.
 Exit status 1 when there is a cycle. ``--edges`` also prints every edge.
@@ -30,23 +30,11 @@ def modules(src: Path = SRC) -> dict[str, Path]:
     return found
 
 
-def _is_main_guard(test: ast.expr) -> bool:
-    return (
-        isinstance(test, ast.Compare)
-        and isinstance(test.left, ast.Name)
-        and test.left.id == "__name__"
-        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
-    )
-
-
 def _imports(tree: ast.AST):
-    """Import nodes, ``if TYPE_CHECKING:`` included, skipping the script guard's body."""
+    """Import nodes, wherever they are (``if TYPE_CHECKING:``, ``if __name__ == ...``)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_main_guard(node.test):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -121,7 +109,7 @@ def main(argv: list[str]) -> int:
     found = cycles(graph)
     print(
         f"{len(graph)} modules, {sum(map(len, graph.values()))} import edges "
-        f"(TYPE_CHECKING imports included, __main__-guard ones excluded), {len(found)} cycle(s)"
+        f"(TYPE_CHECKING and __main__-guard imports included), {len(found)} cycle(s)"
     )
     for comp in found:
         print(f"cycle of {len(comp)}: {' '.join(comp)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rankwise.parallel.tensor.tiny_gpt import GPTConfig
+from rankwise.models import GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
 GLOBAL_BATCH, TOL = 4, 1e-5

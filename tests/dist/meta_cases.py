@@ -221,13 +221,14 @@ def every_check(strategy: str) -> dict:
 def mesh_pair(strategy: str) -> dict:
     """data 2 x tensor 2: the tiny GPT split by ``rw.tensor_parallel`` eagerly and on the meta
     device (pieces cut at prepare), both prepared and trained on the same batches."""
-    from rankwise.parallel.tensor.tiny_gpt import GPT as TinyGPT
-    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN
-    from rankwise.parallel.tensor.tiny_gpt import GPTConfig as TinyConfig
+    from rankwise.models import GPT as TinyGPT
+    from rankwise.models import GPT_PLAN
+    from rankwise.models import GPTConfig as TinyConfig
 
     rt = rw.init(strategy=strategy, mesh={"data": 2, "tensor": 2})
     torch.set_num_threads(1)
-    cfg, tensor = TinyConfig(qkv_bias=False), rt.mesh.group("tensor")
+    cfg = TinyConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
+    tensor = rt.mesh.group("tensor")
     models = []
     for meta in (False, True):
         torch.manual_seed(SEED)
@@ -240,7 +241,7 @@ def mesh_pair(strategy: str) -> dict:
     for _ in range(STEPS):
         x, y = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
         for (model, opt), seen in zip(models, states, strict=True):
-            rw.vocab_parallel_cross_entropy(model(x), y, tensor).backward()
+            rw.vocab_parallel_cross_entropy(model(x)[0], y, tensor).backward()
             opt.step()
             opt.zero_grad()
             seen.append(full_state(model))

@@ -2,8 +2,8 @@
 
 Every "pretrained" file is written here from a model built from a config (no download):
 Hugging Face's own ``save_pretrained`` for GPT-2 and Llama (one file, and shards with an index),
-``safetensors.torch.save_model`` for the GPTs of ``rankwise.models`` and
-``rankwise.parallel.tensor.tiny_gpt``. The comparisons are made per rank on what the rank
+``safetensors.torch.save_model`` for ``rankwise.models.GPT`` (whole, and the mesh tests'
+config split by ``GPT_PLAN``). The comparisons are made per rank on what the rank
 holds (ZeRO's flat shards, the tensor-parallel pieces): bitwise.
 """
 
@@ -67,7 +67,7 @@ def nano(seed: int) -> nn.Module:
 def tiny(seed: int) -> nn.Module:
     import mesh_cases as mc
 
-    from rankwise.parallel.tensor.tiny_gpt import GPT
+    from rankwise.models import GPT
 
     torch.manual_seed(seed)
     return GPT(mc.CFG)

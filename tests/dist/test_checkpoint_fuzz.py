@@ -298,7 +298,7 @@ def test_every_byte_of_a_checkpoint_fails_by_name_or_loads_unchanged(tmp_path):
 def _mesh_save(folder: str) -> None:
     import mesh_cases as mc
 
-    from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN
+    from rankwise.models import GPT, GPT_PLAN
 
     rt = rw.init(strategy="ddp", mesh={"data": 2, "tensor": 2}, timeout=300)
     torch.manual_seed(0)
@@ -307,7 +307,7 @@ def _mesh_save(folder: str) -> None:
     x, y = mc.batches(1)[0]
     per = mc.GLOBAL_BATCH // 2
     mine = slice(rt.mesh.coord("data") * per, (rt.mesh.coord("data") + 1) * per)
-    rw.vocab_parallel_cross_entropy(model(x[mine]), y[mine], rt.mesh.group("tensor")).backward()
+    rw.vocab_parallel_cross_entropy(model(x[mine])[0], y[mine], rt.mesh.group("tensor")).backward()
     opt.step()
     # one file (a tensor mesh saves sharded by default): the zip format is what is fuzzed here
     rt.save(Path(folder) / "mesh.pt", model=model, optimizer=opt, sharded=False)
@@ -319,7 +319,7 @@ def test_a_mesh_checkpoint_fails_by_name_or_loads_unchanged(tmp_path):
     run_distributed(_mesh_save, 4, args=(str(tmp_path),), timeout=300, init=False)
     import mesh_cases as mc
 
-    from rankwise.parallel.tensor.tiny_gpt import GPT
+    from rankwise.models import GPT
 
     path = tmp_path / "mesh.pt"
     fuzz = Fuzz(path, lambda: GPT(mc.CFG))

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import rankwise as rw
+from rankwise.models import GPT, GPT_PLAN
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN
 from rankwise.testing import run_distributed
 
 STEPS = 10
@@ -64,7 +64,7 @@ def _next_batch():
 
 
 def _step(model, opt, x, y):
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).backward()
     opt.step()
     opt.zero_grad()
 
@@ -75,7 +75,7 @@ def _oracle() -> tuple[dict[str, torch.Tensor], int, dict[str, torch.Tensor]]:
     model = GPT(CFG)
     opt = _adamw(model.parameters())
     for x, y in _batches():
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).backward()
         opt.step()
         held = state_bytes(model, opt)
         opt.zero_grad()
@@ -102,7 +102,7 @@ def _resumed_on_the_mesh(rt, path):
     rt.load(path, model=wrapped, optimizer=opt, restore_rng=False)
     x, y = _next_batch()
     mine = slice(mesh.coord("data") * 2, mesh.coord("data") * 2 + 2)
-    rw.vocab_parallel_cross_entropy(wrapped(x[mine]), y[mine], mesh.group("tensor")).backward()
+    rw.vocab_parallel_cross_entropy(wrapped(x[mine])[0], y[mine], mesh.group("tensor")).backward()
     opt.step()
     return _numpy(tp.full_state_dict(wrapped))
 
@@ -119,7 +119,7 @@ def _train(engine: str, mesh):
     per = GLOBAL_BATCH // mesh.sizes["data"]
     mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
     for x, y in _batches():
-        logits = wrapped(x[mine])
+        logits, _ = wrapped(x[mine])
         rw.vocab_parallel_cross_entropy(logits, y[mine], mesh.group("tensor")).backward()
         opt.step()
         held = state_bytes(wrapped, opt)
@@ -139,7 +139,7 @@ def _prepared(rt, folder: str):
     seen = []
     for x, y in loader:
         seen.append(x)
-        rw.vocab_parallel_cross_entropy(model(x), y, rt.mesh.group("tensor")).backward()
+        rw.vocab_parallel_cross_entropy(model(x)[0], y, rt.mesh.group("tensor")).backward()
         opt.step()
         opt.zero_grad()
     rt.save(Path(folder) / "prepared.pt", model=model, optimizer=opt)  # the whole AdamW state
@@ -152,7 +152,7 @@ def _clip_oracle() -> tuple[float, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = GPT(CFG)
     x, y = _batches()[0]
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     return norm.item(), model.state_dict()
@@ -172,7 +172,7 @@ def _clipped(rt, engine: str):
     per = GLOBAL_BATCH // mesh.sizes["data"]
     mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
     x, y = _batches()[0]
-    rw.vocab_parallel_cross_entropy(wrapped(x[mine]), y[mine], mesh.group("tensor")).backward()
+    rw.vocab_parallel_cross_entropy(wrapped(x[mine])[0], y[mine], mesh.group("tensor")).backward()
     norm = rt.clip_grad_norm_(wrapped, MAX_NORM)
     opt.step()
     return norm.item(), _numpy(tp.full_state_dict(wrapped))

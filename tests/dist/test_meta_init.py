@@ -104,7 +104,7 @@ def test_errors_name_the_module_and_the_fix():
 def test_init_function_and_tensor_parallel_pieces_in_one_process():
     """``init=`` runs per module, in registration order; a tensor-parallel plan applied to a
     meta model cuts its pieces at prepare (a group of one keeps them whole)."""
-    from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+    from rankwise.models import GPT, GPT_PLAN, GPTConfig
 
     rt = rw.init(strategy="single")
     seen = []
@@ -126,7 +126,7 @@ def test_init_function_and_tensor_parallel_pieces_in_one_process():
     opt.step()  # the optimizer given to prepare steps the real parameters (its state remade)
     assert torch.equal(model[2].bias, torch.full_like(model[2].bias, 0.5 - 0.1))
 
-    cfg = GPTConfig()
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
     torch.manual_seed(3)
     eager = rw.tensor_parallel(GPT(cfg), GPT_PLAN)
     torch.manual_seed(3)

@@ -201,8 +201,8 @@ def world2(folder: str) -> dict:
 def _mesh_tiny(rt, folder: Path) -> dict:
     import mesh_cases as mc
 
+    from rankwise.models import GPT_PLAN
     from rankwise.parallel import tensor as tp
-    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN
 
     build = lambda fresh=False: pc.tiny(1 if fresh else 0)  # noqa: E731
     result, model, opt = _case(rt, build, folder / "tiny.safetensors", GPT_PLAN)
@@ -210,7 +210,7 @@ def _mesh_tiny(rt, folder: Path) -> dict:
         return result
     tensor, d = rt.mesh.group("tensor"), rt.mesh.coord("data")
     x, y = mc.batches(1)[0]
-    rw.vocab_parallel_cross_entropy(model(x[2 * d : 2 * d + 2]), y[2 * d : 2 * d + 2],
+    rw.vocab_parallel_cross_entropy(model(x[2 * d : 2 * d + 2])[0], y[2 * d : 2 * d + 2],
                                     tensor).backward()  # fmt: skip
     opt.step()
     rt.save_pretrained(model, folder / "tiny-export", max_shard_size="4KB")
@@ -219,7 +219,7 @@ def _mesh_tiny(rt, folder: Path) -> dict:
 
 
 def mesh(folder: str) -> dict:
-    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN
+    from rankwise.models import GPT_PLAN
 
     folder = Path(folder)
     dist.init_process_group("gloo")

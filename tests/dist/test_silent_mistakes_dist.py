@@ -206,16 +206,17 @@ def _drift_case(strategy: str, kind: str, folder: str) -> tuple[str, str]:
 
 def _tensor_case(folder: str) -> tuple[str, str]:
     """Tensor slices differ by design: rt.save must not compare them."""
-    from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, GPTConfig
+    from rankwise.models import GPT, GPT_PLAN, GPTConfig
 
     rt = rw.init(strategy="ddp", mesh={"tensor": 2})
     torch.manual_seed(0)
-    model = rw.tensor_parallel(GPT(GPTConfig()), GPT_PLAN, group=rt.mesh.group("tensor"))
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    model = rw.tensor_parallel(GPT(cfg), GPT_PLAN, group=rt.mesh.group("tensor"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     with contextlib.redirect_stderr(io.StringIO()):
         model, opt = rt.prepare(model, opt)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
-    rw.vocab_parallel_cross_entropy(model(ids), ids, rt.mesh.group("tensor")).backward()
+    rw.vocab_parallel_cross_entropy(model(ids)[0], ids, rt.mesh.group("tensor")).backward()
     opt.step()
     return "saved", str(rt.save(folder, model=model, optimizer=opt))
 

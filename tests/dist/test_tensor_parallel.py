@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from tp_cases import compare, max_diff, twins
 
+from rankwise.errors import ConfigError
+from rankwise.models import GPT, GPT_PLAN, Block, GPTConfig
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN, Block, GPTConfig
 from rankwise.testing import run_distributed
 
 TOL = 1e-5
@@ -87,11 +88,23 @@ def _gpt_cases() -> dict[str, dict]:
         lambda out: tp.vocab_parallel_cross_entropy(out, target),
         out_view=lambda out: out[..., rank * 16 : (rank + 1) * 16],
     )  # fmt: skip
+    _, want = ref(ids, target)  # the model's own loss: vocab-parallel once the head is split
+    _, got = twin(ids, target)
+    res["GPT(ids, targets) loss"] = {"loss": abs(want.item() - got.item())}
     res["shapes"] = {
         "qkv": tuple(twin.blocks[0].attn.qkv.weight.shape),
         "tied": twin.lm_head.weight is twin.wte.weight,
+        "generate": _refusal(lambda: twin.generate(ids, 1)),  # a slice cannot be sampled
     }
     return res
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
 
 
 def _sequence_parallel_case() -> dict:
@@ -135,6 +148,7 @@ def test_tensor_parallel_layers_and_gpt_equal_the_unsplit_modules():
     results = run_distributed(_all_cases, 2, timeout=180)
     for rank, cases in enumerate(results):
         shapes = cases.pop("shapes")
+        assert "head holds 16 of 32 tokens" in shapes.pop("generate")
         assert shapes == {"qkv": (24, 16), "tied": True}  # half of [q; k; v], still tied
         for case, diffs in cases.items():
             worst = max(diffs.values())

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import rankwise as rw
+from rankwise.models import SEQUENTIAL_PLAN, sequential_gpt
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import SEQUENTIAL_PLAN, sequential_gpt
 from rankwise.testing import run_distributed
 
 STEPS, CHUNKS = 4, 2

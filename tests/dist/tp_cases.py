@@ -42,7 +42,7 @@ def compare(reference, split, inputs, loss_ref, loss_split, out_view=lambda t: t
     gradient (for float inputs) and every parameter's gradient (this rank's slice)."""
     x_ref = inputs.clone().requires_grad_(inputs.is_floating_point())
     x_tp = inputs.clone().requires_grad_(inputs.is_floating_point())
-    out_ref, out_tp = reference(x_ref), split(x_tp)
+    out_ref, out_tp = _logits(reference(x_ref)), _logits(split(x_tp))
     loss_ref(out_ref).backward()
     loss_split(out_tp).backward()
     diffs = {"output": max_diff(out_view(out_ref), out_tp)}
@@ -52,6 +52,10 @@ def compare(reference, split, inputs, loss_ref, loss_split, out_view=lambda t: t
     for name, p in split.named_parameters():
         diffs[f"{name}.grad"] = max_diff(local_view(split, name, full[name].grad), p.grad)
     return diffs
+
+
+def _logits(out):
+    return out[0] if isinstance(out, tuple) else out  # rankwise.models.GPT: (logits, loss)
 
 
 def twins(module):

@@ -1,4 +1,4 @@
-"""``python -m rankwise.diagnose.doctor``: JSON out, exit 1 on an error (a busy port)."""
+"""``python -m rankwise doctor``: JSON out, exit 1 on an error (a busy port)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def test_doctor_json_exits_nonzero_on_a_busy_port() -> None:
         cmd = [
             sys.executable,
             "-m",
-            "rankwise.diagnose.doctor",
+            "rankwise",
+            "doctor",
             "--json",
             "--master-port",
             str(port),

@@ -37,12 +37,28 @@ def test_a_circle_through_type_checking_imports_is_a_circle(tmp_path):
     (pkg / "engine.py").write_text("from .hooks import Hooks\n")
     (pkg / "hooks.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n"
-        "if __name__ == '__main__':\n    import rankwise.engine\n"
     )
     tool = _tool()
     graph = tool.edges(tool.modules(tmp_path))
-    assert graph["rankwise.hooks"] == {"rankwise.engine"}  # the script guard's import is not
+    assert graph["rankwise.hooks"] == {"rankwise.engine"}
     assert tool.cycles(graph) == [["rankwise.engine", "rankwise.hooks"]]
+
+
+def test_a_circle_through_a_script_guard_is_a_circle(tmp_path):
+    """``if __name__ == "__main__": from .cli import main`` in a module cli.py imports is the
+    circle doctor.py once had: counted, so the entry point goes through cli.py instead."""
+    pkg = tmp_path / "rankwise"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("from .doctor import run_checks\n")
+    (pkg / "doctor.py").write_text(
+        "def run_checks():\n    pass\n\n"
+        "if __name__ == '__main__':\n    from .cli import main\n    main()\n"
+    )
+    tool = _tool()
+    graph = tool.edges(tool.modules(tmp_path))
+    assert graph["rankwise.doctor"] == {"rankwise.cli"}
+    assert tool.cycles(graph) == [["rankwise.cli", "rankwise.doctor"]]
 
 
 def test_ci_runs_the_import_cycle_check_before_the_tests():

@@ -175,7 +175,7 @@ def test_an_exception_in_one_replica_names_its_device_and_keeps_the_traceback():
     with pytest.raises(RuntimeError) as err:
         dp(x)
     assert str(err.value) == "replica saw a negative row"
-    assert err.value.__notes__ == ["rankwise.parallel_apply: raised in replica 2 on device cpu"]
+    assert err.value.__notes__ == ["rankwise.parallel.parallel_apply: raised in replica 2 on device cpu"]
     text = "".join(traceback.format_exception(err.value))
     assert 'raise RuntimeError("replica saw a negative row")' in text
 

@@ -162,7 +162,7 @@ def test_parallel_apply_reraises_the_replicas_exception_with_device_and_tracebac
     with pytest.raises(ValueError) as err:
         parallel_apply([_boom_if_negative] * 3, inputs, None, CPU3)
     assert str(err.value) == "negative input of shape (3,)"  # the original exception object
-    assert err.value.__notes__ == ["rankwise.parallel_apply: raised in replica 1 on device cpu"]
+    assert err.value.__notes__ == ["rankwise.parallel.parallel_apply: raised in replica 1 on device cpu"]
     text = "".join(traceback.format_exception(err.value))
     # The original frames from inside the replica thread are kept, down to the raising line.
     assert "in _boom_if_negative" in text

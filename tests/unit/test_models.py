@@ -51,6 +51,12 @@ def test_generate_appends_tokens_and_crops_to_the_block():
     assert torch.equal(a, b)
 
 
+def test_qkv_bias_false_drops_only_the_qkv_bias():
+    attn = _gpt(qkv_bias=False).blocks[0].attn
+    assert attn.qkv.bias is None and attn.proj.bias is not None
+    assert _gpt(bias=False, qkv_bias=True).blocks[0].attn.qkv.bias is None  # bias=False: none
+
+
 def test_gpt_config_and_overlong_input_name_the_values():
     with pytest.raises(ConfigError, match=r"n_embd=30, n_head=4"):
         GPTConfig(vocab_size=10, n_embd=30, n_head=4)

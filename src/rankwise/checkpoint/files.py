@@ -209,7 +209,7 @@ def check_arguments(
     path: object, model: object, optimizer: object, *, saving: bool, epoch: object = None,
     keep_last: object = 3,
 ) -> None:
-    """``save_checkpoint``/``load_checkpoint``'s arguments by type (validate.py), before
+    """``save_checkpoint``/``load_checkpoint``'s arguments by type (``rankwise.validate``), before
     anything is read, gathered or written."""
     where = "rw.save_checkpoint()" if saving else "rw.load_checkpoint()"
     validate.path("path", path, where=where)

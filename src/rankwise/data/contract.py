@@ -52,7 +52,7 @@ def per_device_batch(
 
 
 def check_loader_arguments(dataset: Any, seed: Any, sampler: Any) -> None:
-    """``rw.loader``'s arguments the batch sizes do not cover, by type (validate.py)."""
+    """``rw.loader``'s arguments the batch sizes do not cover, by type (``rankwise.validate``)."""
     sized = hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
     if not (sized or isinstance(dataset, IterableDataset)):
         validate.fail("dataset", dataset, "a data set (with len() and [index]) or an "

@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rankwise.diagnose.doctor ...``: the same as ``rankwise doctor``."""
+    """``rankwise doctor ...`` (``python -m rankwise doctor``, ``python -m rankwise.diagnose.cli``)."""
     parser = Parser(
         prog="rankwise doctor",
         description=DESCRIPTION,

@@ -64,7 +64,8 @@ def _start_method(fn: Callable[..., Any]) -> str:
 
 
 def _check_arguments(args: Any, kwargs: Any, timeout: Any, env: Any) -> None:
-    """``rw.launch``'s other arguments by type (validate.py), before any process starts."""
+    """``rw.launch``'s other arguments by type (``rankwise.validate``), before any process
+    starts."""
     where = "rw.launch()"
     validate.sequence("args", args, "a tuple of positional arguments", where=where,
                       example="(lr,) (a one-element tuple needs its comma)")  # fmt: skip

@@ -2,15 +2,22 @@
 transformer blocks in an ``nn.ModuleList``, a language-model head tied to the token embedding,
 and ``generate()``.
 
-It is here for the recipes (docs/recipes.md) and the character-level demo (examples/gpt.py):
-a transformer with the shapes users bring to data parallelism (tied weights, one module per
+It is the one small GPT of the recipes (docs/recipes.md), the character-level demo
+(examples/gpt.py) and the model-parallel docs and tests (docs/model-parallel.md): a
+transformer with the shapes users bring to data parallelism (tied weights, one module per
 block, parameters that take weight decay and parameters that do not), small enough to train
-on a CPU.
+on a CPU, and written to be split by ``GPT_PLAN`` (tensor parallelism): the attention never
+stores its head count, it reads it from the projection's output (``view(b, t, -1, head_dim)``),
+so the same code runs whole (all heads) and split (``n_head / size`` heads per rank).
 
     model = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128))
     logits, loss = model(idx, targets)           # loss: mean cross-entropy over every token
     opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-4)
     text_ids = model.generate(prompt, max_new_tokens=200, temperature=0.8, top_k=20)
+    rw.tensor_parallel(model, GPT_PLAN, group=rt.mesh.group("tensor"))  # Megatron's split
+
+``sequential_gpt`` is the same GPT as an ``nn.Sequential`` (embeddings, blocks, head), the
+form ``rw.DistributedPipeline`` splits into stages, with ``SEQUENTIAL_PLAN``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..parallel.tensor.loss import vocab_parallel_cross_entropy
+from ..parallel.tensor.plan import Column
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +53,10 @@ class GPTConfig:
     """Dropout after attention and MLP; 0 keeps runs deterministic (the recipes compare runs)."""
     bias: bool = True
     """Biases in the linear layers and layer norms."""
+    qkv_bias: bool = True
+    """The q/k/v projection's bias (with ``bias``). False for training oracles: the key bias's
+    gradient is exactly zero in exact arithmetic (softmax ignores a constant per query), so
+    Adam turns its round-off into lr-sized steps that differ between two summation orders."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -89,22 +102,36 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = NormalLinear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, std=0.02)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        qkv_bias = cfg.bias and cfg.qkv_bias
+        self.qkv = NormalLinear(cfg.n_embd, 3 * cfg.n_embd, bias=qkv_bias, std=0.02)  # [q; k; v]
         self.proj = NormalLinear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=_residual_std(cfg))
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        # (b, t, 3c) -> three (b, heads, t, c // heads)
+        b, t, _ = x.shape
+        # (b, t, 3 * width) -> three (b, heads, t, head_dim); -1: the heads this module holds
+        # (all of them, or this rank's n_head / size once GPT_PLAN has split it)
         q, k, v = (
-            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-            for z in self.qkv(x).split(c, dim=2)
+            z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1)
         )
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         return F.dropout(self.proj(y), p, self.training)
+
+
+class MLP(nn.Module):
+    """``proj(gelu(fc(x)))``, 4x wide inside: a column-parallel / row-parallel pair."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = NormalLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, std=0.02)
+        self.proj = NormalLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=_residual_std(cfg))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
 def _residual_std(cfg: GPTConfig) -> float:
@@ -122,12 +149,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = nn.Sequential(
-            NormalLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, std=0.02),
-            nn.GELU(),
-            NormalLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=_residual_std(cfg)),
-            nn.Dropout(cfg.dropout),
-        )
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -136,6 +158,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(idx, targets=None) -> (logits, loss or None)``.
+
+    Split by ``GPT_PLAN``, the logits are this rank's slice of the vocabulary and the loss is
+    ``vocab_parallel_cross_entropy`` over the head's group (the same value on every rank).
 
     Every layer initialises itself as it is built (``NormalLinear``, ``NormalEmbedding``,
     torch's ``LayerNorm``), in registration order: a GPT built on the meta device is
@@ -170,8 +195,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
+        flat, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
+        if logits.shape[-1] == self.config.vocab_size:
+            return logits, F.cross_entropy(flat, flat_targets)
+        # a vocabulary-parallel head (GPT_PLAN): this rank holds a slice of the classes
+        return logits, vocab_parallel_cross_entropy(flat, flat_targets, self.lm_head.group)
 
     @torch.no_grad()
     def generate(
@@ -188,6 +216,13 @@ class GPT(nn.Module):
         ``temperature`` and restricted to the ``top_k`` likeliest when given."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
+            if logits.shape[-1] != self.config.vocab_size:  # read from the output: under
+                # ZeRO-3 the head's weight is a shard between forwards
+                raise ConfigError(
+                    "GPT.generate() samples from the whole vocabulary; this GPT's head holds "
+                    f"{logits.shape[-1]} of {self.config.vocab_size} tokens (split)",
+                    fix="generate with an unsplit GPT (load the full state dict into one).",
+                )
             logits = logits[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -206,3 +241,59 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+
+
+GPT_PLAN = {
+    "wte": "vocab",
+    "blocks.*.attn.qkv": Column(chunks=3),
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.proj": "row",
+    "lm_head": "column",
+}
+"""How ``GPT`` splits (``rw.tensor_parallel(model, GPT_PLAN, group)``): Megatron's pairs
+(qkv/proj, fc/proj), the vocabulary on both ends (the tied head stays tied)."""
+
+
+class Embeddings(nn.Module):
+    """Token ids -> the first residual stream: a pipeline's first layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = NormalEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = NormalEmbedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module):
+    """The last residual stream -> logits (this rank's vocabulary slice once split)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = NormalLinear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def sequential_gpt(cfg: GPTConfig) -> nn.Sequential:
+    """``GPT(cfg)``'s layers as ``nn.Sequential(Embeddings, *blocks, Head)`` for pipelines,
+    returning logits only and with an untied head: a weight shared by the first and the last
+    stage would live in two processes."""
+    return nn.Sequential(Embeddings(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg))
+
+
+SEQUENTIAL_PLAN = {
+    "*.wte": "vocab",
+    "*.attn.qkv": Column(chunks=3),
+    "*.attn.proj": "row",
+    "*.mlp.fc": "column",
+    "*.mlp.proj": "row",
+    "*.lm_head": "column",
+}
+"""``GPT_PLAN`` for ``sequential_gpt`` (its layers are named '0', '1', ...)."""

@@ -64,7 +64,7 @@ def _check_ranks(ranks: Sequence[int] | None, world: int, rank: int) -> list[int
 
 
 def _check_arguments(ranks: object, device: object, group: object, mesh: object) -> None:
-    """By type, before the mesh or the ranks are read (validate.py); values are checked where
+    """By type, before the mesh or the ranks are read (``rankwise.validate``); values are checked where
     they are used (``_check_ranks``, ``check_balance``)."""
     where = "DistributedPipeline()"
     if ranks is not None:

@@ -52,7 +52,7 @@ _OURS = tuple(
 
 
 def check_arguments(model: Any, optimizer: Any, global_batch_size: Any) -> None:
-    """``rt.prepare``'s arguments, by type, before anything moves (validate.py)."""
+    """``rt.prepare``'s arguments, by type, before anything moves (``rankwise.validate``)."""
     validate.module("model", model, where="rt.prepare()")
     validate.optimizer("optimizer", optimizer, where="rt.prepare()")
     validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,

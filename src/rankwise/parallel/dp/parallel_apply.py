@@ -114,7 +114,7 @@ def _reraise(
     first = failed[0]
     exc = errors[first]
     assert exc is not None
-    note = f"rankwise.parallel_apply: raised in replica {first} on device {devices[first]}"
+    note = f"rankwise.parallel.parallel_apply: raised in replica {first} on device {devices[first]}"
     others = [f"{i} ({devices[i]}: {type(errors[i]).__name__})" for i in failed[1:]]
     if others:
         note += f"; replica(s) {', '.join(others)} failed too"

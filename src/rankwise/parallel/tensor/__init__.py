@@ -6,7 +6,8 @@
 - ``loss``: vocab-parallel cross-entropy (no gather of the logits);
 - ``plan``: ``tensor_parallel(model, plan, group)`` by module-name patterns;
 - ``state``: mesh-independent checkpoints (full tensors in the file, optimizer state too);
-- ``tiny_gpt``: a small GPT written to be split (tests, benchmark, docs).
+
+``rankwise.models.GPT`` with ``rankwise.models.GPT_PLAN`` is a small GPT written to be split.
 
 docs/model-parallel.md explains when to use it and how it composes with data parallelism.
 """

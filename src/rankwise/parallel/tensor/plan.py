@@ -14,7 +14,7 @@ crosses a dot) to a style:
 
 Attention heads: after the split each rank computes ``n_head / size`` heads. An attention
 that reads the head count from its input (``q.view(B, T, -1, head_dim)``, and
-``y.reshape(B, T, -1)`` before the output projection; see ``tiny_gpt``) runs unchanged. One
+``y.reshape(B, T, -1)`` before the output projection; see ``rankwise.models.GPT``) runs unchanged. One
 that stores it (``self.n_head``, ``self.n_embd``) gets it divided by a ``Divide`` entry:
 ``"blocks.*.attn": Divide("n_head", "n_embd")``.
 

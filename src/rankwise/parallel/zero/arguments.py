@@ -1,4 +1,5 @@
-"""``ShardedDataParallel``'s arguments by type and value, before any collective (validate.py)."""
+"""``ShardedDataParallel``'s arguments by type and value, before any collective
+(``rankwise.validate``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ ZeRO's three stages, on plain ``torch.distributed`` collectives:
   before its forward and again before its backward, and freed after each; the next module's
   gather is started early (prefetch) so it overlaps with compute.
 
-The layout (which parameters share a flat buffer, who owns which slice) is ``flat.py``; one
+The layout (which parameters share a flat buffer, who owns which slice) is ``layout.py``; one
 buffer's tensors and collectives are ``shard_unit.py``; the optimizer wrapper and the
 world-size-independent state dicts are ``sharded_optim.py``. This module wires them to autograd
 with the same hook pattern as the DDP reducer.
