@@ -52,7 +52,7 @@ def _step(rt, model, opt, i: int) -> None:
     x, y = sc.mc.batches(sc.STEPS)[i]
     per = x.shape[0] // rt.world_size
     mine = slice(rt.rank * per, (rt.rank + 1) * per)
-    F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten()).backward()
+    F.cross_entropy(model(x[mine])[0].flatten(0, 1), y[mine].flatten()).backward()
     opt.step()
     opt.zero_grad()
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import rankwise as rw
+from rankwise.models import GPT, GPT_PLAN
 from rankwise.parallel import tensor as tp
-from rankwise.parallel.tensor.tiny_gpt import GPT, GPT_PLAN
 
 STEPS = 4
 SAVE_AT = 3
@@ -59,7 +59,7 @@ def step(rt, model, opt, i: int) -> None:
     coord = rt.mesh.coord("data") if rt.mesh is not None else rt.rank
     per = x.shape[0] // data
     x, y = x[coord * per : (coord + 1) * per], y[coord * per : (coord + 1) * per]
-    logits = model(x)
+    logits = model(x)[0]  # GPT returns (logits, loss or None)
     if _split(rt):
         loss = rw.vocab_parallel_cross_entropy(logits, y, rt.mesh.group("tensor"))
     else:
@@ -161,7 +161,7 @@ def by_name(model, opt) -> dict[str, dict]:
 def pipeline_rank(folder: str) -> dict:
     """A pipeline of 2 stages (``mesh={"pipeline": 2}``): ``rt.save`` writes each stage's
     layers (sharded: the mesh splits the model), ``rt.load`` reads them back into a new one."""
-    from rankwise.parallel.tensor.tiny_gpt import sequential_gpt
+    from rankwise.models import sequential_gpt
 
     torch.set_num_threads(1)
     rt = rw.init(mesh={"pipeline": 2})

@@ -125,7 +125,7 @@ def _equal_by_name(got: tuple[dict, dict], want: tuple[dict, dict], what: str) -
 
 
 def test_a_pipeline_saves_each_stage_and_loads_by_stage_and_in_one_process(tmp_path):
-    from rankwise.parallel.tensor.tiny_gpt import sequential_gpt
+    from rankwise.models import sequential_gpt
 
     folder = tmp_path / "ckpt"
     ranks = run_distributed(sc.pipeline_rank, 2, args=(str(folder),), init=False, timeout=300)

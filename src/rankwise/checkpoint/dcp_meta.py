@@ -8,9 +8,9 @@
 - ``optim.state.<fqn>.<name>``: optimizer state keyed by parameter name (``exp_avg`` shaped
   like the parameter, ``step`` a scalar), as torch's ``get_state_dict`` keys it;
 - ``optim.param_groups.<i>.<setting>``: each group's hyperparameters, ``params`` the names;
-- ``rankwise.rng.<rank>`` (each rank's RNG), ``rankwise.scheduler``, ``rankwise.loader``,
-  ``rankwise.extra``: what resumes a run exactly; torch's loaders ignore keys they are not
-  asked for.
+- under the prefix ``rankwise``: ``.rng.<rank>`` (each rank's RNG), ``.scheduler``,
+  ``.loader``, ``.extra``: what resumes a run exactly; torch's loaders ignore keys they are
+  not asked for.
 
 ``.metadata`` is torch's ``Metadata`` pickled, as DCP writes it, so ``dcp.load`` and
 ``dcp_to_torch_save`` read our checkpoints. torch reads it with ``pickle.load``, which would
