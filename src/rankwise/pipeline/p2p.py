@@ -57,22 +57,43 @@ def encode(header: Header, device: torch.device) -> torch.Tensor:
     return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
 
 
-def decode(t: torch.Tensor) -> Header:
+def decode(t: torch.Tensor, src: int, rank: int | None = None) -> Header:
+    """The header received from rank ``src``, checked before anything is allocated from it: a
+    dtype code, a number of dimensions or a size that no sender writes is refused, naming
+    the peer (a peer is untrusted input, its header sizes a buffer)."""
     v = t.tolist()
-    return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + v[3]]))
+    ndim = v[3]
+    bad = (
+        not 0 <= v[2] < len(DTYPES)
+        or not 0 <= ndim <= MAX_DIMS
+        or any(size < 0 for size in v[4 : 4 + max(ndim, 0)])
+        or not 0 <= v[0] < max(v[1], 0)
+    )
+    if bad:
+        raise DistributedError(
+            f"pipeline activation header from rank {src} is malformed: {v}",
+            fix="every rank of the pipeline must run the same rankwise version and the same "
+            "pipeline; look for a process that is not part of it sending to this rank.",
+            rank=rank,
+        )
+    return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + ndim]))
 
 
 class Link:
-    """Point-to-point traffic of one stage with its neighbours, with timeouts on every receive.
+    """Point-to-point traffic of one stage with the other stages, with timeouts on receives.
 
-    Sends are asynchronous (``isend``) so a stage computes its next micro-batch while the last
-    one is on the wire; ``flush()`` waits for them at the end of each phase.
+    Sends are queued and posted at the start of the next action, together with its receive
+    when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
+    two ranks must be posted as one group, or each can wait for the other), so a stage
+    computes its next micro-batch while the last one is on the wire. A completed send is
+    dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
     """
 
     def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
         self.comm_device = comm_device
         self.timeout = timeout
         self.rank = rank
+        self._queued: list[tuple[dist.P2POp, str]] = []
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
@@ -80,23 +101,46 @@ class Link:
         parts = [] if header is None else [encode(header, self.comm_device)]
         parts.append(tensor.detach().to(self.comm_device).contiguous())
         for part in parts:
-            self._pending.append((dist.isend(part, dst=dst), part, f"{what} to rank {dst}"))
+            self._queued.append((dist.P2POp(dist.isend, part, dst), f"{what} to rank {dst}"))
 
-    def recv_header(self, src: int, what: str) -> Header:
+    def post(self) -> None:
+        """Post the queued sends now (before a computation that receives nothing)."""
+        self._start([])
+
+    def receive_activation(self, src: int, what: str) -> tuple[Header, torch.Tensor]:
+        """An activation from rank ``src``: its header (checked), then the tensor it
+        announces. The one receive path for tensors whose shape the receiver does not know."""
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
-        self._wait(dist.irecv(buf, src=src), f"{what} header from rank {src}")
-        return decode(buf)
+        self._wait(self._start([buf], src), f"{what} header from rank {src}")
+        head = decode(buf, src, self.rank)
+        return head, self.recv(head.shape, head.dtype, src, what)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of
+        the activation this rank sent)."""
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        self._wait(dist.irecv(buf, src=src), f"{what} from rank {src}")
+        self._wait(self._start([buf], src), f"{what} from rank {src}")
         return buf
 
     def flush(self) -> None:
-        """Wait for every queued send. Sync point: the receiving neighbours."""
+        """Wait for every send. Sync point: the receiving stages."""
+        self.post()
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
+
+    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
+        """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
+        return the receive's work."""
+        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+        ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        for (op, what), work in zip(self._queued, works, strict=False):
+            self._pending.append((work, op.tensor, what))
+        self._queued = []
+        return works[-1] if recv_bufs else None
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -109,7 +153,7 @@ class Link:
     def _error(self, what: str, cause: str) -> DistributedError:
         return DistributedError(
             f"pipeline {what} failed after at most {self.timeout.total_seconds():.0f}s ({cause})",
-            fix="every rank of the pipeline must call train_step with the same chunks and the "
-            "same number of steps; look for a rank that died or skipped a step.",
+            fix="every rank of the pipeline must call train_step with the same chunks, schedule "
+            "and number of steps; look for a rank that died or skipped a step.",
             rank=self.rank,
         )
