@@ -159,30 +159,22 @@ class Executor:
             out = self.stages.loss(i, out)
             self.result.losses[i] = out.detach()
         else:
-            self._send(Message("act", s, i), _tensor_output(out, s), with_header=True)
+            self._send(Message("act", s, i), _activation(out, s, forward_only), with_header=True)
         if not forward_only:
             self.saved[(s, i)] = (x, out, anchor)
 
     def _backward(self, action: Action, received: torch.Tensor | None) -> None:
         s, i = action.stage, action.micro_batch
         x, out, anchor = self.saved.pop((s, i))
-        if s == self.last:
-            grad = torch.full_like(out, self.seed(i))
-        else:
-            grad = received.to(out.device)
+        grad = torch.full_like(out, self.seed(i)) if s == self.last else received.to(out.device)
         takes_grad = isinstance(x, torch.Tensor) and x.requires_grad
+        head = ([anchor] if anchor is not None else []) + ([x] if takes_grad else [])
         params = self.stages.parameters_of(s)
-        inputs = ([anchor] if anchor is not None else []) + ([x] if takes_grad else []) + params
-        if not inputs:
-            return
-        grads = torch.autograd.grad([out], inputs, [grad], allow_unused=True)
-        grads = grads[1:] if anchor is not None else grads
-        if takes_grad:
-            dx, grads = grads[0], grads[1:]
-            dx = torch.zeros_like(x) if dx is None else dx
-        self._add_grads(zip(params, grads, strict=True))
+        grads = torch.autograd.grad([out], head + params, [grad], allow_unused=True)
+        self._add_grads(zip(params, grads[len(head) :], strict=True))
         if s > 0:
-            self._send(Message("grad", s, i), dx if takes_grad else torch.zeros(0), False)
+            dx = grads[len(head) - 1] if takes_grad else None
+            self._send(Message("grad", s, i), torch.zeros_like(x) if dx is None else dx, False)
 
     def _add_grads(self, pairs: Any) -> None:
         acc = self.result.grads
@@ -224,6 +216,19 @@ class Executor:
             return None
         saved = self.saved.get((msg.dst_stage, msg.micro_batch))
         return None if saved is None else _tensor_output(saved[1], msg.dst_stage)
+
+
+def _activation(out: Any, stage: int, forward_only: bool) -> torch.Tensor:
+    """The tensor stage ``stage`` passes on: gradients flow back through floating point only."""
+    out = _tensor_output(out, stage)
+    if not forward_only and not out.is_floating_point():
+        raise ConfigError(
+            f"pipeline stage {stage} passes a {out.dtype} activation to the next stage; "
+            "training needs its gradient, which only floating-point tensors have",
+            fix="cut the model where the activation is floating point (e.g. after the "
+            "embedding, not before it).",
+        )
+    return out
 
 
 def _tensor_output(out: Any, stage: int) -> torch.Tensor:
