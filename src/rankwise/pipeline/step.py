@@ -99,6 +99,28 @@ def share_loss(
     return got.reshape(()).to(torch.float32)
 
 
+def share_loss_and_shape(
+    link: Link, peers: Sequence[int], position: int, loss: torch.Tensor | None, shape: Any
+) -> tuple[torch.Tensor | None, Any]:
+    """``share_loss`` for ``PipelineModel``: with the loss (which may be absent: an
+    evaluation without targets) goes the structure of the model's output
+    (``outputs.Outputs``), so that every stage returns the same structure."""
+    from .outputs import Outputs
+
+    last = len(peers) - 1
+    if position == last:
+        value = float("nan") if loss is None else float(loss.detach())
+        packed = torch.tensor([value, loss is not None, shape.kind, shape.length,
+                               shape.loss_index], dtype=torch.float64)  # fmt: skip
+        for peer in peers[:last]:
+            link.send(packed, peer, "batch loss", None)
+        link.flush()
+        return (None if loss is None else loss.detach()), shape
+    got = link.recv((5,), torch.float64, peers[last], "batch loss").tolist()
+    shape = Outputs(int(got[2]), int(got[3]), int(got[4]))
+    return (torch.tensor(got[0], dtype=torch.float32) if got[1] else None), shape
+
+
 def land_grads(params: Iterable[nn.Parameter], grads: dict[int, torch.Tensor], scale: float = 1.0) -> None:
     """Add the step's gradients to ``.grad`` (a parameter without one keeps what it had)."""
     for p in params:

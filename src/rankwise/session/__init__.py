@@ -44,6 +44,7 @@ from . import first_batch, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .pipeline import PipelineOptions, pipeline_stages
 from .saving import SaveRecord
 from .sharded import warn_if_too_big
 
@@ -89,11 +90,17 @@ class Session(runtime.Runtime, TrainingLoop):
         global_batch_size: int | None = None,
         scheduler: Any = None,
         wrap: Any = None,
+        pipeline_schedule: str | None = None,
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        loss_fn: Any = None,
     ) -> Any:
         """``prepare(rt, ...)``: move, then wrap the model; split the loader.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
+        pipeline = PipelineOptions(schedule=pipeline_schedule, microbatches=microbatches,
+                                   stages_per_rank=stages_per_rank, loss_fn=loss_fn)  # fmt: skip
         return prepare(
             self,
             model,
@@ -102,6 +109,7 @@ class Session(runtime.Runtime, TrainingLoop):
             global_batch_size=global_batch_size,
             scheduler=scheduler,
             wrap=wrap,
+            pipeline=pipeline,
         )
 
     def full_parameters(
@@ -207,6 +215,7 @@ def prepare(
     global_batch_size: int | None = None,
     scheduler: Any = None,
     wrap: Any = None,
+    pipeline: PipelineOptions | None = None,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -235,7 +244,7 @@ def prepare(
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, pipeline or PipelineOptions())
     first_batch.watch(rt, wrapped)  # a loader that was not split: said at the first step
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
@@ -263,12 +272,13 @@ def _training_loader(
 
 
 def _with_precision(
-    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any, pipeline: PipelineOptions
 ) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
+    model, optimizer = pipeline_stages(rt, model, optimizer, pipeline)  # this rank's stages
     wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
