@@ -34,6 +34,7 @@ from .log_metrics import MetricsLogger
 from .parallel.tensor.grad_norm import NormParts
 from .parallel.tensor.state import FullOptimState, FullState, has_split_layers
 from .pipeline import DistributedPipeline
+from .pipeline.state import PipelineOptimState, PipelineState, pipeline_in
 from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
 if TYPE_CHECKING:
@@ -124,11 +125,12 @@ class TrainingLoop:
         """
         self._unscale_for(model)
         if callable(getattr(model, "clip_grad_norm_", None)):
+            _refuse_sharded_pipeline(model)
             return model.clip_grad_norm_(max_norm, norm_type)
         params = [p for p in model.parameters() if p.grad is not None]
         parts = NormParts(model)
         if parts.groups or _is_pipeline(model):
-            total = _model_parallel_norm(model, params, parts, float(norm_type))
+            total = _model_parallel_norm(model, _counted(model, params), parts, float(norm_type))
         else:
             grads = [p.grad for p in params]
             total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
@@ -296,7 +298,32 @@ def _reduction(reduction: str, scale_loss: bool | None) -> str:
 
 
 def _is_pipeline(model: nn.Module) -> bool:
-    return isinstance(model, DistributedPipeline)
+    return isinstance(model, DistributedPipeline) or pipeline_in(model) is not None
+
+
+def _pipeline_size(model: nn.Module) -> int:
+    pipe = model if isinstance(model, DistributedPipeline) else pipeline_in(model)
+    return len(pipe.ranks)
+
+
+def _counted(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters whose gradients count in the norm here: a weight tied between two
+    pipeline stages counts on the first only."""
+    pipe = pipeline_in(model)
+    if pipe is None:
+        return params
+    counted = {id(p) for p in pipe.norm_parameters()}
+    return [p for p in params if id(p) in counted]
+
+
+def _refuse_sharded_pipeline(model: nn.Module) -> None:
+    if pipeline_in(model) is not None:
+        raise ConfigError(
+            "rt.clip_grad_norm_ on a pipeline whose stages are sharded by ZeRO: each stage's "
+            "engine knows its own shards' norm, not the other stages'",
+            fix="use strategy='ddp' over the data dimension of a pipeline to clip by the global "
+            "norm, or rt.clip_grad_value_.",
+        )
 
 
 def _model_parallel_norm(
@@ -316,7 +343,7 @@ def _model_parallel_norm(
     powered = parts.total(local, norm_type)
     inf = math.isinf(norm_type)
     if _is_pipeline(model):
-        copies = comm.world_size() // len(model.ranks)
+        copies = comm.world_size() // _pipeline_size(model)
         powered = comm.all_reduce(powered, "max") if inf else comm.all_reduce(powered, "sum") / copies
     return (powered if inf else powered ** (1.0 / norm_type)).to(dtype)
 
@@ -326,9 +353,27 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     tensor parallelism (``FullState``, ``FullOptimState``): the file holds the unsplit model's
     parameters and optimizer state, so it resumes at any mesh, or in a plain process."""
     model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+    if model is not None and pipeline_in(model) is not None:
+        return _pipeline_states(kwargs, model, optimizer)
     if model is None or isinstance(model, FullState) or not has_split_layers(model):
         return kwargs
     out = dict(kwargs, model=FullState(model))
     if optimizer is not None and not isinstance(optimizer, FullOptimState):
         out["optimizer"] = FullOptimState(optimizer, model)
+    return out
+
+
+def _pipeline_states(kwargs: dict[str, Any], model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """A model ``rt.prepare`` cut into pipeline stages, saved and loaded whole
+    (``PipelineState``; stages split by tensor parallelism are not gathered here)."""
+    if has_split_layers(model):
+        raise ConfigError(
+            "rt.save/rt.load of a pipeline whose stages are tensor-parallel: the consolidated "
+            "checkpoint gathers the pipeline stages but not the tensor slices",
+            fix="save each rank's part with rw.save_checkpoint(path_per_rank, model=model), or "
+            "use a pipeline x data mesh for consolidated checkpoints.",
+        )
+    out = dict(kwargs, model=PipelineState(model))
+    if optimizer is not None:
+        out["optimizer"] = PipelineOptimState(optimizer, model)
     return out

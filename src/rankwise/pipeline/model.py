@@ -67,6 +67,14 @@ class PipelineModel(nn.Module):
         self.microbatches = _check_microbatches(microbatches, p)
         self.loss_fn, self.scale, self.device = loss_fn, scale, device
         self.plan = blocks.plan(model, p * self.stages_per_rank)
+        self.group = mesh.group("pipeline")
+        self.full_keys = list(model.state_dict())
+        """The unsplit model's state-dict keys, in order (a consolidated checkpoint's)."""
+        self.model_class = type(model).__name__
+        self.optimizer_index: list[int] = []
+        """The optimizer's parameters (in its order on this stage) numbered as in the
+        optimizer over the whole model that ``rt.prepare`` was given."""
+        self.optimizer_group_sizes: list[int] = []
         self.stages = [self.position + k * p for k in range(self.stages_per_rank)]
         sets = shared_across(_owners(model, self.plan, p), p)
         by_id = {id(q): q for q in model.parameters()}

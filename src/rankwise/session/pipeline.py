@@ -85,19 +85,19 @@ def pipeline_stages(
 
 def keep_stage_parameters(optimizer: torch.optim.Optimizer, stage: PipelineModel) -> None:
     """Point ``optimizer`` at the stage's parameters only (each group keeps its settings);
-    remember each one's place in the whole model's optimizer (``stage.full_index``), which a
-    consolidated checkpoint uses."""
+    remember each one's place in the whole model's optimizer (``stage.optimizer_index``),
+    which a consolidated checkpoint numbers them by."""
     mine = {id(p) for p in stage.module.parameters()}
-    index, full = 0, {}
+    index = 0
+    stage.optimizer_index, stage.optimizer_group_sizes = [], []
     for group in optimizer.param_groups:
         kept = []
         for p in group["params"]:
             if id(p) in mine:
-                full[id(p)] = index
+                stage.optimizer_index.append(index)
                 kept.append(p)
             index += 1
         group["params"] = kept
+        stage.optimizer_group_sizes.append(len(kept))
     for p in [p for p in optimizer.state if id(p) not in mine]:
         del optimizer.state[p]
-    stage.full_index = full
-    stage.full_groups = index
