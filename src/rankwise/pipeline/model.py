@@ -78,7 +78,8 @@ class PipelineModel(nn.Module):
         self.stages = [self.position + k * p for k in range(self.stages_per_rank)]
         sets = shared_across(_owners(model, self.plan, p), p)
         by_id = {id(q): q for q in model.parameters()}
-        self.runner = blocks.localize(model, self.plan, self.stages, device)
+        # Reached through the model too (it replaced the blocks): not registered twice.
+        self.__dict__["runner"] = blocks.localize(model, self.plan, self.stages, device)
         self.module = model.to(device)
         mine = {id(q) for q in self.module.parameters()}
         tied = [(pos, [by_id[i] for i in ids]) for pos, ids in sets if self.position in pos]
