@@ -206,7 +206,8 @@ def test_gpt_on_4_ranks_equals_one_process(mesh, strategy, schedule, v):
         held |= set(r["state"])
     assert held == set(want)
     # Ranks 0..data-1 are the first stage of each replica: their mean is the global batch's.
-    mean = [sum(x) / data for x in zip(*(results[d]["losses"] for d in range(data)))]
+    per_replica = [results[d]["losses"] for d in range(data)]
+    mean = [sum(x) / data for x in zip(*per_replica, strict=True)]
     assert max(abs(a - b) for a, b in zip(mean, want_losses, strict=True)) < 1e-5
 
 

@@ -111,6 +111,8 @@ class Executor:
         self.last = schedule.num_stages - 1
         self.stash: dict[Message, torch.Tensor] = dict(prefetched or {})
         self.read = {src: 0 for src in range(schedule.ranks)}
+        self.channels = {src: schedule.sends(src, position) for src in range(schedule.ranks)
+                         if src != position}  # fmt: skip
         for msg in self.stash:
             self.read[schedule.rank_of(msg.src_stage)] += 1
         self.saved: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
@@ -201,7 +203,7 @@ class Executor:
         """``msg``, read from its channel in the sender's order (others set aside)."""
         src = self.schedule.rank_of(msg.src_stage)
         if src != self.position:
-            channel = self.schedule.sends(src, self.position)
+            channel = self.channels[src]
             start = time.perf_counter()
             while msg not in self.stash:
                 nxt = channel[self.read[src]]

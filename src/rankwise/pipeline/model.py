@@ -61,6 +61,7 @@ class PipelineModel(nn.Module):
     ) -> None:
         super().__init__()
         self.ranks, self.position = mesh.ranks("pipeline"), mesh.coord("pipeline")
+        self.stage_index = self.position  # the name DistributedPipeline's readers know
         p = len(self.ranks)
         self.schedule_name = schedule
         self.stages_per_rank = schedules.make(schedule, p, 1, stages_per_rank).stages_per_rank
