@@ -92,11 +92,25 @@ def _every_schedule(tmp: str) -> dict:
     for schedule, v in SCHEDULES:
         last = schedule == SCHEDULES[-1][0] and v == SCHEDULES[-1][1]
         out[f"{schedule}/{v}"] = _loop(rt, schedule, v, f"{tmp}/ckpt" if last else None)
-    return out
+    return {"schedules": out, "evaluation": _evaluation(rt)}
+
+
+def _evaluation(rt) -> dict:
+    """Forwards only under no_grad; a training call never backpropagated leaves no gradient."""
+    model, opt = _gpt()
+    model, opt = rt.prepare(model, opt, microbatches=3)
+    x, y = next(iter(DataLoader(_data(), batch_size=BATCH)))
+    with torch.no_grad():
+        logits, loss = model(x, y)
+    _, unused = model(x, y)  # no rt.backward: the step's gradients are dropped
+    grads = [p.grad for p in model.parameters()]
+    return {"logits": None if logits is None else logits.numpy(), "loss": loss.item(),
+            "unused": unused.item(), "no_grads": all(g is None for g in grads)}  # fmt: skip
 
 
 def test_gpt_with_a_tied_head_trains_under_every_schedule_as_one_process(tmp_path: Path):
-    results = run_distributed(_every_schedule, 2, args=(str(tmp_path),), init=False, timeout=300)
+    jobs = run_distributed(_every_schedule, 2, args=(str(tmp_path),), init=False, timeout=300)
+    results = [job["schedules"] for job in jobs]
     want, want_opt, want_losses = _oracle()
     for key in results[0]:
         first, last = results[0][key], results[1][key]
@@ -109,6 +123,7 @@ def test_gpt_with_a_tied_head_trains_under_every_schedule_as_one_process(tmp_pat
         assert max(abs(a - b) for a, b in zip(first["losses"], want_losses, strict=True)) <= TOL
         assert first["logits"] is None and last["logits"] is None  # not kept (memory)
         assert first["printed"].split() == [w for x in first["losses"] for w in ("loss", f"{x:.6f}")]
+    _check_evaluation([job["evaluation"] for job in jobs])
     logged = [json.loads(line)["loss"] for line in (tmp_path / "logs/metrics.jsonl").open()]
     assert logged == [x for key in results[0] for x in results[0][key]["losses"]]
     # The consolidated checkpoint is the one-process model and AdamW state.
@@ -120,6 +135,18 @@ def test_gpt_with_a_tied_head_trains_under_every_schedule_as_one_process(tmp_pat
     for k, state in want_opt["state"].items():
         for name in ("exp_avg", "exp_avg_sq"):
             assert (opt.state_dict()["state"][k][name] - state[name]).abs().max() <= TOL, (k, name)
+
+
+def _check_evaluation(evals: list[dict]) -> None:
+    model, _ = _gpt()
+    x, y = next(iter(DataLoader(_data(), batch_size=BATCH)))
+    with torch.no_grad():
+        logits, loss = model(x, y)
+    first, last = evals
+    assert first["logits"] is None and (torch.as_tensor(last["logits"]) - logits).abs().max() <= TOL
+    for e in evals:  # the loss on every rank, the training call's too; no gradient kept
+        assert abs(e["loss"] - loss.item()) <= TOL and abs(e["unused"] - loss.item()) <= TOL
+        assert e["no_grads"]
 
 
 def _accumulate_clip_resume(tmp: str) -> dict:
@@ -180,9 +207,15 @@ def _mesh_run(mesh: dict, strategy: str, schedule: str, v: int | None, cfg: GPTC
         opt.zero_grad()
         losses.append(loss.item())
     state = rw.checkpoint.state_dict.model_state(model)
+    refused = ""
     if strategy.startswith("zero"):
         state = model.state_dict()  # the engine's: consolidated over the data group
-    return {"state": {k: t.numpy().copy() for k, t in state.items()}, "losses": losses}
+        try:
+            rt.clip_grad_norm_(model, 1.0)
+        except rw.ConfigError as exc:
+            refused = str(exc)
+    return {"state": {k: t.numpy().copy() for k, t in state.items()}, "losses": losses,
+            "clip_refused": refused}  # fmt: skip
 
 
 @pytest.mark.slow  # 4 ranks
@@ -205,6 +238,8 @@ def test_gpt_on_4_ranks_equals_one_process(mesh, strategy, schedule, v):
         assert _worst(r["state"], want) <= TOL, rank
         held |= set(r["state"])
     assert held == set(want)
+    if strategy.startswith("zero"):  # each stage's engine knows its own shards' norm only
+        assert all("strategy='ddp'" in r["clip_refused"] for r in results)
     # Ranks 0..data-1 are the first stage of each replica: their mean is the global batch's.
     per_replica = [results[d]["losses"] for d in range(data)]
     mean = [sum(x) / data for x in zip(*per_replica, strict=True)]
@@ -283,6 +318,12 @@ def _tensor_stages(schedule: str) -> dict:
         rt.backward(loss)
         opt.step()
         opt.zero_grad()
+    try:
+        rt.save("unused-ckpt/", model=model, optimizer=opt)
+    except rw.ConfigError as exc:
+        assert "tensor-parallel" in str(exc)
+    else:
+        raise AssertionError("rt.save of a tensor-parallel pipeline was not refused")
     return {k: v.numpy() for k, v in tp.full_state_dict(model).items()}
 
 

@@ -142,3 +142,53 @@ def test_inputs_are_cut_along_the_batch_and_outputs_put_back():
     merged = outputs.merge([(torch.ones(2, 1), torch.tensor(1.0)),
                             (torch.zeros(1, 1), torch.tensor(4.0))], [2 / 3, 1 / 3])  # fmt: skip
     assert merged[0].shape == (3, 1) and merged[1].item() == pytest.approx(2.0)
+
+
+class _Scaled(nn.Module):
+    """A layer with a bare parameter used in its own forward: not cut by the split backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((16,), 1.5))
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * self.gain)
+
+
+def test_zero_bubble_with_weights_used_outside_cut_layers():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 16), _Scaled(), _Scaled(), nn.Linear(16, 3))
+    pipe = rw.split(copy.deepcopy(ref), ["cpu", "cpu"], chunks=3, schedule="zero_bubble")
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    F.cross_entropy(ref(x), y).backward()
+    pipe.train_step(x, y, F.cross_entropy)
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= TOL, name
+
+
+def test_blocks_called_with_extra_arguments_or_by_index_are_refused():
+    runner = blocks.StageBlocks({"0": nn.Linear(2, 2)}, {0: ["0"]})
+    runner.mode = "post"
+    with pytest.raises(ConfigError, match="2 argument"):
+        runner(torch.ones(2), torch.ones(2))
+    with pytest.raises(ConfigError, match=r"(?s)blocks\[3\].*iterate"):
+        runner[3]
+    assert list(runner) == [runner]  # `for block in self.blocks` calls it once
+
+
+def test_zero3_and_pipeline_options_without_a_pipeline_are_refused():
+    from types import SimpleNamespace
+
+    from rankwise.mesh import DeviceMesh
+    from rankwise.session.pipeline import PipelineOptions, pipeline_stages
+    from rankwise.strategies import get
+
+    rt = SimpleNamespace(mesh=DeviceMesh({"pipeline": 2}), strategy="zero3",
+                         strategy_spec=get("zero3"), rank=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="'zero2'"):
+        pipeline_stages(rt, nn.Linear(2, 2), None, PipelineOptions())
+    flat = SimpleNamespace(mesh=None, rank=0)
+    with pytest.raises(ConfigError, match="pipeline_schedule=, microbatches="):
+        pipeline_stages(flat, nn.Linear(2, 2), None,
+                        PipelineOptions(schedule="1f1b", microbatches=4))  # fmt: skip
