@@ -9,6 +9,11 @@ over the same stage bounds (balanced by parameter count, ``stages_per_rank`` vir
   the same name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``).
 
+With ``compute="simulated"`` the model is instead a stack of ``SleepLinear`` layers whose
+forward, input-gradient and weight-gradient passes each sleep a fixed time per sample (the GIL
+released, no CPU used): the schedules' own step time and bubble, without the stages competing
+for the cores of a small or shared machine (activation memory is then meaningless).
+
 Steps alternate between the two (a barrier before each), so load on a shared machine hits
 both alike. Per rank and step: the wall time; the compute time (ours: the executor's
 actions; torch's: its stage's forward/backward calls, timed by wrapping them); the bubble
@@ -42,6 +47,9 @@ SCHEDULES = (
     ("zero_bubble", 2, "ScheduleInterleavedZeroBubble"),
 )
 """(our schedule, virtual stages per rank, torch's class of the same schedule)."""
+
+SIM_LAYERS = 16
+"""Layers of the simulated stack: as many per stage at 2, 4 or 8 stages."""
 
 
 class SavedBytes:
@@ -79,7 +87,59 @@ class _Held:
             self.tracker.release(self.key, self.nbytes)
 
 
+class _Sleep(torch.autograd.Function):
+    """``x @ w`` that takes ``per_sample`` seconds per sample forward, and as long again for
+    each gradient asked for (input, weight): a stand-in for a device's compute."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, per_sample: float) -> torch.Tensor:
+        ctx.per_sample, ctx.n = per_sample, x.shape[0]
+        ctx.save_for_backward(x, w)
+        time.sleep(per_sample * x.shape[0])
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        need_x, need_w = _needed(ctx, 0), _needed(ctx, 1)
+        time.sleep(ctx.per_sample * ctx.n * (int(need_x) + int(need_w)))
+        return (grad @ w.t() if need_x else None), (x.t() @ grad if need_w else None), None
+
+
+def _needed(ctx, k: int) -> bool:
+    """Whether this backward pass wants input ``k``'s gradient (an input-only or weight-only
+    pass asks for one: what a real layer's kernels skip, the stand-in skips sleeping)."""
+    node = ctx.next_functions[k][0]
+    if node is None:
+        return False
+    try:  # torch's own test of the running graph task (used by its checkpointing)
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):
+        return ctx.needs_input_grad[k]
+
+
+class SleepLinear(nn.Linear):
+    """A square linear layer computed by ``_Sleep`` (an ``nn.Linear``: the split backward
+    cuts it, so its weight pass sleeps apart)."""
+
+    def __init__(self, width: int, per_sample: float) -> None:
+        super().__init__(width, width, bias=False)
+        self.per_sample = per_sample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.per_sample)
+
+
+def _model(cfg: GPTConfig, compute: str, per_sample: float) -> nn.Sequential:
+    torch.manual_seed(0)
+    if compute == "simulated":
+        return nn.Sequential(*[SleepLinear(8, per_sample) for _ in range(SIM_LAYERS)])
+    return sequential_gpt(cfg)
+
+
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 2:  # the simulated stack
+        return F.mse_loss(out, y)
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
@@ -90,9 +150,7 @@ def _bounds(model: nn.Sequential, stages: int) -> list[int]:
     return bounds
 
 
-def _ours(cfg: GPTConfig, name: str, v: int, m: int):
-    torch.manual_seed(0)
-    model = sequential_gpt(cfg)
+def _ours(model: nn.Sequential, name: str, v: int, m: int):
     stages = dist.get_world_size() * v
     balance = [b - a for a, b in zip(_bounds(model, stages), _bounds(model, stages)[1:], strict=False)]
     pipe = rw.DistributedPipeline(model, balance=balance, chunks=m, schedule=name, stages_per_rank=v)
@@ -105,9 +163,7 @@ def _ours(cfg: GPTConfig, name: str, v: int, m: int):
     return pipe, step
 
 
-def _torch(cfg: GPTConfig, cls_name: str, v: int, m: int):
-    torch.manual_seed(0)
-    model = sequential_gpt(cfg)
+def _torch(model: nn.Sequential, cls_name: str, v: int, m: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     num = world * v
     bounds, layers = _bounds(model, num), list(model.children())
@@ -166,20 +222,32 @@ def _measure(module: nn.Module, step, x, y, repeats: int) -> dict[str, Any]:
             "activation_peak_mb": saved.peak / 2**20}  # fmt: skip
 
 
-def bench_rank(cfg_kwargs: dict, batch: int, micro: list[int], repeats: int) -> list[dict]:
-    """This rank's figures for every (m, schedule): ours and torch's, alternating."""
+def _batch(cfg: GPTConfig, compute: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if compute == "simulated":
+        return torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    return x, torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+
+
+def bench_rank(
+    cfg_kwargs: dict, batch: int, micro: list[int], repeats: int, compute: str = "gpt",
+    stage_ms: float = 40.0,
+) -> list[dict]:  # fmt: skip
+    """This rank's figures for every (m, schedule): ours and torch's, alternating.
+    ``stage_ms`` (simulated): one pipeline stage's forward of the whole batch."""
     torch.set_num_threads(1)
     cfg = GPTConfig(**cfg_kwargs)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    x, y = _batch(cfg, compute, batch)
+    layers_per_stage = SIM_LAYERS / dist.get_world_size()
+    per_sample = stage_ms / 1000 / batch / layers_per_stage
     rows = []
     for m in micro:
         for name, v, torch_name in SCHEDULES:
-            if dist.get_world_size() * v > cfg.n_layer + 2:
+            if dist.get_world_size() * v > (SIM_LAYERS if compute == "simulated" else cfg.n_layer + 2):
                 continue
-            ours, ours_step = _ours(cfg, name, v, m)
-            theirs, their_step = _torch(cfg, torch_name, v, m)
+            ours, ours_step = _ours(_model(cfg, compute, per_sample), name, v, m)
+            theirs, their_step = _torch(_model(cfg, compute, per_sample), torch_name, v, m)
             ours_step(x, y), their_step(x, y)  # warm-up (torch infers its shapes here)
             per = {"rankwise": [], "torch": []}
             for _ in range(repeats):  # alternate, one step each, so load hits both alike

@@ -2,14 +2,16 @@
 and ``rw.split``'s GPipe bubble in one process.
 
     flock /tmp/rankwise-bench.lock python benchmarks/pipeline.py --out benchmarks/results/pipeline.json
-    python benchmarks/pipeline.py --quick          # a smoke test: tiny GPT, 1 repeat
+    python benchmarks/pipeline.py --quick          # a smoke test: tiny sizes, 1 repeat
 
 ``schedules`` (``_pipeline_schedules.py``): at 2 and 4 stages (Gloo, CPU, one process per
 stage, one thread each), a GPT of ``--layers`` blocks, ``--micro`` micro-batches: step time,
 bubble (idle fraction of each stage) and peak activation memory per stage, ours
 (``rw.DistributedPipeline``) beside torch's schedule of the same name on the same stages, same
-run, alternating. ``targets`` checks the figures against the issue's targets. ``split``
-(``_pipeline_split.py``): ``rw.split``'s threads, unsplit vs chunks.
+run, alternating. ``simulated``: the same with layers that sleep instead of computing (the
+schedules' bubble without the stages competing for CPU cores). ``targets`` checks the figures
+against the issue's targets. ``split`` (``_pipeline_split.py``): ``rw.split``'s threads,
+unsplit vs chunks.
 
 The machine may be shared: times are noisy (the JSON says how many cores there were);
 activation memory is exact (bytes autograd saves, counted).
@@ -27,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _pipeline_schedules import bench_rank, merge_ranks
+from _pipeline_schedules import SIM_LAYERS, bench_rank, merge_ranks
 from _pipeline_split import Sleep, compute_model, parallel_efficiency, run_setup
 from _report import emit
 
@@ -38,8 +40,9 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def targets(rows_by_p: dict[str, list[dict]]) -> dict[str, bool | None]:
-    """The issue's targets, from the rows (None when the row was not run)."""
+def targets(rows_by_p: dict[str, list[dict]], memory: bool = True) -> dict[str, bool | None]:
+    """The issue's targets, from the rows (None when the row was not run; the memory ones
+    only where the model is real)."""
 
     def row(p: str, name: str, v: int, m: int) -> dict | None:
         return next((r for r in rows_by_p.get(p, []) if r["schedule"] == name
@@ -56,7 +59,9 @@ def targets(rows_by_p: dict[str, list[dict]]) -> dict[str, bool | None]:
             max(r["rankwise"]["activation_peak_mb_per_stage"])
             <= max(r["torch"]["activation_peak_mb_per_stage"]) * 1.001 for r in all_rows),
     }  # fmt: skip
-    for p in rows_by_p:
+    if not memory:
+        del out["activation_peak_at_most_torch"]
+    for p in rows_by_p if memory else ():
         one, gp = row(p, "1f1b", 1, 16), row(p, "gpipe", 1, 16)
         out[f"p{p}_1f1b_peak_m16_at_most_half_gpipe"] = None if not (one and gp) else (
             max(one["rankwise"]["activation_peak_mb_per_stage"])
@@ -68,15 +73,17 @@ def targets(rows_by_p: dict[str, list[dict]]) -> dict[str, bool | None]:
     return out
 
 
-def schedules_section(args: argparse.Namespace) -> dict:
+def schedules_section(args: argparse.Namespace, compute: str) -> dict:
     cfg = {"vocab_size": args.vocab, "block_size": args.seq, "n_layer": args.layers,
            "n_head": 4, "n_embd": args.width}  # fmt: skip
     rows = {}
     for p in _ints(args.stages):
-        per_rank = run_distributed(bench_rank, p, args=(cfg, args.batch, _ints(args.micro),
-                                                        args.repeats), timeout=args.timeout)  # fmt: skip
+        job = (cfg, args.batch, _ints(args.micro), args.repeats, compute, args.stage_ms)
+        per_rank = run_distributed(bench_rank, p, args=job, timeout=args.timeout)
         rows[str(p)] = merge_ranks(per_rank)
-    return {"model": cfg, "batch": args.batch, "rows": rows, "targets": targets(rows)}
+    model = cfg if compute == "gpt" else {"layers": SIM_LAYERS, "stage_ms": args.stage_ms}
+    return {"compute": compute, "model": model, "batch": args.batch, "rows": rows,
+            "targets": targets(rows, memory=compute == "gpt")}  # fmt: skip
 
 
 def split_section(args: argparse.Namespace) -> dict:
@@ -96,7 +103,10 @@ def split_section(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=["schedules", "split", "all"], default="all")
+    ap.add_argument("--section", choices=["schedules", "simulated", "split", "all"],
+                    default="all")  # fmt: skip
+    ap.add_argument("--stage-ms", type=float, default=40.0,
+                    help="simulated: one stage's forward of the whole batch")  # fmt: skip
     ap.add_argument("--stages", default="2,4", help="schedules: pipeline sizes")
     ap.add_argument("--micro", default="4,8,16", help="schedules: micro-batches per batch")
     ap.add_argument("--layers", type=int, default=8, help="schedules: GPT blocks")
@@ -123,7 +133,9 @@ def main() -> None:
     report = {"benchmark": "pipeline", "torch": torch.__version__, "cpus": os.cpu_count(),
               "args": vars(args)}  # fmt: skip
     if args.section in ("schedules", "all"):
-        report["schedules"] = schedules_section(args)
+        report["schedules"] = schedules_section(args, "gpt")
+    if args.section in ("simulated", "all"):
+        report["simulated"] = schedules_section(args, "simulated")
     if args.section in ("split", "all"):
         report["split"] = split_section(args)
     emit(report, args.out)

@@ -38,8 +38,9 @@ def _adamw(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=1e-3)
 
 
-def _oracle(batch: int) -> tuple[dict, dict]:
-    """(gradients of the first step, parameters after STEPS steps) of one process."""
+def _oracle(batch: int) -> tuple[dict, dict, torch.Tensor]:
+    """(gradients of the first step, parameters after STEPS steps, the trained model's output
+    on the first batch) of one process."""
     model = _model()
     opt = _adamw(model)
     first = {}
@@ -49,7 +50,8 @@ def _oracle(batch: int) -> tuple[dict, dict]:
             first = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return first, model.state_dict()
+    with torch.no_grad():
+        return first, model.state_dict(), model(_batches(batch)[0][0])
 
 
 def _train(schedule: str, v: int, batch: int, chunks: int, replica_slice) -> dict:
@@ -64,8 +66,10 @@ def _train(schedule: str, v: int, batch: int, chunks: int, replica_slice) -> dic
         opt.step()
         opt.zero_grad()
     state = {k: t.numpy().copy() for k, t in pipe.state_dict().items()}
+    with torch.no_grad():  # an evaluation forward on the same schedule's order
+        out = pipe(_batches(batch)[0][0][replica_slice])
     return {"grads": first, "state": state, "losses": losses, "stages": sorted(pipe.stage_modules),
-            "ranks": pipe.ranks}  # fmt: skip
+            "ranks": pipe.ranks, "eval": None if out is None else out.numpy()}  # fmt: skip
 
 
 def _every_schedule(mesh: dict, batch: int, chunks: int) -> dict:
@@ -77,9 +81,13 @@ def _every_schedule(mesh: dict, batch: int, chunks: int) -> dict:
 
 
 def _assert_equal_to_oracle(results: list[dict], batch: int) -> None:
-    want_grads, want_state = _oracle(batch)
+    want_grads, want_state, want_out = _oracle(batch)
     for key in results[0]:
         held = set()
+        outs = [r[key]["eval"] for r in results if r[key]["eval"] is not None]
+        # the last stage of each replica returns its part of the batch's output
+        got_out = torch.cat([torch.as_tensor(o) for o in outs])
+        assert (got_out - want_out).abs().max() <= TOL, key
         for rank, r in enumerate(results):
             got = r[key]
             for name, value in got["grads"].items():

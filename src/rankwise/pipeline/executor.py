@@ -63,6 +63,13 @@ class Transport(Protocol):
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
         """The next message from ``src`` (it is ``msg``): shaped as ``like``, or by its header."""
 
+    def expect(self, src: int, like: torch.Tensor | None) -> None:
+        """The next message from ``src`` may be received ahead: shaped as ``like``, or (None)
+        an activation with its header."""
+
+    def progress(self) -> None:
+        """Move receives posted ahead along (between actions)."""
+
     def flush(self) -> None:
         """Wait until every send has been received."""
 
@@ -104,7 +111,8 @@ class Executor:
         weight_pass: WeightPass | None = None,
         prefetched: dict[Message, torch.Tensor] | None = None,
     ) -> None:
-        if schedule.split_backward and weight_pass is None:
+        self.split = schedule.split_backward
+        if self.split and weight_pass is None:
             raise ValueError("a split-backward schedule needs a WeightPass")
         self.schedule, self.position, self.stages = schedule, position, stages
         self.transport, self.seed, self.weight_pass = transport, seed, weight_pass
@@ -123,12 +131,18 @@ class Executor:
         for the sends. Sync point: the pipeline's ranks."""
         todo = (self.schedule.forward_only(self.position) if forward_only
                 else self.schedule.actions[self.position])  # fmt: skip
+        if forward_only:  # only activations are sent
+            self.channels = {src: [m for m in ch if m.kind == "act"]
+                             for src, ch in self.channels.items()}  # fmt: skip
+        for src in self.channels:
+            self._expect(src)
         for action in todo:
             self._act(action, forward_only)
         self.transport.flush()
         return self.result
 
     def _act(self, action: Action, forward_only: bool) -> None:
+        self.transport.progress()
         needed = self.schedule.needs(action)
         received = self._take(needed) if needed is not None else None
         if needed is None:
@@ -147,7 +161,7 @@ class Executor:
         x = self.stages.first_input(i) if s == 0 else received
         if isinstance(x, torch.Tensor) and s > 0 and x.is_floating_point() and not forward_only:
             x = x.detach().requires_grad_(True)
-        split = self.schedule.split_backward and not forward_only
+        split = self.split and not forward_only
         anchor = self.weight_pass.begin((s, i)) if split else None
         try:
             out = self.stages.run(s, i, x)
@@ -209,8 +223,19 @@ class Executor:
                 nxt = channel[self.read[src]]
                 self.read[src] += 1
                 self.stash[nxt] = self.transport.receive(src, nxt, self._like(nxt))
+            self._expect(src)
             self.result.recv_wait_s += time.perf_counter() - start
         return self.stash.pop(msg)
+
+    def _expect(self, src: int) -> None:
+        """Let the transport receive ``src``'s next message ahead, when its shape is known."""
+        channel = self.channels[src]
+        if self.read[src] >= len(channel):
+            return
+        nxt = channel[self.read[src]]
+        like = self._like(nxt)
+        if nxt.kind == "act" or like is not None:
+            self.transport.expect(src, like)
 
     def _like(self, msg: Message) -> torch.Tensor | None:
         """A gradient has the shape of the activation this rank sent; None: read a header."""

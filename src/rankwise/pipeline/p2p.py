@@ -79,6 +79,14 @@ def decode(t: torch.Tensor, src: int, rank: int | None = None) -> Header:
     return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + ndim]))
 
 
+class _Early:
+    """A receive posted ahead of need: an activation's header (``head`` None until it is in)
+    or a tensor of known shape."""
+
+    def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool):
+        self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
+
+
 class Link:
     """Point-to-point traffic of one stage with the other stages, with timeouts on receives.
 
@@ -87,14 +95,21 @@ class Link:
     two ranks must be posted as one group, or each can wait for the other), so a stage
     computes its next micro-batch while the last one is on the wire. A completed send is
     dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
+
+    Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
+    tensor of an activation whose header is in is received as soon as it is (``progress``),
+    so data moves while this rank computes. On NCCL a receive posted ahead would hold up this
+    rank's sends to that peer (one stream per pair): receives wait until needed there.
     """
 
     def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
         self.comm_device = comm_device
         self.timeout = timeout
         self.rank = rank
+        self.ahead = comm_device.type == "cpu"
         self._queued: list[tuple[dist.P2POp, str]] = []
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._early: dict[int, _Early] = {}
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
         """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
@@ -107,17 +122,50 @@ class Link:
         """Post the queued sends now (before a computation that receives nothing)."""
         self._start([])
 
+    def expect(self, src: int, like: torch.Tensor | None) -> None:
+        """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
+        or (None) an activation's header. Over Gloo only."""
+        if not self.ahead or src in self._early:
+            return
+        shape, dtype = ((HEADER_LEN,), torch.int64) if like is None else (like.shape, like.dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        self._early[src] = _Early(self._start([buf], src), buf, None, like is not None)
+
+    def progress(self) -> None:
+        """Post the tensor receive of every activation whose header has arrived."""
+        for src, early in list(self._early.items()):
+            if not early.tensor and early.work.is_completed():
+                self._wait(early.work, f"activation header from rank {src}")
+                head = decode(early.buf, src, self.rank)
+                buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
+                self._early[src] = _Early(self._start([buf], src), buf, head, True)
+
     def receive_activation(self, src: int, what: str) -> tuple[Header, torch.Tensor]:
         """An activation from rank ``src``: its header (checked), then the tensor it
         announces. The one receive path for tensors whose shape the receiver does not know."""
-        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
-        self._wait(self._start([buf], src), f"{what} header from rank {src}")
+        early = self._early.pop(src, None)
+        if early is not None and early.head is not None:  # header and tensor both posted
+            self.post()  # what this rank owes its peers goes out before it waits
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.head, early.buf
+        if early is None:
+            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
+            work = self._start([buf], src)
+        else:
+            work, buf = early.work, early.buf
+            self.post()
+        self._wait(work, f"{what} header from rank {src}")
         head = decode(buf, src, self.rank)
         return head, self.recv(head.shape, head.dtype, src, what)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of
         the activation this rank sent)."""
+        early = self._early.pop(src, None)
+        if early is not None:
+            self.post()
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.buf
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
         self._wait(self._start([buf], src), f"{what} from rank {src}")
         return buf
@@ -132,7 +180,8 @@ class Link:
     def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
         """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
         return the receive's work."""
-        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+        if len(self._pending) > 8:
+            self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
         ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
         if not ops:
             return None

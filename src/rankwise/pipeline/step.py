@@ -32,6 +32,12 @@ class ProcessTransport:
     def post(self) -> None:
         self.link.post()
 
+    def expect(self, src: int, like: torch.Tensor | None) -> None:
+        self.link.expect(self.peers[src], like)
+
+    def progress(self) -> None:
+        self.link.progress()
+
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
         if like is not None:
             return self.link.recv(tuple(like.shape), like.dtype, self.peers[src], _what(msg))

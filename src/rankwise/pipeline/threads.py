@@ -42,6 +42,12 @@ class QueueTransport:
     def post(self) -> None:
         pass
 
+    def expect(self, src: int, like: torch.Tensor | None) -> None:
+        pass
+
+    def progress(self) -> None:
+        pass
+
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
         box = self.boxes[(src, self.position)]
         while True:
