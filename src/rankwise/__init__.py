@@ -53,6 +53,7 @@ _LAZY: dict[str, str] = {
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
     "save_pretrained": ".checkpoint.pretrained",
+    "seed_everything": ".data",
     "Session": ".session",
     "ShardedIterable": ".data",
     "ShardedDataParallel": ".parallel",
@@ -97,7 +98,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         broadcast_object,
         gather_object,
     )
-    from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
+    from .data import (
+        DistributedSampler,
+        Loader,
+        ShardedIterable,
+        gather_for_metrics,
+        join,
+        loader,
+        seed_everything,
+    )
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
@@ -164,6 +173,7 @@ __all__ = [
     "progress",
     "save_checkpoint",
     "save_pretrained",
+    "seed_everything",
     "shutdown",
     "split",
     "tensor_parallel",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, validate
 from .errors import ConfigError
 from .log_metrics import MetricsLogger
 from .parallel.tensor.grad_norm import NormParts
 from .parallel.tensor.state import FullOptimState, FullState, has_split_layers
-from .pipeline import DistributedPipeline
-from .pipeline.state import PipelineOptimState, PipelineState, pipeline_in
+from .pipeline import norm as pipeline_norm
+from .pipeline.state import pipeline_checkpoint_states, pipeline_in
 from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ class TrainingLoop:
         """``loss.backward()``, scaled under 'fp16-mixed' and divided by ``steps`` inside
         ``accumulate(model, steps)`` (its default ``reduction="mean"``), so a group's gradient
         is the mean over its micro-batches. Sync point: as the model's backward (DDP: all)."""
+        validate.tensor("loss", loss, where="rt.backward()", fix="pass the loss tensor itself "
+                        "(not loss.item()), e.g. rt.backward(F.cross_entropy(model(x), y)).")
         if self.loop.loss_divisor != 1:
             loss = loss / self.loop.loss_divisor
         if self.loop.scaler is None:
@@ -123,14 +125,19 @@ class TrainingLoop:
         parts; an engine that defines ``clip_grad_norm_`` (sharded) computes it itself.
         Unscales first under 'fp16-mixed'. Sync point: all ranks for a pipeline or an engine.
         """
+        where = "rt.clip_grad_norm_()"  # numbers as torch's clip_grad_norm_ reads them (float())
+        validate.module("model", model, where=where)
+        validate.number("max_norm", max_norm, minimum=0, numeric_text=True, where=where)
+        validate.number("norm_type", norm_type, numeric_text=True, where=where, example=2.0)
         self._unscale_for(model)
         if callable(getattr(model, "clip_grad_norm_", None)):
-            _refuse_sharded_pipeline(model)
+            pipeline_norm.refuse_sharded_pipeline(model)
             return model.clip_grad_norm_(max_norm, norm_type)
         params = [p for p in model.parameters() if p.grad is not None]
         parts = NormParts(model)
-        if parts.groups or _is_pipeline(model):
-            total = _model_parallel_norm(model, _counted(model, params), parts, float(norm_type))
+        if parts.groups or pipeline_norm.is_pipeline(model):
+            counted = pipeline_norm.counted(model, params)  # a tied weight once
+            total = _model_parallel_norm(model, counted, parts, float(norm_type))
         else:
             grads = [p.grad for p in params]
             total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
@@ -139,6 +146,9 @@ class TrainingLoop:
 
     def clip_grad_value_(self: Runtime, model: nn.Module, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (unscaled first)."""
+        validate.module("model", model, where="rt.clip_grad_value_()")
+        validate.number("clip_value", clip_value, minimum=0, numeric_text=True,
+                        where="rt.clip_grad_value_()")  # fmt: skip
         self._unscale_for(model)
         torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
 
@@ -158,6 +168,7 @@ class TrainingLoop:
     def no_backward_sync(self: Runtime, model: nn.Module, enabled: bool = True) -> Iterator[None]:
         """The model's ``no_sync()`` when ``enabled`` (backward passes inside communicate
         nothing); a plain block for a model without one (one process: nothing to skip)."""
+        validate.module("model", model, where="rt.no_backward_sync()")
         skip = enabled and callable(getattr(model, "no_sync", None))
         with model.no_sync() if skip else contextlib.nullcontext():
             yield
@@ -182,6 +193,7 @@ class TrainingLoop:
         is the older spelling (True: "mean", False: "sum"). A plain ``loss.backward()`` is never
         divided. Sync point: all ranks on ``.sync``.
         """
+        validate.module("model", model, where="rt.accumulate()")
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError(
                 f"rt.accumulate(steps={steps!r}): steps must be a positive integer",
@@ -234,17 +246,42 @@ class TrainingLoop:
         """Write ``metrics`` (rank 0) to the run's CSV/JSONL files (and TensorBoard when
         installed), after reducing each value over the ranks with ``reduce`` ('mean', 'sum',
         'max', 'min') when given. Sync point: all ranks when ``reduce`` is given."""
+        validate.mapping("metrics", metrics, "a dict of metric names to numbers", where="rt.log()",
+                         example="{'loss': loss.item()}")  # fmt: skip
+        validate.integer("step", step, optional=True, where="rt.log()")
         self.log_to().log(metrics, step=step, reduce=reduce)
 
     def log_to(
-        self: Runtime, log_dir: str | Path | None = None, *, tensorboard: bool | None = None
+        self: Runtime,
+        log_dir: str | Path | None = None,
+        *,
+        tensorboard: bool | None = None,
+        log_with: str | Sequence[str] | None = None,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> MetricsLogger:
-        """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
-        installed. Returns the logger; calling it again with a directory starts a new one."""
-        if self.loop.metrics is None or log_dir is not None:
+        """Where ``rt.log`` writes: ``log_dir`` (default ``rankwise_logs/``) and the trackers
+        ``log_with`` names (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+        ``"wandb"``; default CSV, JSONL and TensorBoard when installed), their run named
+        ``project``/``run_name``, ``config`` logged once; ``init_kwargs`` per tracker. Returns
+        the logger; called again with arguments, it finishes the previous one and opens anew.
+        Rank 0 writes; every rank checks the arguments. No sync point."""
+        _check_log_to(log_dir, project, run_name, config, init_kwargs)
+        given = (log_dir, tensorboard, log_with, project, run_name, config, init_kwargs)
+        if self.loop.metrics is None or any(a is not None for a in given):
             if self.loop.metrics is not None:
                 self.loop.metrics.close()
-            self.loop.metrics = MetricsLogger(log_dir or "rankwise_logs", tensorboard=tensorboard)
+            self.loop.metrics = MetricsLogger(
+                log_dir or "rankwise_logs",
+                tensorboard=tensorboard,
+                log_with=log_with,
+                project=project,
+                run_name=run_name,
+                config=config,
+                init_kwargs=init_kwargs,
+            )
         return self.loop.metrics
 
     # -- what rt.prepare and rt.save/load call ---------------------------------------------
@@ -297,35 +334,6 @@ def _reduction(reduction: str, scale_loss: bool | None) -> str:
     return older
 
 
-def _is_pipeline(model: nn.Module) -> bool:
-    return isinstance(model, DistributedPipeline) or pipeline_in(model) is not None
-
-
-def _pipeline_size(model: nn.Module) -> int:
-    pipe = model if isinstance(model, DistributedPipeline) else pipeline_in(model)
-    return len(pipe.ranks)
-
-
-def _counted(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters whose gradients count in the norm here: a weight tied between two
-    pipeline stages counts on the first only."""
-    pipe = pipeline_in(model)
-    if pipe is None:
-        return params
-    counted = {id(p) for p in pipe.norm_parameters()}
-    return [p for p in params if id(p) in counted]
-
-
-def _refuse_sharded_pipeline(model: nn.Module) -> None:
-    if pipeline_in(model) is not None:
-        raise ConfigError(
-            "rt.clip_grad_norm_ on a pipeline whose stages are sharded by ZeRO: each stage's "
-            "engine knows its own shards' norm, not the other stages'",
-            fix="use strategy='ddp' over the data dimension of a pipeline to clip by the global "
-            "norm, or rt.clip_grad_value_.",
-        )
-
-
 def _model_parallel_norm(
     model: nn.Module, params: list[nn.Parameter], parts: NormParts, norm_type: float
 ) -> torch.Tensor:
@@ -342,8 +350,8 @@ def _model_parallel_norm(
     local = parts.local(((parts.part_of(p), p.grad) for p in params), norm_type, device)
     powered = parts.total(local, norm_type)
     inf = math.isinf(norm_type)
-    if _is_pipeline(model):
-        copies = comm.world_size() // _pipeline_size(model)
+    if pipeline_norm.is_pipeline(model):
+        copies = comm.world_size() // pipeline_norm.pipeline_size(model)
         powered = comm.all_reduce(powered, "max") if inf else comm.all_reduce(powered, "sum") / copies
     return (powered if inf else powered ** (1.0 / norm_type)).to(dtype)
 
@@ -353,9 +361,11 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     tensor parallelism (``FullState``, ``FullOptimState``): the file holds the unsplit model's
     parameters and optimizer state, so it resumes at any mesh, or in a plain process."""
     model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
-    if model is not None and pipeline_in(model) is not None:
-        return _pipeline_states(kwargs, model, optimizer)
-    if model is None or isinstance(model, FullState) or not has_split_layers(model):
+    if not isinstance(model, nn.Module) or isinstance(model, FullState):
+        return kwargs  # nothing split (a wrong type is named by save/load_checkpoint)
+    if pipeline_in(model) is not None:
+        return pipeline_checkpoint_states(kwargs, model, optimizer, has_split_layers(model))
+    if not has_split_layers(model):
         return kwargs
     out = dict(kwargs, model=FullState(model))
     if optimizer is not None and not isinstance(optimizer, FullOptimState):
@@ -363,17 +373,14 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _pipeline_states(kwargs: dict[str, Any], model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """A model ``rt.prepare`` cut into pipeline stages, saved and loaded whole
-    (``PipelineState``; stages split by tensor parallelism are not gathered here)."""
-    if has_split_layers(model):
-        raise ConfigError(
-            "rt.save/rt.load of a pipeline whose stages are tensor-parallel: the consolidated "
-            "checkpoint gathers the pipeline stages but not the tensor slices",
-            fix="save each rank's part with rw.save_checkpoint(path_per_rank, model=model), or "
-            "use a pipeline x data mesh for consolidated checkpoints.",
-        )
-    out = dict(kwargs, model=PipelineState(model))
-    if optimizer is not None:
-        out["optimizer"] = PipelineOptimState(optimizer, model)
-    return out
+def _check_log_to(log_dir: Any, project: Any, run_name: Any, config: Any, kwargs: Any) -> None:
+    """``rt.log_to``'s arguments by type (validate.py), before a tracker opens."""
+    where = "rt.log_to()"
+    validate.path("log_dir", log_dir, optional=True, where=where)
+    validate.text("project", project, optional=True, where=where)
+    validate.text("run_name", run_name, optional=True, where=where)
+    if config is not None:
+        validate.mapping("config", config, "a dict of settings", where=where, example="{'lr': 3e-4}")
+    if kwargs is not None:
+        validate.mapping("init_kwargs", kwargs, "a dict per tracker name", where=where,
+                         example="{'wandb': {'entity': 'me'}}")  # fmt: skip

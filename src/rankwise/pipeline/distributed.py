@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
+from .. import comm, runtime, validate
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..flat import FlatParams
@@ -64,6 +64,20 @@ def _check_ranks(ranks: Sequence[int] | None, world: int, rank: int) -> list[int
             rank=rank,
         )
     return ranks
+
+
+def _check_arguments(ranks: object, device: object, group: object, mesh: object) -> None:
+    """By type, before the mesh or the ranks are read (validate.py); values are checked where
+    they are used (``_check_ranks``, ``check_balance``)."""
+    where = "DistributedPipeline()"
+    if ranks is not None:
+        validate.sequence("ranks", ranks, "a list of ranks, one per stage", where=where,
+                          example="[0, 1]")  # fmt: skip
+    validate.device_name("device", device, where=where)
+    validate.process_group("data_parallel_group", group, where=where)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        validate.fail("mesh", mesh, "a rw.DeviceMesh (rt.mesh) or None", where=where,
+                      fix="pass mesh=rt.mesh (from rw.init(mesh={...})), or ranks=[...].")
 
 
 def _from_mesh(mesh, default, ranks, group, rank: int):
@@ -109,6 +123,7 @@ class DistributedPipeline(nn.Module):
         schedule: str = "1f1b",
         stages_per_rank: int | None = None,
     ) -> None:
+        _check_arguments(ranks, device, data_parallel_group, mesh)
         super().__init__()
         rt = runtime.get_runtime()
         self.rank = comm.rank()
@@ -203,7 +218,8 @@ class DistributedPipeline(nn.Module):
         weights = step.loss_weights([t.shape[0] for t in targets], self.loss_reduction)
         stages = _SequentialStages(self, micro, targets, loss_fn)
         executor = Executor(
-            sched, self.stage_index, stages, step.ProcessTransport(self._link, self.ranks),
+            sched, self.stage_index, stages,
+            step.ProcessTransport(self._link, self.ranks, sched.micro_batches),
             seed=lambda i: weights[i], weight_pass=self._weights_for(sched), prefetched=prefetched,
         )  # fmt: skip
         result = executor.run(forward_only=forward_only)

@@ -63,9 +63,9 @@ class Transport(Protocol):
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
         """The next message from ``src`` (it is ``msg``): shaped as ``like``, or by its header."""
 
-    def expect(self, src: int, like: torch.Tensor | None) -> None:
-        """The next message from ``src`` may be received ahead: shaped as ``like``, or (None)
-        an activation with its header."""
+    def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
+        """The next message from ``src`` (it is ``msg``) may be received ahead: shaped as
+        ``like``, or (None) an activation with its header."""
 
     def progress(self) -> None:
         """Move receives posted ahead along (between actions)."""
@@ -235,7 +235,7 @@ class Executor:
         nxt = channel[self.read[src]]
         like = self._like(nxt)
         if nxt.kind == "act" or like is not None:
-            self.transport.expect(src, like)
+            self.transport.expect(src, nxt, like)
 
     def _like(self, msg: Message) -> torch.Tensor | None:
         """A gradient has the shape of the activation this rank sent; None: read a header."""

@@ -117,7 +117,8 @@ class PipelineModel(nn.Module):
                                   self.stages_per_rank)  # fmt: skip
         stages = _ModelStages(self, inputs, train)
         executor = Executor(
-            sched, self.position, stages, step.ProcessTransport(self._link, self.ranks),
+            sched, self.position, stages,
+            step.ProcessTransport(self._link, self.ranks, sched.micro_batches),
             seed=lambda i: expected * weights[i],
             weight_pass=self._weights_for(sched) if train else None,
         )  # fmt: skip

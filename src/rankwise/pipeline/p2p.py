@@ -9,10 +9,14 @@ that the receiver can always post a receive for:
 Backward gradients need no header: the gradient of an activation has its shape and dtype,
 which the receiver already knows from the forward. Every receive waits at most the runtime's
 timeout and then raises a ``DistributedError`` naming the peer, the phase and the micro-batch.
+A header is checked before anything is allocated for it (its number, the micro-batch count,
+dtype, dimensions and a size cap): a wrong one is a ``DistributedError`` naming the stage that
+sent it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +27,10 @@ from ..errors import ConfigError, DistributedError
 
 MAX_DIMS = 8
 HEADER_LEN = 4 + MAX_DIMS
+MAX_MICRO_BATCHES = 1 << 16
+"""Most micro-batches a header may announce (``chunks`` of any real pipeline is far lower)."""
+MAX_ACTIVATION_BYTES = 64 << 30
+"""Largest activation a header may announce: a receiver allocates it before it arrives."""
 DTYPES = (
     torch.float32,
     torch.float64,
@@ -57,34 +65,64 @@ def encode(header: Header, device: torch.device) -> torch.Tensor:
     return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
 
 
-def decode(t: torch.Tensor, src: int, rank: int | None = None) -> Header:
-    """The header received from rank ``src``, checked before anything is allocated from it: a
-    dtype code, a number of dimensions or a size that no sender writes is refused, naming
-    the peer (a peer is untrusted input, its header sizes a buffer)."""
+def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
+    """Why a received header cannot be the one expected ('' if it can): it comes from another
+    process, and the receiver allocates what it announces."""
+    mb, n, code, ndim, sizes = v[0], v[1], v[2], v[3], v[4:]
+    if mb != micro_batch:
+        return f"is numbered {mb}, not {micro_batch}"
+    if not 1 <= n <= MAX_MICRO_BATCHES or (count is not None and n != count):
+        expected = count if count is not None else f"1..{MAX_MICRO_BATCHES}"
+        return f"announces {n} micro-batches (expected {expected})"
+    if not 0 <= code < len(DTYPES):
+        return f"has dtype code {code} (not one of 0..{len(DTYPES) - 1})"
+    if not 0 <= ndim <= MAX_DIMS:
+        return f"has {ndim} dimensions (at most {MAX_DIMS})"
+    shape = sizes[:ndim]
+    if any(s < 0 for s in shape) or any(sizes[ndim:]):
+        return f"has shape {sizes} for {ndim} dimensions"
+    nbytes = math.prod(shape) * DTYPES[code].itemsize
+    if nbytes > MAX_ACTIVATION_BYTES:
+        return f"announces {nbytes} bytes (the limit is {MAX_ACTIVATION_BYTES})"
+    return ""
+
+
+def decode(
+    t: torch.Tensor, *, sender: str, micro_batch: int, count: int | None, rank: int
+) -> Header:
+    """The header of activation ``micro_batch`` (of ``count``, once known) from ``sender``;
+    a ``DistributedError`` naming the sender if it is not one this stage can accept."""
     v = t.tolist()
-    ndim = v[3]
-    bad = (
-        not 0 <= v[2] < len(DTYPES)
-        or not 0 <= ndim <= MAX_DIMS
-        or any(size < 0 for size in v[4 : 4 + max(ndim, 0)])
-        or not 0 <= v[0] < max(v[1], 0)
-    )
-    if bad:
+    why = header_problem(v, micro_batch, count)
+    if why:
         raise DistributedError(
-            f"pipeline activation header from rank {src} is malformed: {v}",
-            fix="every rank of the pipeline must run the same rankwise version and the same "
-            "pipeline; look for a process that is not part of it sending to this rank.",
+            f"pipeline {sender} sent an activation header for micro-batch {micro_batch} that "
+            f"{why} (header {v}); nothing was allocated or received after it",
+            fix="every stage must run the same rankwise version and the same train_step calls; "
+            "a process that sends anything else is not part of this pipeline.",
             rank=rank,
         )
-    return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + ndim]))
+    return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + v[3]]))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the next activation from a peer must be: ``micro_batch`` of ``count`` (None until
+    known), sent by ``sender`` (a stage and its rank, named in errors)."""
+
+    sender: str
+    micro_batch: int
+    count: int | None = None
 
 
 class _Early:
-    """A receive posted ahead of need: an activation's header (``head`` None until it is in)
-    or a tensor of known shape."""
+    """A receive posted ahead of need: an activation's header (``head`` None until it is in,
+    checked against ``expected``) or a tensor of known shape."""
 
-    def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool):
+    def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
+                 expected: Expected | None = None) -> None:  # fmt: skip
         self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
+        self.expected = expected
 
 
 class Link:
@@ -122,27 +160,33 @@ class Link:
         """Post the queued sends now (before a computation that receives nothing)."""
         self._start([])
 
-    def expect(self, src: int, like: torch.Tensor | None) -> None:
+    def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None) -> None:
         """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
-        or (None) an activation's header. Over Gloo only."""
+        or (None) the header of the activation ``expected``. Over Gloo only."""
         if not self.ahead or src in self._early:
             return
         shape, dtype = ((HEADER_LEN,), torch.int64) if like is None else (like.shape, like.dtype)
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        self._early[src] = _Early(self._start([buf], src), buf, None, like is not None)
+        work = self._start([buf], src)
+        self._early[src] = _Early(work, buf, None, like is not None, expected)
 
     def progress(self) -> None:
-        """Post the tensor receive of every activation whose header has arrived."""
+        """Post the tensor receive of every activation whose header has arrived (checked
+        first: a header that is refused is dropped, nothing is allocated for it)."""
         for src, early in list(self._early.items()):
             if not early.tensor and early.work.is_completed():
+                del self._early[src]
                 self._wait(early.work, f"activation header from rank {src}")
-                head = decode(early.buf, src, self.rank)
+                head = self._decode(early.buf, early.expected, src)
                 buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
                 self._early[src] = _Early(self._start([buf], src), buf, head, True)
 
-    def receive_activation(self, src: int, what: str) -> tuple[Header, torch.Tensor]:
-        """An activation from rank ``src``: its header (checked), then the tensor it
-        announces. The one receive path for tensors whose shape the receiver does not know."""
+    def receive_activation(
+        self, src: int, what: str, expected: Expected
+    ) -> tuple[Header, torch.Tensor]:
+        """An activation from rank ``src``: its header (checked against ``expected``), then
+        the tensor it announces. The one receive path for tensors whose shape the receiver
+        does not know."""
         early = self._early.pop(src, None)
         if early is not None and early.head is not None:  # header and tensor both posted
             self.post()  # what this rank owes its peers goes out before it waits
@@ -155,8 +199,13 @@ class Link:
             work, buf = early.work, early.buf
             self.post()
         self._wait(work, f"{what} header from rank {src}")
-        head = decode(buf, src, self.rank)
+        head = self._decode(buf, expected, src)
         return head, self.recv(head.shape, head.dtype, src, what)
+
+    def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
+        expected = expected or Expected(f"rank {src}", int(buf[0]))
+        return decode(buf, sender=expected.sender, micro_batch=expected.micro_batch,
+                      count=expected.count, rank=self.rank)  # fmt: skip
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..devices import resolve_device
 from ..errors import ConfigError
+from ..validate import choice, fail, integer
 from . import partition, schedule, schedules, step
 from .threads import run_in_threads
 from .weight_pass import WeightPass
@@ -46,12 +47,30 @@ def _check_chunks(chunks: int) -> int:
 
 
 def _check_devices(devices: Sequence[str | int | torch.device]) -> list[torch.device]:
-    if isinstance(devices, (str, torch.device)) or not devices:
+    if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__") or not devices:
         raise ConfigError(
             f"devices={devices!r} must be a non-empty list, one device per stage",
             fix="pass e.g. devices=['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to try it on CPU).",
         )
     return [resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
+
+
+def _check_pipe(layers: Any, devices: Any, balance: Any, chunks: Any, per_device: Any) -> None:
+    """``Pipe``'s arguments, as ``rw.split`` would have made them."""
+    integer("stages_per_rank", per_device, minimum=1, where="rw.Pipe()", example=2)
+    pairs = isinstance(layers, Sequence) and not isinstance(layers, str)
+    if not pairs or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], nn.Module) for p in layers
+    ):
+        fail("layers", layers, "a list of (name, module) pairs", where="rw.Pipe()",
+             fix="build the pipeline with rw.split(model, devices), which makes the pairs.")
+    stages = len(_check_devices(devices)) * per_device
+    if isinstance(balance, Sequence) and len(balance) != stages:
+        per = "stage" if per_device == 1 else f"{per_device} stages"
+        fail("devices", devices, f"one device per {per} of balance={list(balance)!r}",
+             where="rw.Pipe()", fix="give as many devices as balance has stages.")
+    partition.check_balance(balance, len(layers), stages)
+    _check_chunks(chunks)
 
 
 class Pipe(nn.Module):
@@ -73,6 +92,8 @@ class Pipe(nn.Module):
         schedule_name: str = "1f1b",
         stages_per_rank: int = 1,
     ) -> None:
+        choice("schedule_name", schedule_name, schedules.SCHEDULES, where="rw.Pipe()")
+        _check_pipe(layers, devices, balance, chunks, stages_per_rank)
         super().__init__()
         self.devices = list(devices)
         self.balance = list(balance)

@@ -125,3 +125,21 @@ class PipelineOptimState:
             start += size
         mine = {local_of[f]: v for f, v in state["state"].items() if f in local_of}
         self.optimizer.load_state_dict({"state": mine, "param_groups": groups})
+
+
+def pipeline_checkpoint_states(
+    kwargs: dict[str, Any], model: nn.Module, optimizer: Any, tensor_parallel: bool
+) -> dict[str, Any]:
+    """A model ``rt.prepare`` cut into pipeline stages, saved and loaded whole
+    (``PipelineState``; stages split by tensor parallelism are not gathered here)."""
+    if tensor_parallel:
+        raise ConfigError(
+            "rt.save/rt.load of a pipeline whose stages are tensor-parallel: the consolidated "
+            "checkpoint gathers the pipeline stages but not the tensor slices",
+            fix="save each rank's part with rw.save_checkpoint(path_per_rank, model=model), or "
+            "use a pipeline x data mesh for consolidated checkpoints.",
+        )
+    out = dict(kwargs, model=PipelineState(model))
+    if optimizer is not None:
+        out["optimizer"] = PipelineOptimState(optimizer, model)
+    return out

@@ -13,18 +13,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DistributedError
 from . import schedules
-from .p2p import Header, Link
+from .p2p import Expected, Header, Link
 from .schedules import Message, Schedule
 
 
 class ProcessTransport:
     """The executor's transport over ``Link``: pipeline positions are the global ranks
-    ``peers[position]``."""
+    ``peers[position]``; every activation header must announce one of ``count`` micro-batches
+    (``p2p.decode`` refuses anything else, naming the sending stage)."""
 
-    def __init__(self, link: Link, peers: Sequence[int]) -> None:
-        self.link, self.peers = link, list(peers)
+    def __init__(self, link: Link, peers: Sequence[int], count: int | None = None) -> None:
+        self.link, self.peers, self.count = link, list(peers), count
 
     def send(self, dst: int, msg: Message, tensor: torch.Tensor, header: Header | None) -> None:
         self.link.send(tensor, self.peers[dst], _what(msg), header)
@@ -32,8 +32,8 @@ class ProcessTransport:
     def post(self) -> None:
         self.link.post()
 
-    def expect(self, src: int, like: torch.Tensor | None) -> None:
-        self.link.expect(self.peers[src], like)
+    def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
+        self.link.expect(self.peers[src], like, self._expected(src, msg) if like is None else None)
 
     def progress(self) -> None:
         self.link.progress()
@@ -41,19 +41,15 @@ class ProcessTransport:
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
         if like is not None:
             return self.link.recv(tuple(like.shape), like.dtype, self.peers[src], _what(msg))
-        head, tensor = self.link.receive_activation(self.peers[src], _what(msg))
-        if head.micro_batch != msg.micro_batch:
-            raise DistributedError(
-                f"pipeline {_what(msg)} from rank {self.peers[src]} arrived as micro-batch "
-                f"{head.micro_batch}",
-                fix="every rank of the pipeline must run the same schedule, micro-batch count "
-                "and stages_per_rank.",
-                rank=self.link.rank,
-            )
-        return tensor
+        expected = self._expected(src, msg)
+        return self.link.receive_activation(self.peers[src], _what(msg), expected)[1]
 
     def flush(self) -> None:
         self.link.flush()
+
+    def _expected(self, src: int, msg: Message) -> Expected:
+        sender = f"stage {msg.src_stage} (rank {self.peers[src]})"
+        return Expected(sender, msg.micro_batch, self.count)
 
 
 def _what(msg: Message) -> str:
@@ -72,7 +68,8 @@ def first_activation(link: Link, peers: Sequence[int], position: int) -> tuple[i
     header of the first activation it receives (every schedule starts each rank with the
     forward of micro-batch 0 of its first stage). Returns it with the message, set aside."""
     msg = Message("act", position - 1, 0)
-    head, tensor = link.receive_activation(peers[position - 1], _what(msg))
+    expected = Expected(f"stage {position - 1} (rank {peers[position - 1]})", 0)
+    head, tensor = link.receive_activation(peers[position - 1], _what(msg), expected)
     return head.num_micro_batches, {msg: tensor}
 
 

@@ -42,7 +42,7 @@ class QueueTransport:
     def post(self) -> None:
         pass
 
-    def expect(self, src: int, like: torch.Tensor | None) -> None:
+    def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
         pass
 
     def progress(self) -> None:

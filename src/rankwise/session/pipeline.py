@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import validate
 from ..errors import ConfigError
 from ..pipeline import PipelineModel
+from ..pipeline.schedules import SCHEDULES
 from ..runtime import Runtime
 
 
@@ -34,6 +36,18 @@ class PipelineOptions:
     loss_fn: Any = None
     """``loss_fn(output, target)`` for a model that returns outputs, not its loss."""
 
+    def __post_init__(self) -> None:
+        """Each by type and value, before anything moves (validate.py)."""
+        where = "rt.prepare()"
+        validate.choice("pipeline_schedule", self.schedule, SCHEDULES, where=where, optional=True)
+        validate.integer("microbatches", self.microbatches, minimum=1, optional=True, where=where,
+                         example=8)  # fmt: skip
+        validate.integer("stages_per_rank", self.stages_per_rank, minimum=1, optional=True,
+                         where=where, example=2)  # fmt: skip
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            validate.fail("loss_fn", self.loss_fn, "a function loss_fn(output, target) or None",
+                          where=where, fix="pass e.g. loss_fn=torch.nn.functional.cross_entropy.")
+
     def given(self) -> list[str]:
         names = {"schedule": "pipeline_schedule"}
         return [names.get(k, k) for k, v in vars(self).items() if v is not None]
@@ -48,10 +62,11 @@ def seed_scale(rt: Any) -> float:
 
 
 def pipeline_stages(
-    rt: Runtime, model: nn.Module, optimizer: Any, options: PipelineOptions
+    rt: Runtime, model: nn.Module, optimizer: Any, options: PipelineOptions, deferred: Any = None
 ) -> tuple[nn.Module, Any]:
     """This rank's stages of ``model`` and the optimizer over them, under a pipeline mesh;
-    both unchanged otherwise. Sync point: all ranks under a pipeline mesh."""
+    both unchanged otherwise. ``deferred``: the meta-device plan (refused under a pipeline).
+    Sync point: all ranks under a pipeline mesh."""
     size = 1 if rt.mesh is None else rt.mesh.sizes["pipeline"]
     if size == 1:
         if options.given():
@@ -62,6 +77,14 @@ def pipeline_stages(
                 rank=rt.rank,
             )
         return model, optimizer
+    if deferred is not None:
+        raise ConfigError(
+            f"rt.prepare got a model built on the meta device under a pipeline mesh "
+            f"({rt.mesh.describe()}): the stages are cut from a model whose tensors exist",
+            fix="build the model on the CPU (without torch.device('meta')) when it is to be "
+            "pipelined; meta-device models are prepared under the data and tensor dimensions.",
+            rank=rt.rank,
+        )
     if rt.strategy_spec.zero_stage == 3:
         raise ConfigError(
             f"strategy={rt.strategy!r} with a pipeline mesh ({rt.mesh.describe()}): ZeRO stage 3 "
