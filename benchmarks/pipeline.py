@@ -20,6 +20,7 @@ activation memory is exact (bytes autograd saves, counted).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _pipeline_schedules import SIM_LAYERS, bench_rank, merge_ranks
 from _pipeline_split import Sleep, compute_model, parallel_efficiency, run_setup
+from _pipeline_table import table, targets_lines
 from _report import emit
 
 from rankwise.testing import run_distributed
@@ -126,7 +128,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="JSON",
+                    help="print the Markdown table of a results file, run nothing")  # fmt: skip
     args = ap.parse_args()
+    if args.table:
+        _print_tables(json.loads(Path(args.table).read_text()))
+        return
     if args.quick:
         args.width, args.seq, args.vocab, args.batch, args.repeats, args.rounds = 32, 16, 64, 16, 1, 1
         args.split_batch, args.split_width, args.chunks = 64, 64, "1,4"
@@ -139,6 +146,14 @@ def main() -> None:
     if args.section in ("split", "all"):
         report["split"] = split_section(args)
     emit(report, args.out)
+    _print_tables(report)
+
+
+def _print_tables(report: dict) -> None:
+    """The schedules beside torch's, as Markdown (after the JSON, on stderr)."""
+    for key in ("schedules", "simulated"):
+        if key in report:
+            print(f"\n{key}:\n{table(report[key])}\n{targets_lines(report[key])}", file=sys.stderr)
 
 
 if __name__ == "__main__":

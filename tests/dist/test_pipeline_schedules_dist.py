@@ -102,6 +102,7 @@ def _assert_equal_to_oracle(results: list[dict], batch: int) -> None:
         assert held == set(want_state), key
 
 
+@pytest.mark.slow  # 4 schedules x 2 ranks: ~90 s on the loaded 2-core machine
 def test_every_schedule_at_2_stages_equals_one_process():
     # batch 10 in 4 micro-batches (3, 3, 2, 2): uneven on purpose.
     results = run_distributed(_every_schedule, 2, args=({"pipeline": 2}, 10, 4), init=False,
