@@ -253,7 +253,7 @@ def bench_rank(
             for _ in range(repeats):  # alternate, one step each, so load hits both alike
                 per["rankwise"].append(_measure(ours, ours_step, x, y, 1))
                 per["torch"].append(_measure(theirs, their_step, x, y, 1))
-            row = {"m": m, "schedule": name, "stages_per_rank": v, "torch": torch_name}
+            row = {"m": m, "schedule": name, "stages_per_rank": v, "torch_schedule": torch_name}
             for who, runs in per.items():
                 row[who] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row["rankwise"]["recv_wait_ms"] = 1000 * ours.last_step.recv_wait_s
@@ -266,7 +266,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
     activation memory per stage (rank)."""
     out = []
     for rows in zip(*per_rank, strict=True):
-        row = {k: rows[0][k] for k in ("m", "schedule", "stages_per_rank", "torch")}
+        row = {k: rows[0][k] for k in ("m", "schedule", "stages_per_rank", "torch_schedule")}
         for who in ("rankwise", "torch"):
             row[who] = {
                 "step_ms": max(r[who]["step_ms"] for r in rows),

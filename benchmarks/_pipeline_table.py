@@ -26,7 +26,7 @@ def table(section: dict) -> str:
             ours, theirs = r["rankwise"], r["torch"]
             name = r["schedule"] + (f" v={r['stages_per_rank']}" if r["stages_per_rank"] > 1 else "")
             lines.append(
-                f"| {p} | {r['m']} | {name} ({r['torch']}) | {ours['step_ms']:.0f} "
+                f"| {p} | {r['m']} | {name} ({r['torch_schedule']}) | {ours['step_ms']:.0f} "
                 f"| {theirs['step_ms']:.0f} | {r['step_ours_over_torch']:.2f} "
                 f"| {_mean(ours['bubble_per_stage']):.2f} | {_mean(theirs['bubble_per_stage']):.2f} "
                 f"| {_peaks(ours['activation_peak_mb_per_stage'])} "
