@@ -257,6 +257,8 @@ def test_a_model_without_blocks_or_with_a_bad_option_is_refused_by_name():
     assert "'pipedream'" in errors[0] and "'1f1b'" in errors[0]
     assert "microbatches=0" in errors[1]
     assert "Module" in errors[2] and "ModuleList" in errors[2]
+    assert "meta device" in errors[3] and "pipeline" in errors[3]  # the cause and the mesh
+    assert "without torch.device('meta')" in errors[3]  # the fix
 
 
 def _refusals() -> list[str]:
@@ -272,6 +274,12 @@ def _refusals() -> list[str]:
     flat.fc = torch.nn.Linear(3, 3)
     try:
         rt.prepare(flat)
+    except rw.ConfigError as exc:
+        errors.append(str(exc))
+    with torch.device("meta"):  # deferred init is for data and tensor dimensions only
+        meta = GPT(CFG)
+    try:
+        rt.prepare(meta)
     except rw.ConfigError as exc:
         errors.append(str(exc))
     return errors
