@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed import pipelining as tpp
 
 import rankwise as rw
-from rankwise.parallel.tensor.tiny_gpt import GPTConfig, sequential_gpt
+from rankwise.models.gpt import GPTConfig, sequential_gpt
 from rankwise.pipeline.partition import balance_by_params
 
 SCHEDULES = (

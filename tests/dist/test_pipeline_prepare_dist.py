@@ -317,9 +317,9 @@ def test_an_nn_sequential_trains_with_loss_fn():
 def _tensor_stages(schedule: str) -> dict:
     import mesh_cases as mc
 
+    from rankwise.models import GPT as TinyGPT
+    from rankwise.models import GPT_PLAN
     from rankwise.parallel import tensor as tp
-    from rankwise.parallel.tensor.tiny_gpt import GPT as TinyGPT
-    from rankwise.parallel.tensor.tiny_gpt import GPT_PLAN
 
     rt = rw.init(mesh={"pipeline": 2, "tensor": 2}, timeout=300)
     tensor = rt.mesh.group("tensor")
@@ -327,7 +327,7 @@ def _tensor_stages(schedule: str) -> dict:
     model = rw.tensor_parallel(TinyGPT(mc.CFG), GPT_PLAN, group=tensor)  # head tied to wte
     opt = mc.adamw(model.parameters())
     model, opt = rt.prepare(model, opt, pipeline_schedule=schedule, microbatches=2,
-                            loss_fn=lambda out, t: rw.vocab_parallel_cross_entropy(out, t, tensor))
+                            loss_fn=lambda out, t: rw.vocab_parallel_cross_entropy(out[0], t, tensor))
     for x, y in mc.batches(4):
         loss = model(x, y)
         rt.backward(loss)
@@ -347,14 +347,14 @@ def _tensor_stages(schedule: str) -> dict:
 def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule):
     import mesh_cases as mc
 
-    from rankwise.parallel.tensor.tiny_gpt import GPT as TinyGPT
+    from rankwise.models import GPT as TinyGPT
 
     results = run_distributed(_tensor_stages, 4, args=(schedule,), init=False, timeout=400)
     torch.manual_seed(0)
     model = TinyGPT(mc.CFG)
     opt = mc.adamw(model.parameters())
     for x, y in mc.batches(4):
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).backward()
         opt.step()
         opt.zero_grad()
     want = model.state_dict()

@@ -16,9 +16,7 @@ from torch import nn
 import rankwise as rw
 from rankwise.errors import ConfigError
 from rankwise.models import GPT
-from rankwise.models.gpt import GPTConfig
-from rankwise.parallel.tensor.tiny_gpt import GPTConfig as TinyConfig
-from rankwise.parallel.tensor.tiny_gpt import sequential_gpt
+from rankwise.models.gpt import GPTConfig, sequential_gpt
 from rankwise.pipeline import blocks, outputs
 from rankwise.pipeline.weight_pass import WeightPass
 
@@ -28,7 +26,7 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
 
 def _gpt() -> nn.Sequential:
     torch.manual_seed(0)
-    return sequential_gpt(TinyConfig(vocab_size=32, block_size=8, n_layer=6, n_head=2, n_embd=16))
+    return sequential_gpt(GPTConfig(vocab_size=32, block_size=8, n_layer=6, n_head=2, n_embd=16))
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

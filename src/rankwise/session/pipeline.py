@@ -37,7 +37,7 @@ class PipelineOptions:
     """``loss_fn(output, target)`` for a model that returns outputs, not its loss."""
 
     def __post_init__(self) -> None:
-        """Each by type and value, before anything moves (validate.py)."""
+        """Each by type and value, before anything moves (``rankwise.validate``)."""
         where = "rt.prepare()"
         validate.choice("pipeline_schedule", self.schedule, SCHEDULES, where=where, optional=True)
         validate.integer("microbatches", self.microbatches, minimum=1, optional=True, where=where,
