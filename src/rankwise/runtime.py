@@ -28,7 +28,7 @@ from . import env as envmod
 from . import mesh as meshmod
 from . import process_group
 from .env import DEFAULT_TIMEOUT_S, DistEnv
-from .errors import ConfigError, RuntimeStateError
+from .errors import ConfigError, EnvError, RuntimeStateError
 from .mesh import DeviceMesh
 from .plan import (
     Plan,
@@ -361,6 +361,9 @@ class Coords:
     data: tuple[int, int] | None = None
     """Under ``rw.init(mesh=...)``: (coordinate, size) along the data dimension, the share of
     the data this process reads (tensor and pipeline peers read the same); else None."""
+    node: int = 0
+    """Index of this process's machine (``NODE_RANK``/``GROUP_RANK``, ``SLURM_NODEID``): a
+    diagnosis names the node whose ranks all stopped responding."""
 
 
 def coords() -> Coords:
@@ -373,11 +376,15 @@ def coords() -> Coords:
         grid = _current.mesh
         data = None if grid is None else (grid.coord("data"), grid.sizes["data"])
         return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime",
-                      data)  # fmt: skip
+                      data, _current.env.node_rank)  # fmt: skip
     if dist.is_available() and dist.is_initialized():
-        return Coords(dist.get_rank(), dist.get_world_size(), source="torch")
+        try:  # a group made without rw.init: the launcher's variables may say nothing
+            node = envmod.detect().node_rank
+        except EnvError:
+            node = 0
+        return Coords(dist.get_rank(), dist.get_world_size(), source="torch", node=node)
     e = envmod.detect()
-    return Coords(e.rank, e.world_size, source=e.source)
+    return Coords(e.rank, e.world_size, source=e.source, node=e.node_rank)
 
 
 def data_group() -> Any:

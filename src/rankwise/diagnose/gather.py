@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import env as envmod
 from ..errors import DistributedError
-from . import report
+from . import nodes, report
 from .report import RankView, Record, Site
 from .sidechannel import Channel, key_last, key_ring, parse_wire, record_from_dict
 
@@ -52,6 +52,7 @@ class _Peer:
     frame: Site | None
     latest: Record | None
     finished: bool = False
+    node: int | None = None
 
 
 def _read(channel: Channel, group: str, rank: int) -> _Peer:
@@ -69,11 +70,13 @@ def _read(channel: Channel, group: str, rank: int) -> _Peer:
     done = channel.finished(rank)
     if done is not None:  # it ended normally: where it called rw.shutdown, if it did
         frame = Site(*done["site"]) if done.get("site") else None
-    return _Peer(state["t"] if state else None, frame, latest, done is not None)
+    node = (state or {}).get("node")
+    node = node if isinstance(node, int) else None
+    return _Peer(state["t"] if state else None, frame, latest, done is not None, node)
 
 
 def collect_views(
-    g: Any, mine: Record, channel: Channel, interval: float, settle: bool
+    g: Any, mine: Record, channel: Channel, interval: float, settle: bool, node: int | None = None
 ) -> list[RankView]:
     """Every rank's view. A rank counts as alive when its heartbeat advances (``settle``: wait
     up to 2.5 heartbeats for that) or, after a timeout, when its heartbeat is recent."""
@@ -97,16 +100,17 @@ def collect_views(
                 alive.add(r)
             elif cur.finished:  # settled too: it ended normally, no heartbeat will come
                 done.add(r)
-        if len(alive | done) == len(others) or time.monotonic() >= deadline:
+        cut_off = getattr(channel, "missed", None)  # no answer from the store: stop asking
+        if len(alive | done) == len(others) or time.monotonic() >= deadline or cut_off:
             break
         time.sleep(interval / 4)
-    views = [RankView(me, mine, True)]
+    views = [RankView(me, mine, True, node=node)]
     for r in others:
         cur = latest[r]
         state = True if r in alive else (None if cur.beat is None and cur.latest is None else False)
         silent = None if cur.beat is None else max(0.0, time.time() - cur.beat)
         finished = r not in alive and cur.finished
-        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished))
+        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, cur.node))
     return views
 
 
@@ -134,14 +138,23 @@ def failure_error(
         entry.state, entry.error = "failed", first
         if watchdog is not None:
             watchdog.beat(channel)  # tell the others at once that this rank is alive and failing
-    views = collect_views(g, entry.record(), channel, interval, settle="timed out" not in cause)
+    node = getattr(watchdog, "node", None)
+    views = collect_views(
+        g, entry.record(), channel, interval, settle="timed out" not in cause, node=node
+    )
     verb = "failed" if mark else "is still pending"
     cause = cause if mark else first
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
+    missed = getattr(channel, "missed", None)
+    if missed:  # cut off from the store: what the others did is unknown here
+        msg = (f"{entry.op} #{entry.seq} {verb} on rank {g.global_rank} after {elapsed:.1f}s "
+               f"({cause}). {nodes.unreachable_sentence(missed)}")  # fmt: skip
+        fix = nodes.unreachable_fix(missed)
     if mark:
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
     finished = [v.rank for v in views if v.finished]
-    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq), finished)
+    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq), finished,
+                    lost=nodes.lost_nodes(views), unreachable=missed, node=node)  # fmt: skip
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -182,10 +195,13 @@ def write_diag_file(
     fix: str,
     culprits: list[int] | None = None,
     finished: list[int] | None = None,
+    **machines: Any,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
     and ``rank<r>.json`` naming the ranks to blame and those that had finished normally (the
-    launcher's headline)."""
+    launcher's headline); ``machines``: ``lost`` (``{node: ranks}`` that all stopped
+    responding), ``unreachable`` (the store's 'host:port' when it did not answer) and ``node``
+    (this rank's node)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -194,7 +210,10 @@ def write_diag_file(
         with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
         with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump({"culprits": culprits or [], "finished": finished or []}, f)
+            lost = {str(n): r for n, r in (machines.get("lost") or {}).items()}
+            json.dump({"culprits": culprits or [], "finished": finished or [], "lost": lost,
+                       "unreachable": machines.get("unreachable"),
+                       "node": machines.get("node")}, f)  # fmt: skip
     except OSError:
         pass
 

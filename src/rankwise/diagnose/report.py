@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from . import nodes
+
 
 class Site(NamedTuple):
     """A place in the user's code (a tuple: made on every collective, so it must be cheap)."""
@@ -59,6 +61,8 @@ class RankView:
     it called ``rw.shutdown`` (None at a clean exit)."""
     finished: bool = False
     """It ended normally (``rw.shutdown`` or a clean exit): it will issue no more collectives."""
+    node: int | None = None
+    """Its node (machine) index, from its heartbeat; None when unknown."""
 
 
 @lru_cache(maxsize=64)
@@ -196,6 +200,9 @@ def failure_report(
     behind = [v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want)]
     if disagree:
         return f"{text} {disagree}", FIX_MISMATCH
+    lost = nodes.lost_nodes(views)
+    if lost:  # a whole machine went silent: name it
+        return f"{text} {nodes.lost_sentence(lost)}", nodes.lost_fix(lost)
     if dead:
         return text, f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD
     if finished:
@@ -238,6 +245,9 @@ def stall_report(me: int, pending: Record, views: list[RankView], waited: float,
         ahead = any(v.latest is not None and v.latest.seq >= pending.seq
                     for v in views if v.rank in missing)  # fmt: skip
         verb = "stopped before completing" if ahead else "have not reached"
+        lost = nodes.lost_nodes(views)
+        if lost and sorted(r for ranks in lost.values() for r in ranks) == missing:
+            verb = f"({', '.join(f'node {n}' for n in sorted(lost))}) stopped responding during"
         head = (
             f"stall: rank(s) {_ranks(missing)} {verb} {pending.op} #{pending.seq}, "
             f"which rank(s) {_ranks(waiting)} have been waiting in for {waited:.0f}s. "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DistributedError
+from .machines import Machines
 
 TRACEBACK_LINES = 8
 """How many of the last traceback lines of each failed rank the summary shows."""
@@ -58,6 +59,7 @@ class JobFailed(DistributedError):
         culprits: dict[int, list[int]] | None = None,
         finished: list[int] | None = None,
         signalled: set[int] | None = None,
+        machines: Machines | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
@@ -65,11 +67,18 @@ class JobFailed(DistributedError):
         self.blamed = blame(failures, diagnoses or {}, culprits or {}, signalled)
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
+        self.machines = machines or Machines()
+        """Nodes whose ranks all stopped responding; the store this node could not reach."""
         text = summarize(
             failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
             blamed=self.blamed, finished=self.finished, signalled=signalled,
         )  # fmt: skip
-        if self.finished and not self.blamed:
+        failed = [f.rank for f in split_stopped(failures, signalled)[0]]
+        machine_line = self.machines.headline(self.blamed, failed, world_size, node_rank)
+        if machine_line:  # a node went silent, or the master's machine is out of reach
+            text = machine_line + text[text.index("\n") :] if "\n" in text else machine_line
+            fix = self.machines.fix()
+        elif self.finished and not self.blamed:
             fix = (
                 f"rank {self.root.rank} called a collective that rank(s) "
                 f"{', '.join(map(str, self.finished))} never call (the diagnosis names its "
