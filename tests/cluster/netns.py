@@ -190,8 +190,9 @@ class Cluster:
         name = os.uname().nodename
         lines = ["127.0.0.1 localhost", f"{own} {name}"]
         lines += [f"{n.addr} {n.hostname}" for n in self.nodes]
-        # ... and as the IPv6-mapped address a dual-stack socket (torch's store) reports.
-        lines += [f"::ffff:{n.addr} {n.hostname}" for n in self.nodes]
+        # ... and the IPv6-mapped address a dual-stack socket (torch's store) reports, under a
+        # name of its own (so that looking up "node1" still gives its IPv4 address only).
+        lines += [f"::ffff:{n.addr} {n.hostname}-mapped" for n in self.nodes]
         folder = HOSTS_DIR / node.netns
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "hosts").write_text("\n".join(lines) + "\n")
