@@ -32,6 +32,9 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   file, and the previous checkpoint must load.
 - ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
   runs where it ran on rank 0, and the error must name rank 1.
+- ``node_killed``, ``node_killed_mid_save``, ``link_cut``, ``link_healed``, ``node_replaced``
+  (benchmarks/_faults_cluster.py, root only, run when named in ``--only``): several machines as
+  network namespaces; a node killed, the link cut or healed, a node replaced.
 
 Prints one JSON row per fault: trials, runs that lost data or hung (and, where they apply,
 executed payloads, shared-memory files left, errors that did not name the cause), and the
@@ -214,12 +217,12 @@ def _row(fault: str, results: list[dict], **extra) -> dict:
     secs = [r["seconds"] for r in results if r["seconds"] is not None]
     counted = {
         key: sum(int(r[key]) for r in results)
-        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write")
+        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write", "diverged")
         if any(key in r for r in results)
     }
     worst = {  # facts some rows measure besides their seconds: the worst trial's
         f"{key}_max": round(max(r[key] for r in results if r.get(key) is not None), 2)
-        for key in ("stop_s", "end_after_report_s", "save_s", "file_mb")
+        for key in ("stop_s", "end_after_report_s", "save_s", "file_mb", "end_s")
         if any(r.get(key) is not None for r in results)
     }
     return {
@@ -269,13 +272,17 @@ def main() -> None:
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],
     }
+    if args.only and set(args.only) & CLUSTER_ROWS:  # several machines: root only, minutes
+        import _faults_cluster
+
+        plan.update(_faults_cluster.plan(args.kills, stall, _tmp))
     rows = []
     for fault, run in plan.items():
         if args.only and fault not in args.only:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank") else {}
+        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank", "link_cut") else {}
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)
@@ -283,6 +290,9 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text + "\n")
 
+
+CLUSTER_ROWS = {"node_killed", "node_killed_mid_save", "link_cut", "link_healed", "node_replaced"}
+"""benchmarks/_faults_cluster.py's rows: asked for by name (``--only``), as they need root."""
 
 _TMP: list[tempfile.TemporaryDirectory] = []
 
