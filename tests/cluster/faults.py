@@ -99,12 +99,14 @@ def node_killed(
     summary = _summary(err)
     ranks = [victim * nproc + i for i in range(nproc)]
     ranks = f"rank{'s' if nproc > 1 else ''} {', '.join(map(str, ranks))}"
+    # Node 0 holds the store: the survivors hear it close, not its ranks' heartbeats stop.
+    named = "node 0 (the master's machine" if victim == 0 else f"node {victim} ({ranks})"
     return {
         "seconds": None if code is None else round(stop_s, 2),
         "hung": started is None or code is None,
         "lost": not checkpoint_ok(folder, bool(big)),
         "mid_write": mid_write is not None,
-        "named": f"node {victim} ({ranks}) stopped responding" in summary,
+        "named": summary.startswith(f"rankwise run: {named}") and "stopped responding" in summary,
         "code": code,
         "summary": summary,
     }

@@ -145,16 +145,17 @@ def failure_error(
     verb = "failed" if mark else "is still pending"
     cause = cause if mark else first
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
-    missed = getattr(channel, "missed", None)
-    if missed:  # cut off from the store: what the others did is unknown here
-        msg = (f"{entry.op} #{entry.seq} {verb} on rank {g.global_rank} after {elapsed:.1f}s "
-               f"({cause}). {nodes.unreachable_sentence(missed)}")  # fmt: skip
-        fix = nodes.unreachable_fix(missed)
+    missed, gone = getattr(channel, "missed", None), getattr(channel, "gone", None)
+    if missed or gone:  # cut off from the store, or its host died: the others are unknown
+        head = f"{entry.op} #{entry.seq} {verb} on rank {g.global_rank} after {elapsed:.1f}s"
+        says = nodes.unreachable_sentence(missed) if missed else nodes.gone_sentence(gone)
+        msg = f"{head} ({cause}). {says}"
+        fix = nodes.unreachable_fix(missed) if missed else nodes.gone_fix(gone)
     if mark:
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
     finished = [v.rank for v in views if v.finished]
     write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq), finished,
-                    lost=nodes.lost_nodes(views), unreachable=missed, node=node)  # fmt: skip
+                    lost=nodes.lost_nodes(views), unreachable=missed, gone=gone, node=node)  # fmt: skip
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -200,8 +201,8 @@ def write_diag_file(
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
     and ``rank<r>.json`` naming the ranks to blame and those that had finished normally (the
     launcher's headline); ``machines``: ``lost`` (``{node: ranks}`` that all stopped
-    responding), ``unreachable`` (the store's 'host:port' when it did not answer) and ``node``
-    (this rank's node)."""
+    responding), ``unreachable`` (the store's 'host:port' when it did not answer), ``gone``
+    (... when it closed the connection) and ``node`` (this rank's node)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -212,7 +213,7 @@ def write_diag_file(
         with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
             lost = {str(n): r for n, r in (machines.get("lost") or {}).items()}
             json.dump({"culprits": culprits or [], "finished": finished or [], "lost": lost,
-                       "unreachable": machines.get("unreachable"),
+                       "unreachable": machines.get("unreachable"), "gone": machines.get("gone"),
                        "node": machines.get("node")}, f)  # fmt: skip
     except OSError:
         pass

@@ -68,3 +68,21 @@ def unreachable_sentence(where: str) -> str:
 
 def unreachable_fix(where: str) -> str:
     return FIX_UNREACHABLE.format(host=where.rsplit(":", 1)[0])
+
+
+def gone_sentence(where: str) -> str:
+    """What a rank says when the job's store at ``where`` closed or refused its connection."""
+    return (
+        f"The job's store at {where} (on the master's machine, node 0) closed this rank's "
+        "connection: the master's launcher is gone, its node killed or crashed (or the job "
+        "ended there); the other ranks' states are unknown from here."
+    )
+
+
+def gone_fix(where: str) -> str:
+    host = where.rsplit(":", 1)[0]
+    return (
+        f"find out what happened to node 0 ({host}): its launcher's output, `dmesg` for the "
+        "out-of-memory killer, whether the machine is up; then start the job again (it "
+        "resumes from the last checkpoint)."
+    )

@@ -26,6 +26,19 @@ class Unreachable(TimeoutError):
     """The store did not answer within the time limit."""
 
 
+_CLOSED = ("connection reset", "connection refused", "broken pipe", "connection closed",
+           "failed to connect", "got 0 bytes")  # fmt: skip
+
+
+def closed(exc: BaseException) -> bool:
+    """True when ``exc`` says the store's host closed or refused the connection: its process
+    is gone (a store that is merely slow or cut off raises ``Unreachable`` instead)."""
+    if isinstance(exc, (ConnectionError, EOFError)):
+        return True
+    text = str(exc).lower()
+    return type(exc).__name__ == "DistNetworkError" or any(word in text for word in _CLOSED)
+
+
 def address(store: Any) -> str | None:
     """'host:port' of the TCPStore behind ``store`` (through PrefixStores), or None."""
     for _ in range(8):

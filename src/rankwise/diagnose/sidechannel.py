@@ -83,11 +83,15 @@ class Channel:
         self.reads = reach.BoundedReads(store)
         self.missed: str | None = None
         """The store's 'host:port' when the latest read got no answer (cleared by one that did)."""
+        self.gone: str | None = None
+        """The store's 'host:port' once it closed or refused the connection (its host died)."""
 
     def _off(self, exc: BaseException) -> None:
         if self.ok:
             _log.warning("rankwise diagnosis side channel disabled: %s", exc)
         self.ok = False
+        if reach.closed(exc):
+            self.gone = self.reads.where
 
     def set(self, key: str, value: str) -> None:
         # A read to this store is stuck (no answer: cut off), and holds the client's lock.

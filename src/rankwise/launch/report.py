@@ -77,7 +77,7 @@ class JobFailed(DistributedError):
         machine_line = self.machines.headline(self.blamed, failed, world_size, node_rank)
         if machine_line:  # a node went silent, or the master's machine is out of reach
             text = machine_line + text[text.index("\n") :] if "\n" in text else machine_line
-            fix = self.machines.fix()
+            fix = self.machines.fix(self.blamed, node_rank)
         elif self.finished and not self.blamed:
             fix = (
                 f"rank {self.root.rank} called a collective that rank(s) "
