@@ -12,6 +12,12 @@ nodes reach only each other (and their own loopback): no route leads anywhere el
   a firewall drops the traffic): packets vanish, TCP retransmits. ``heal()`` moves them back.
 - ``kill(node)``: SIGKILL to every process in the node's namespace (``ip netns pids``), as when
   a machine's processes all crash: the kernel closes their sockets, the peers see it.
+- ``add_dead_end(node, ifname, addr, hostname=True)``: a second interface that reaches nobody,
+  where the machine's hostname resolves on that node (Gloo would bind there unless told).
+
+Each node has its own /etc/hosts (``/etc/netns/<ns>/hosts``, which ``ip netns exec``
+bind-mounts): ``node0``, ``node1``... by address, and the machine's hostname at 127.0.0.1, as in
+many containers. Processes run on a node through ``popen``/``run`` (``ip netns exec``).
 
 Every name starts with ``rwc-<pid>-``: ``sweep()`` (run by ``start``) removes what an owner
 that no longer runs left behind (a test killed mid-way), and never touches a live cluster.
