@@ -123,13 +123,16 @@ def _summary(text: str) -> str:
     return text[text.rfind("rankwise run: ") :] if "rankwise run: " in text else ""
 
 
-def partitioned(folder: Path, *, stall_s: float, timeout: float) -> dict:
+def partitioned(folder: Path, *, stall_s: float, timeout: float, rdzv: str = "static") -> dict:
     """2 nodes x 1 worker; node 1's link cut mid-step, silently (packets vanish) and for good.
     Node 0 must report the stall naming node 1 (``seconds``: from the cut), and both nodes
-    must end by the timeout plus the store's read limit, each naming what it lost."""
+    must end by the timeout plus the store's read limit, each naming what it lost (under
+    c10d too, whose agents talk to their store while the job runs)."""
     env = {"RANKWISE_STALL_REPORT_S": str(stall_s)}
+    port = 29500 if rdzv == "static" else 29400
     with Cluster(2) as cluster:
-        launchers = start(cluster, folder, "--timeout", str(timeout), env=env, nproc=1)
+        launchers = start(cluster, folder, "--timeout", str(timeout), env=env, nproc=1,
+                          rdzv=rdzv, port=port)  # fmt: skip
         started = wait_until(lambda: steps(folder) >= 8, 300)
         begin = time.monotonic()
         cluster.partition(1)

@@ -21,6 +21,7 @@ SCENARIOS = {  # run two at a time, in this order, from the start of the module
     "killed": (faults.node_killed, {"victim": 1}),
     "killed_mid_save": (faults.node_killed, {"victim": 0, "during_save": True, "nproc": 1}),
     "cut": (faults.partitioned, {"stall_s": 4, "timeout": 15}),
+    "cut_c10d": (faults.partitioned, {"stall_s": 4, "timeout": 15, "rdzv": "c10d"}),
     "healed": (faults.healed, {"cut_s": 6, "timeout": 40}),
     "replaced": (faults.node_replaced, {}),
 }
@@ -75,6 +76,16 @@ def test_a_cut_link_is_reported_naming_the_node_and_both_sides_end(runs):
     assert "Fix: check the network between this node and 10.231.77.1" in cut_off
     assert r["end_s"] < 15 + 60  # the timeout, the store's read limit, the exit: no hang
     assert not r["lost"]
+
+
+def test_a_cut_link_ends_a_c10d_job_on_both_sides_too(runs):
+    r = runs["cut_c10d"]()
+    assert not r["hung"] and r["codes"] == [1, 1], r  # the agents' store calls gave up
+    assert r["summaries"][0].startswith("rankwise run: node 1 (rank 1) stopped responding"), r
+    cut_off = r["summaries"][1]  # c10d gave it rank 1: its headline says so
+    assert "did not answer them: this node (node 1) is cut off" in cut_off, cut_off
+    assert "(world size 2, node 1)" in cut_off
+    assert r["end_s"] < 15 + 60
 
 
 def test_a_link_healed_before_the_timeout_goes_on_without_divergence(runs):

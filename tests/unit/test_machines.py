@@ -271,3 +271,48 @@ def test_the_survivors_of_the_masters_node_name_node_0():
     assert "closed this rank's connection: the master's launcher is gone" in (
         nodes.gone_sentence("10.0.0.1:29500")
     )
+
+
+class _Handler:
+    """torch's c10d handler, cut off from its store: every store call waits for ever."""
+
+    def __init__(self, backend: str = "c10d") -> None:
+        self.backend, self.block = backend, threading.Event()
+
+    def get_backend(self):
+        return self.backend
+
+    def num_nodes_waiting(self):
+        self.block.wait(30)
+        return 1
+
+    def shutdown(self):
+        self.block.wait(30)
+        return True
+
+    def next_rendezvous(self):
+        self.block.wait(30)
+
+    def get_run_id(self):
+        return "job42"
+
+
+def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    from rankwise.launch import rdzv_guard
+
+    monkeypatch.setattr(rdzv_guard, "READ_TIMEOUT_S", 0.2)
+    handler = _Handler()
+    guarded = rdzv_guard.guard(handler, rdzv_timeout=-29.8)  # a round may take 0.2 s here
+    begin = time.monotonic()
+    assert guarded.num_nodes_waiting() == 0  # no answer: nobody can join a cut-off node
+    assert guarded.num_nodes_waiting() == 0  # at once while the first call is stuck
+    assert guarded.shutdown() is False
+    with pytest.raises(RendezvousTimeoutError, match="rendezvous store did not answer"):
+        guarded.next_rendezvous()
+    assert time.monotonic() - begin < 10
+    assert guarded.get_run_id() == "job42"  # the rest is torch's own
+    handler.block.set()
+    static = _Handler("static")
+    assert rdzv_guard.guard(static, 300) is static  # its calls never wait on a store

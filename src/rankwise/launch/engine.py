@@ -177,7 +177,8 @@ def launch(opts: LaunchOptions) -> None:
         # c10's C++ log lines and stack frames go to a file, named below (native_log.py).
         native = NativeStderr(opts.log_dir)
         try:
-            with native, workers_unfiltered(native), console(opts), reporting_restarts(restarts):
+            reporting = reporting_restarts(restarts, opts.rdzv_timeout)
+            with native, workers_unfiltered(native), console(opts), reporting:
                 elastic_launch(config, cmd)(*args)
             if restarts.summary():
                 restarts.emit(restarts.summary())
@@ -185,7 +186,7 @@ def launch(opts: LaunchOptions) -> None:
         except ChildFailedError as exc:
             _tell_native_log(native)
             log_dir = config.logs_specs.root_log_dir
-            raise _job_failed(opts, exc, log_dir, diag, restarts.signalled) from None
+            raise _job_failed(opts, exc, log_dir, diag, restarts) from None
         except SignalException as exc:
             _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
@@ -204,16 +205,18 @@ def _sweep_shared_memory() -> None:
 
 
 def _job_failed(
-    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, signalled: set[int]
+    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, restarts: RestartLog
 ) -> JobFailed:
+    # The rendezvous's own numbers: c10d gives the node its rank; an elastic job may be smaller.
+    node = opts.node_rank if restarts.node_rank is None else restarts.node_rank
     return JobFailed(
         [_with_stderr(f, log_dir) for f in from_elastic(exc.failures)],
-        world_size=opts.world_size,
-        node_rank=opts.node_rank,
+        world_size=restarts.world_size or opts.world_size,
+        node_rank=node,
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
         finished=read_finished(diag),
-        signalled=signalled or None,
+        signalled=restarts.signalled or None,
         machines=read_machines(diag),
     )
 
