@@ -32,6 +32,16 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   file, and the previous checkpoint must load.
 - ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
   runs where it ran on rank 0, and the error must name rank 1.
+- ``directory_bit``, ``word_swap``, ``rendezvous_forgery`` (benchmarks/_faults_security.py):
+  the DOS directory bit set in a checkpoint's zip directory, two words swapped inside a tensor
+  record (each must fail to load naming the file and record; ``lost`` counts silent loads,
+  ``torch_silent`` what plain ``torch.load`` did), and an outsider's pickle written to a c10d
+  job's rendezvous key (``executed`` counts runs where it ran; the job must stop naming the key).
+- ``raise_rank0``, ``raise_rank1``, ``uneven_data``, ``rogue_call_site``, ``raw_mismatch``,
+  ``ps_worker_drop`` (benchmarks/_faults_report.py): whether the failure report tells the
+  truth (``misblamed``: a headline that does not name the rank that raised, or blames one
+  that did not fail; ``noisy``: Gloo's noise, caret lines, more than one Fix; ``opened``: a
+  file a peer named was opened), and how soon a raw deadlock or a deaf worker ends.
 - ``node_killed``, ``node_killed_mid_save``, ``link_cut``, ``link_healed``, ``node_replaced``
   (benchmarks/_faults_cluster.py, root only, run when named in ``--only``): several machines as
   network namespaces; a node killed, the link cut or healed, a node replaced.
@@ -112,8 +122,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
 
 
 def _checkpoint_ok(folder: Path) -> bool:
@@ -217,7 +225,8 @@ def _row(fault: str, results: list[dict], **extra) -> dict:
     secs = [r["seconds"] for r in results if r["seconds"] is not None]
     counted = {
         key: sum(int(r[key]) for r in results)
-        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write", "diverged")
+        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write", "diverged",
+                    "torch_silent")
         if any(key in r for r in results)
     }
     worst = {  # facts some rows measure besides their seconds: the worst trial's
@@ -252,6 +261,8 @@ def main() -> None:
     args = parser.parse_args()
     random.seed(0)
     import _faults_more as more  # beside this script
+    import _faults_report as reports  # beside this script
+    import _faults_security as security
 
     from rankwise.env import STALL_REPORT_S
 
@@ -271,6 +282,8 @@ def main() -> None:
         ],
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],
+        **security.plan(ENV, _tmp, args.kills),  # directory_bit, word_swap, rendezvous_forgery
+        **reports.plan(ENV, stall, _tmp, args.kills),
     }
     if args.only and set(args.only) & CLUSTER_ROWS:  # several machines: root only, minutes
         import _faults_cluster
@@ -282,7 +295,9 @@ def main() -> None:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank", "link_cut") else {}
+        stalls = ("hang", "sigstop_rank", "raw_mismatch", "link_cut")
+        extra = {"stall_report_s": stall} if fault in stalls else {}
+        extra.update(reports.counts(results))
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = json.dumps(rows, indent=1)

@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "load_checkpoint": ".checkpoint",
     "Loader": ".data",
     "loader": ".data",
+    "load_pretrained": ".checkpoint.pretrained",
     "Pipe": ".pipeline",
     "print0": ".log",
     "progress": ".progress",
@@ -51,6 +52,8 @@ _LAZY: dict[str, str] = {
     "Runtime": ".runtime",
     "RuntimeStateError": ".errors",
     "save_checkpoint": ".checkpoint",
+    "save_pretrained": ".checkpoint.pretrained",
+    "seed_everything": ".data",
     "Session": ".session",
     "ShardedIterable": ".data",
     "ShardedDataParallel": ".parallel",
@@ -84,6 +87,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from . import launch, updates
     from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model
+    from .checkpoint.pretrained import load_pretrained, save_pretrained
     from .comm import (
         all_gather_object,
         all_reduce,
@@ -94,7 +98,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         broadcast_object,
         gather_object,
     )
-    from .data import DistributedSampler, Loader, ShardedIterable, gather_for_metrics, join, loader
+    from .data import (
+        DistributedSampler,
+        Loader,
+        ShardedIterable,
+        gather_for_metrics,
+        join,
+        loader,
+        seed_everything,
+    )
     from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
     from .log import get_logger, print0
@@ -155,10 +167,13 @@ __all__ = [
     "launch",
     "list_checkpoints",
     "load_checkpoint",
+    "load_pretrained",
     "loader",
     "print0",
     "progress",
     "save_checkpoint",
+    "save_pretrained",
+    "seed_everything",
     "shutdown",
     "split",
     "tensor_parallel",

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.launch.cli",  # rankwise run
+    "rankwise.launch.config_cli",  # rankwise config
     "rankwise.topology.cli",  # rankwise topology
     "rankwise.check.cli",  # rankwise check
     "rankwise.diagnose.cli",  # rankwise doctor

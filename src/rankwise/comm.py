@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import runtime, validate
 from .diagnose import fingerprints
 from .errors import DistributedError, RuntimeStateError
 
@@ -79,8 +79,8 @@ def all_reduce(value, op: Op = "mean"):
 
     ``mean`` of an integer tensor is returned as float. Sync point: all ranks.
     """
-    if op not in _TORCH_OPS:
-        raise ValueError(f"op={op!r} must be one of {sorted(_TORCH_OPS)}")
+    validate.choice("op", op, _TORCH_OPS, where="rw.all_reduce()")
+    _check_number(value)
     is_tensor = isinstance(value, torch.Tensor)
     if world_size() == 1:
         if is_tensor:
@@ -101,6 +101,28 @@ def all_reduce(value, op: Op = "mean"):
         return t.to(value.device)
     result = t.item()
     return int(result) if isinstance(value, int) and op != "mean" else result
+
+
+def _check_number(value: Any) -> None:
+    """A tensor, or a number ``float()`` takes (Python's, numpy's); not a string."""
+    if isinstance(value, torch.Tensor):
+        return
+    try:
+        ok = not isinstance(value, (str, bytes)) and float(value) is not None
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        validate.fail("value", value, "a tensor or a number", where="rw.all_reduce()",
+                      fix="pass the number or tensor to reduce, e.g. rw.all_reduce_mean(loss.item()).")
+
+
+def _check_rank(name: str, value: Any, where: str) -> None:
+    """A rank of the job (``src``, ``dst``), so a script that runs alone fails as it would
+    launched."""
+    validate.integer(name, value, minimum=0, where=where)
+    if value >= world_size():
+        validate.fail(name, value, f"a rank of the job, 0..{world_size() - 1}", where=where,
+                      fix=f"pass {name}=0 (rank 0), or a rank below the world size.")
 
 
 def all_reduce_mean(value):
@@ -124,6 +146,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     Pickled: every rank unpickles what ``src`` sends, so it trusts ``src`` to run code in it.
     Fine between the ranks of your own job; rankwise's own messages never use it (``wire``).
     """
+    _check_rank("src", src, "rw.broadcast_object()")
     if world_size() == 1:
         return obj
     box = [obj]
@@ -152,6 +175,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
 
     Pickled, like ``all_gather_object``: it trusts every rank.
     """
+    _check_rank("dst", dst, "rw.gather_object()")
     if world_size() == 1:
         return [obj]
     # gather_object is not supported by every backend; all_gather costs little more for objects.
@@ -164,6 +188,7 @@ def barrier(timeout: float | timedelta | None = None) -> None:
 
     Sync point: all ranks.
     """
+    validate.timeout("timeout", timeout, where="rw.barrier()")
     if world_size() == 1:
         return
     if timeout is None:
@@ -186,7 +211,7 @@ def barrier(timeout: float | timedelta | None = None) -> None:
         entry.done()
     except RuntimeError as exc:
         if fingerprints.settings().enabled:
-            raise fingerprints.failure(entry, exc) from exc
+            raise fingerprints.failure(entry, exc) from None  # the message quotes the backend error
         raise DistributedError(
             f"barrier timed out after {td.total_seconds():.0f}s: {str(exc).splitlines()[0]}",
             fix="every rank must reach the same barriers; look for a barrier (or a helper that "

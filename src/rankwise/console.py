@@ -8,7 +8,30 @@ workers may send ``\\r`` updates (docs/launcher.md).
 from __future__ import annotations
 
 import sys
+import unicodedata
 from typing import Any
+
+_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs"})
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """``text`` safe to show on a console: control and format characters escaped (``\\x1b``,
+    ``\\u202e``), and at most ``limit`` characters (the rest replaced by ``...``).
+
+    For what another process sent (a peer's error text, its call site, a heartbeat): a terminal
+    escape could rewrite the screen, a bidi control could reorder what the reader sees, and a
+    megabyte of text would bury the message it is quoted in.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    if limit is not None and len(text) > limit:
+        text = text[: max(0, limit - 3)] + "..."
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(
+        ch if unicodedata.category(ch) not in _UNSAFE else ch.encode("unicode_escape").decode()
+        for ch in text
+    )
 
 
 def in_notebook() -> bool:

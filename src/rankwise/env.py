@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import validate
 from .errors import EnvError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -50,6 +51,11 @@ class DistEnv:
     """True when the launcher's agent hosts the store and every rank connects as a client."""
 
     def __post_init__(self) -> None:
+        # A DistEnv built by hand: its fields by type first (detect() parses ints itself).
+        for name in ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
+                     "nnodes", "master_port", "restart_count"):  # fmt: skip
+            validate.integer(name, getattr(self, name), where="DistEnv()")
+        validate.text("master_addr", self.master_addr, where="DistEnv()")
         # Errors name the variables the values were read from (SLURM_PROCID, not RANK, on Slurm).
         n = _NAMES.get(self.source, _NAMES["launcher"])
         _check_index(n["rank"], self.rank, n["world_size"], self.world_size, self.source)
@@ -381,6 +387,12 @@ def parent_draws_bars(environ: Mapping[str, str] | None = None) -> bool:
     """``RANKWISE_LIVE_BARS=1``: this worker's bars may redraw in place (see ``live_bars_env``)."""
     e = os.environ if environ is None else environ
     return e.get("RANKWISE_LIVE_BARS") == "1"
+
+
+def rdzv_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``RANKWISE_RDZV_TOKEN``: the secret that signs a c10d rendezvous (``--rdzv-token``)."""
+    e = os.environ if environ is None else environ
+    return e.get("RANKWISE_RDZV_TOKEN") or None
 
 
 def snapshot() -> dict[str, str]:

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import console
+from . import console, validate
 from . import env as envmod
 from .runtime import coords
 
@@ -65,6 +65,17 @@ class _RankFilter(logging.Filter):
         return self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
 
 
+def _check_logger_arguments(name: Any, level: Any, log_dir: Any) -> None:
+    """``get_logger``'s arguments as ``logging`` reads them (None: the root logger; a level's
+    name such as 'INFO' or a number), by type (validate.py)."""
+    validate.text("name", name, optional=True, where="rw.get_logger()")
+    known = logging.getLevelNamesMapping()
+    if not (validate.is_int(level) or (isinstance(level, str) and level in known)):
+        validate.fail("level", level, f"a logging level: a number or one of {', '.join(known)}",
+                      where="rw.get_logger()", fix="pass e.g. level=logging.INFO or 'DEBUG'.")
+    validate.path("log_dir", log_dir, optional=True, where="rw.get_logger()")
+
+
 def get_logger(
     name: str = "rankwise",
     *,
@@ -78,6 +89,7 @@ def get_logger(
     rank's behaviour). ``log_dir`` additionally gives every rank its own complete file,
     ``log_dir/rank<r>.log``, so nothing is lost and nothing interleaves.
     """
+    _check_logger_arguments(name, level, log_dir)
     rank, world = _coords()
     logger = logging.getLogger(name)
     logger.setLevel(level)
@@ -133,7 +145,7 @@ class _LineFile:
 
 def finish_bar(bar: Any, lines: bool) -> None:
     """Close ``bar``; as lines, end on one line with the final count (not a second at close)."""
-    if lines:
+    if lines and not bar.disable:  # a disabled bar (tqdm's disable=True) never printed
         if bar.last_print_n != bar.n:
             bar.refresh()
         bar.leave = False

@@ -1,37 +1,32 @@
-"""``rt.log(metrics, step)``: training curves to CSV, JSON lines and TensorBoard, from rank 0.
+"""``rt.log(metrics, step)``: training curves from rank 0, to the trackers ``rt.log_to`` opened.
 
 Reductions go through ``rankwise.comm`` (one collective per call, whatever the number of
-metrics); only rank 0 writes, so N replicas make one curve. TensorBoard files are written by
-torch's own ``torch.utils.tensorboard.SummaryWriter`` when the ``tensorboard`` package is
-installed (``pip install rankwise[tensorboard]``); CSV and JSONL need nothing.
-
-Files in ``log_dir``: ``metrics.csv`` (long format: ``step,name,value,time`` — new metric
-names can appear at any step), ``metrics.jsonl`` (one object per ``log`` call) and the
-TensorBoard event files (``tensorboard --logdir log_dir``).
+metrics); only rank 0 writes, so N replicas make one curve. Where it writes is a list of
+trackers (``rankwise.trackers``): ``csv`` (``metrics.csv``, long format ``step,name,value,time``:
+new metric names can appear at any step), ``jsonl`` (``metrics.jsonl``, one object per call),
+``tensorboard`` (torch's ``SummaryWriter``), ``mlflow`` (a local SQLite store by default) and
+``wandb`` (``WANDB_MODE=offline`` for no network). The default is CSV, JSONL and TensorBoard
+when installed. The trackers' runs are finished by ``rw.shutdown()`` or at exit (FAILED, exit
+code 1, after an unhandled exception).
 """
 
 from __future__ import annotations
 
-import csv
-import importlib.util
-import json
-import math
+import atexit
 import os
+import sys
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import comm, runtime
+from . import comm, runtime, trackers
 from .errors import ConfigError
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
-
-
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -77,77 +72,118 @@ def reduce_metrics(values: dict[str, float], op: str) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Rank 0 appends each ``log`` call to CSV, JSONL and (optionally) TensorBoard.
+    """Rank 0 sends each ``log`` call to its trackers (``rankwise.trackers``); other ranks open
+    nothing, but check the same arguments (a missing package fails on every rank alike).
 
-    ``tensorboard``: True (required: an error naming the fix when it is not installed),
-    False (never) or None (when installed). Other ranks open no file.
+    ``log_with``: tracker names (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+    ``"wandb"``); None: CSV, JSONL and TensorBoard when installed. ``tensorboard``: the older
+    switch, with ``log_with=None`` only: True (required), False (never), None (when
+    installed). ``project``/``run_name``: the trackers' experiment/project and run names;
+    ``config``: hyperparameters, logged once; ``init_kwargs``: per tracker,
+    ``{"wandb": {...}}`` for ``wandb.init``, ``{"mlflow": {"tracking_uri": ...}}``,
+    ``{"tensorboard": {...}}`` for ``SummaryWriter``.
     """
 
-    def __init__(self, log_dir: str | os.PathLike, *, tensorboard: bool | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        *,
+        tensorboard: bool | None = None,
+        log_with: str | Sequence[str] | None = None,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.is_writer = comm.rank() == 0
-        if tensorboard and not tensorboard_available():
-            raise ConfigError(
-                "tensorboard=True was asked for but the tensorboard package is not installed",
-                fix="pip install 'rankwise[tensorboard]' (or tensorboard), or pass "
-                "tensorboard=None to write CSV/JSONL only.",
-            )
-        self.tensorboard = tensorboard_available() if tensorboard is None else tensorboard
+        self.names = trackers.resolve(log_with, tensorboard)
+        """The trackers this logger writes to (on rank 0)."""
+        self.tensorboard = "tensorboard" in self.names
+        kwargs = trackers.check_init_kwargs(init_kwargs, self.names)
+        run = trackers.RunInfo(project, run_name, config)
         self._step = 0
-        self._writer: Any = None
-        self._csv: Any = None
-        self._jsonl: Any = None
+        self._closed = False
+        self._trackers: dict[str, trackers.Tracker] = {}
         if self.is_writer:
-            self._open()
+            try:
+                for name in self.names:
+                    tracker = trackers.open_tracker(name, self.log_dir, run, kwargs.get(name, {}))
+                    self._trackers[name] = tracker
+            except BaseException:
+                self.close(failed=True)
+                raise
+            _remember(self)
 
-    def _open(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        csv_path = self.log_dir / "metrics.csv"
-        fresh = not csv_path.exists() or csv_path.stat().st_size == 0
-        self._csv = open(csv_path, "a", newline="")  # noqa: SIM115 (closed in close())
-        if fresh:
-            csv.writer(self._csv, lineterminator="\n").writerow(["step", "name", "value", "time"])
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10)
+    def tracker(self, name: str) -> Any:
+        """The open tracker ``name`` (``.writer`` for TensorBoard, ``.client``/``.run_id`` for
+        MLflow, ``.run`` for W&B); None on ranks other than 0, which open none."""
+        if name not in self.names:
+            raise ConfigError(
+                f"tracker({name!r}): this logger writes to {self.names}",
+                fix=f"open it with rt.log_to(log_with=[..., {name!r}]).",
+            )
+        return self._trackers.get(name)
 
     def log(
         self, metrics: Mapping[str, Any], step: int | None = None, *, reduce: str | None = None
     ) -> dict[str, float]:
         """Write ``metrics`` at ``step`` (default: one more than the last); return the values
         written (reduced). Sync point: all ranks when ``reduce`` is given."""
+        if self._closed:
+            raise ConfigError(
+                f"rt.log after its trackers were closed (rw.shutdown() or close()) in {self.log_dir}",
+                fix="log before rw.shutdown(), or open them again with rt.log_to(...).",
+            )
         values = {str(k): _as_float(str(k), v) for k, v in metrics.items()}
         if reduce is not None:
             values = reduce_metrics(values, reduce)
         step = self._step if step is None else int(step)
         self._step = step + 1
-        if self.is_writer:
-            self._write(values, step)
+        now = time.time()
+        for tracker in self._trackers.values():
+            tracker.log(values, step, now)
         return values
 
-    def _write(self, values: dict[str, float], step: int) -> None:
-        now = time.time()
-        rows = csv.writer(self._csv, lineterminator="\n")  # the csv module's default is \r\n
-        for name, value in values.items():
-            rows.writerow([step, name, repr(value), f"{now:.3f}"])
-            if self._writer is not None:
-                self._writer.add_scalar(name, value, global_step=step, walltime=now)
-        finite = {k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}
-        self._jsonl.write(json.dumps({"step": step, **finite, "time": round(now, 3)}) + "\n")
-        # Flushed per call: a run that is killed keeps its curve up to the last step.
-        self._csv.flush()
-        self._jsonl.flush()
-
-    def close(self) -> None:
-        for f in (self._csv, self._jsonl, self._writer):
-            if f is not None:
-                f.close()
-        self._csv = self._jsonl = self._writer = None
+    def close(self, failed: bool = False) -> None:
+        """Finish every tracker's run (``failed``: MLflow FAILED, W&B exit code 1). Twice is
+        harmless."""
+        self._closed = True
+        opened, self._trackers = self._trackers, {}
+        for tracker in opened.values():
+            tracker.close(failed)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
+
+
+_open_loggers: weakref.WeakSet[MetricsLogger] = weakref.WeakSet()
+
+
+def _remember(logger: MetricsLogger) -> None:
+    """Close ``logger`` at ``rw.shutdown()`` or at exit, whichever comes first. The exit hook
+    is registered again after each open so it runs before the hooks a tracker registered
+    (W&B's): ours says whether the run failed."""
+    _open_loggers.add(logger)
+    runtime.on_shutdown(_close_on_leave, always=True)
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
+
+
+def _close_open(failed: bool = False) -> None:
+    for logger in list(_open_loggers):
+        logger.close(failed)
+    _open_loggers.clear()
+
+
+def _close_on_leave() -> None:
+    # rw.shutdown() in a ``finally:`` while an exception propagates: the run failed.
+    _close_open(failed=sys.exc_info()[1] is not None)
+
+
+def _close_at_exit() -> None:
+    # After an unhandled exception the interpreter has set sys.last_value before atexit runs.
+    _close_open(failed=getattr(sys, "last_value", None) is not None)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
+from . import validate
 from .errors import ConfigError, RuntimeStateError
 
 DIMS = ("pipeline", "data", "tensor")
@@ -64,6 +65,9 @@ class DeviceMesh:
     _groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        validate.mapping("sizes", self.sizes, "a mapping of dimension names to sizes",
+                         where="DeviceMesh()", example='{"data": 2, "tensor": 2}')  # fmt: skip
+        validate.integer("rank", self.rank, minimum=0, where="DeviceMesh()")
         unknown = [name for name in self.sizes if name not in DIMS]
         bad = {k: v for k, v in self.sizes.items() if not isinstance(v, int) or v < 1}
         if unknown or bad:

@@ -19,6 +19,8 @@ from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, RuntimeStateError
 from .strategies import AUTO, resolve_auto
 from .strategies import get as get_strategy
+from .validate import device_name, fail, text
+from .validate import timeout as check_timeout
 
 _LAUNCHER_FIX = (
     "use strategy='ddp' (or 'auto') when launched with several processes, or start the script "
@@ -42,6 +44,25 @@ class Plan:
 def _accelerator_count() -> int:
     acc = torch.accelerator.current_accelerator()
     return torch.accelerator.device_count() if acc is not None else 0
+
+
+BACKENDS = ("gloo", "nccl", "mpi")
+"""The process-group backends ``rw.init(backend=...)`` takes (per device: 'cpu:gloo,cuda:nccl')."""
+
+
+def check_init_arguments(backend: Any, device: Any, timeout: Any, env: Any) -> None:
+    """``rw.init``'s arguments by type (validate.py), on every rank before anything is joined
+    (a backend's availability is checked where the process group is made)."""
+    text("backend", backend, optional=True, where="rw.init()")
+    if backend is not None and any(p.split(":")[-1] not in BACKENDS for p in backend.split(",")):
+        fail("backend", backend, f"one of {', '.join(map(repr, BACKENDS))} (or per device, "
+             "'cpu:gloo,cuda:nccl')", where="rw.init()",
+             fix="use 'nccl' for GPUs and 'gloo' for CPUs, or leave backend unset.")  # fmt: skip
+    device_name("device", device, where="rw.init()")
+    check_timeout("timeout", timeout, where="rw.init()")
+    if env is not None and not isinstance(env, DistEnv):
+        fail("env", env, "a rw.DistEnv or None", where="rw.init()", fix="leave env unset (read "
+             "from the launcher), or pass rw.DistEnv(rank=..., world_size=...).")  # fmt: skip
 
 
 def plan(strategy: str | None, devices: Sequence[Any] | None, env: DistEnv, device: Any) -> Plan:

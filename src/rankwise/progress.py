@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import comm
+from . import comm, validate
 from .log import finish_bar, make_bar, open_bars
 
 T = TypeVar("T")
@@ -71,6 +71,10 @@ def progress(
     processes each see a batch of that size (the world size, the default, for DDP; 1 when the
     batch is already global, as with DataParallel).
     """
+    validate.iterable("iterable", iterable, where="rw.progress()")
+    validate.text("desc", desc, optional=True, where="rw.progress()")
+    validate.integer("total", total, minimum=0, optional=True, where="rw.progress()")
+    validate.integer("replicas", replicas, minimum=1, optional=True, where="rw.progress()")
     if comm.rank() != 0:
         return iterable
     if total is None and hasattr(iterable, "__len__"):

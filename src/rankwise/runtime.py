@@ -31,6 +31,7 @@ from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, EnvError, RuntimeStateError
 from .mesh import DeviceMesh
 from .plan import (
+    BACKENDS,
     Plan,
     Precision,
     as_timeout,
@@ -58,7 +59,7 @@ __all__ = [
     "shutdown",
 ]
 
-_BACKENDS = ("gloo", "nccl", "mpi")
+_BACKENDS = BACKENDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,7 @@ R = TypeVar("R", bound=Runtime)
 # The process group is process-global state in torch; this mirrors it, nothing more.
 _current: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
+_leave_hooks: list[Callable[[], None]] = []  # on_shutdown(always=True): world size 1 too
 
 
 def choose_device(env: DistEnv, device: str | torch.device | None = None) -> torch.device:
@@ -146,7 +148,8 @@ def choose_device(env: DistEnv, device: str | torch.device | None = None) -> tor
         count = torch.cuda.device_count()
         if dev.index >= count:
             raise ConfigError(
-                f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
+                ("" if device is None else f"device={device!r}: ")
+                + f"local rank {env.local_rank} needs {dev} but this node has {count} GPU(s) "
                 f"for LOCAL_WORLD_SIZE={env.local_world_size} processes",
                 fix=f"start at most {count} process(es) per node (--nproc-per-node {count}), "
                 "or check CUDA_VISIBLE_DEVICES.",
@@ -313,14 +316,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook).
+def on_shutdown(hook: Callable[[], None], *, always: bool = False) -> None:
+    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook);
+    ``always``: whenever a runtime is left, world size 1 too (``rt.log``'s trackers).
 
     For layers above this one that hold on to the group (the fingerprints' watchdog talks to
     its store): they register here, so that this module never imports them.
     """
-    if hook not in _shutdown_hooks:
-        _shutdown_hooks.append(hook)
+    hooks = _leave_hooks if always else _shutdown_hooks
+    if hook not in hooks:
+        hooks.append(hook)
 
 
 def shutdown() -> None:
@@ -329,6 +334,8 @@ def shutdown() -> None:
     Sync point: none (torch's destroy is local), but call it on every rank at the end.
     """
     global _current
+    for hook in _leave_hooks if _current is not None else ():
+        hook()
     if _current is not None and _current.owns_process_group and dist.is_initialized():
         for hook in _shutdown_hooks:
             hook()
@@ -361,28 +368,23 @@ class Coords:
     data: tuple[int, int] | None = None
     """Under ``rw.init(mesh=...)``: (coordinate, size) along the data dimension, the share of
     the data this process reads (tensor and pipeline peers read the same); else None."""
-    node: int = 0
-    """Index of this process's machine (``NODE_RANK``/``GROUP_RANK``, ``SLURM_NODEID``): a
-    diagnosis names the node whose ranks all stopped responding."""
+    node: int = 0  # this process's machine, as the launcher says (GROUP_RANK, SLURM_NODEID...)
 
 
 def coords() -> Coords:
-    """Rank and world size of this process: the runtime's, else torch's process group's, else
-    the launcher's environment (a loader built before ``rw.init()`` still splits the data).
-
-    The one place that decides which source wins. No sync point.
-    """
+    """Rank, world size and node of this process: the runtime's, else torch's process group's,
+    else the launcher's environment (a loader built before ``rw.init()`` still splits the data).
+    The one place that decides which source wins. No sync point."""
     if _current is not None:
         grid = _current.mesh
         data = None if grid is None else (grid.coord("data"), grid.sizes["data"])
         return Coords(_current.rank, _current.world_size, _current.replicas_in_process, "runtime",
                       data, _current.env.node_rank)  # fmt: skip
     if dist.is_available() and dist.is_initialized():
-        try:  # a group made without rw.init: the launcher's variables may say nothing
-            node = envmod.detect().node_rank
-        except EnvError:
-            node = 0
-        return Coords(dist.get_rank(), dist.get_world_size(), source="torch", node=node)
+        where = (dist.get_rank(), dist.get_world_size())
+        with contextlib.suppress(EnvError):  # a group made by hand: launcher variables partial
+            return Coords(*where, source="torch", node=envmod.detect().node_rank)
+        return Coords(*where, source="torch")
     e = envmod.detect()
     return Coords(e.rank, e.world_size, source=e.source, node=e.node_rank)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, validate
 from .errors import ConfigError
 from .log_metrics import MetricsLogger
 from .parallel.tensor.grad_norm import NormParts
@@ -101,6 +101,8 @@ class TrainingLoop:
         """``loss.backward()``, scaled under 'fp16-mixed' and divided by ``steps`` inside
         ``accumulate(model, steps)`` (its default ``reduction="mean"``), so a group's gradient
         is the mean over its micro-batches. Sync point: as the model's backward (DDP: all)."""
+        validate.tensor("loss", loss, where="rt.backward()", fix="pass the loss tensor itself "
+                        "(not loss.item()), e.g. rt.backward(F.cross_entropy(model(x), y)).")
         if self.loop.loss_divisor != 1:
             loss = loss / self.loop.loss_divisor
         if self.loop.scaler is None:
@@ -122,6 +124,10 @@ class TrainingLoop:
         parts; an engine that defines ``clip_grad_norm_`` (sharded) computes it itself.
         Unscales first under 'fp16-mixed'. Sync point: all ranks for a pipeline or an engine.
         """
+        where = "rt.clip_grad_norm_()"  # numbers as torch's clip_grad_norm_ reads them (float())
+        validate.module("model", model, where=where)
+        validate.number("max_norm", max_norm, minimum=0, numeric_text=True, where=where)
+        validate.number("norm_type", norm_type, numeric_text=True, where=where, example=2.0)
         self._unscale_for(model)
         if callable(getattr(model, "clip_grad_norm_", None)):
             return model.clip_grad_norm_(max_norm, norm_type)
@@ -137,6 +143,9 @@ class TrainingLoop:
 
     def clip_grad_value_(self: Runtime, model: nn.Module, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (unscaled first)."""
+        validate.module("model", model, where="rt.clip_grad_value_()")
+        validate.number("clip_value", clip_value, minimum=0, numeric_text=True,
+                        where="rt.clip_grad_value_()")  # fmt: skip
         self._unscale_for(model)
         torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
 
@@ -156,6 +165,7 @@ class TrainingLoop:
     def no_backward_sync(self: Runtime, model: nn.Module, enabled: bool = True) -> Iterator[None]:
         """The model's ``no_sync()`` when ``enabled`` (backward passes inside communicate
         nothing); a plain block for a model without one (one process: nothing to skip)."""
+        validate.module("model", model, where="rt.no_backward_sync()")
         skip = enabled and callable(getattr(model, "no_sync", None))
         with model.no_sync() if skip else contextlib.nullcontext():
             yield
@@ -180,6 +190,7 @@ class TrainingLoop:
         is the older spelling (True: "mean", False: "sum"). A plain ``loss.backward()`` is never
         divided. Sync point: all ranks on ``.sync``.
         """
+        validate.module("model", model, where="rt.accumulate()")
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError(
                 f"rt.accumulate(steps={steps!r}): steps must be a positive integer",
@@ -232,17 +243,42 @@ class TrainingLoop:
         """Write ``metrics`` (rank 0) to the run's CSV/JSONL files (and TensorBoard when
         installed), after reducing each value over the ranks with ``reduce`` ('mean', 'sum',
         'max', 'min') when given. Sync point: all ranks when ``reduce`` is given."""
+        validate.mapping("metrics", metrics, "a dict of metric names to numbers", where="rt.log()",
+                         example="{'loss': loss.item()}")  # fmt: skip
+        validate.integer("step", step, optional=True, where="rt.log()")
         self.log_to().log(metrics, step=step, reduce=reduce)
 
     def log_to(
-        self: Runtime, log_dir: str | Path | None = None, *, tensorboard: bool | None = None
+        self: Runtime,
+        log_dir: str | Path | None = None,
+        *,
+        tensorboard: bool | None = None,
+        log_with: str | Sequence[str] | None = None,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> MetricsLogger:
-        """Where ``rt.log`` writes (default ``rankwise_logs/``); ``tensorboard=None``: when
-        installed. Returns the logger; calling it again with a directory starts a new one."""
-        if self.loop.metrics is None or log_dir is not None:
+        """Where ``rt.log`` writes: ``log_dir`` (default ``rankwise_logs/``) and the trackers
+        ``log_with`` names (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+        ``"wandb"``; default CSV, JSONL and TensorBoard when installed), their run named
+        ``project``/``run_name``, ``config`` logged once; ``init_kwargs`` per tracker. Returns
+        the logger; called again with arguments, it finishes the previous one and opens anew.
+        Rank 0 writes; every rank checks the arguments. No sync point."""
+        _check_log_to(log_dir, project, run_name, config, init_kwargs)
+        given = (log_dir, tensorboard, log_with, project, run_name, config, init_kwargs)
+        if self.loop.metrics is None or any(a is not None for a in given):
             if self.loop.metrics is not None:
                 self.loop.metrics.close()
-            self.loop.metrics = MetricsLogger(log_dir or "rankwise_logs", tensorboard=tensorboard)
+            self.loop.metrics = MetricsLogger(
+                log_dir or "rankwise_logs",
+                tensorboard=tensorboard,
+                log_with=log_with,
+                project=project,
+                run_name=run_name,
+                config=config,
+                init_kwargs=init_kwargs,
+            )
         return self.loop.metrics
 
     # -- what rt.prepare and rt.save/load call ---------------------------------------------
@@ -326,9 +362,24 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     tensor parallelism (``FullState``, ``FullOptimState``): the file holds the unsplit model's
     parameters and optimizer state, so it resumes at any mesh, or in a plain process."""
     model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
-    if model is None or isinstance(model, FullState) or not has_split_layers(model):
+    if not isinstance(model, nn.Module) or isinstance(model, FullState):
+        return kwargs  # nothing split (a wrong type is named by save/load_checkpoint)
+    if not has_split_layers(model):
         return kwargs
     out = dict(kwargs, model=FullState(model))
     if optimizer is not None and not isinstance(optimizer, FullOptimState):
         out["optimizer"] = FullOptimState(optimizer, model)
     return out
+
+
+def _check_log_to(log_dir: Any, project: Any, run_name: Any, config: Any, kwargs: Any) -> None:
+    """``rt.log_to``'s arguments by type (validate.py), before a tracker opens."""
+    where = "rt.log_to()"
+    validate.path("log_dir", log_dir, optional=True, where=where)
+    validate.text("project", project, optional=True, where=where)
+    validate.text("run_name", run_name, optional=True, where=where)
+    if config is not None:
+        validate.mapping("config", config, "a dict of settings", where=where, example="{'lr': 3e-4}")
+    if kwargs is not None:
+        validate.mapping("init_kwargs", kwargs, "a dict per tracker name", where=where,
+                         example="{'wandb': {'entity': 'me'}}")  # fmt: skip

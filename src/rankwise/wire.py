@@ -27,6 +27,9 @@ from .errors import DistributedError
 
 MAX_BYTES = 256 * 1024 * 1024
 """Largest message accepted from a peer: a larger announced size is refused before allocating."""
+MAX_DEPTH = 64
+"""Deepest nesting of lists and objects accepted in a JSON message (rankwise's own nest a few
+levels; Python's decoder would raise RecursionError on every rank near a thousand)."""
 
 
 def _device(group: Any) -> torch.device:
@@ -114,11 +117,33 @@ def encode_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=True).encode()
 
 
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (0 for a number or string), iteratively."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            if depth + 1 > MAX_DEPTH:
+                break
+            stack.extend(
+                (x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
+
+
 def _decode_json(data: bytes, group: Any, r: int, label: str) -> Any:
     try:
-        return json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8"))
+        deep = _depth(value) > MAX_DEPTH
     except (UnicodeDecodeError, ValueError):
         raise _refuse(group, r, label, "is not UTF-8 JSON", data) from None
+    except RecursionError:  # json's decoder recurses per level: a peer can exhaust the stack
+        deep = True
+    if deep:
+        why = f"nests lists or objects more than {MAX_DEPTH} levels deep"
+        raise _refuse(group, r, label, why, data) from None
+    return value
 
 
 def all_gather_json(value: Any, *, label: str, group: Any = None) -> list[Any]:

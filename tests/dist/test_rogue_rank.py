@@ -158,3 +158,20 @@ def test_control_the_payload_runs_where_torch_unpickles(tmp_path):
     # What every route above did before: the same payload through torch's object collective.
     run_distributed(_unpickling_route, 2, args=(str(tmp_path),), timeout=60)
     assert (tmp_path / "honest" / MARKER).is_dir()
+
+
+def _nested_json_route(base: str, depth: int):
+    def rogue(marker: str) -> None:
+        wire.all_gather_bytes(b"[" * depth + b"]" * depth, label="model signature")
+
+    net = nn.Linear(2, 2)
+    return _both_sides(lambda: agreement.verify_same_model(net, None, 0), rogue, 1, base)
+
+
+@pytest.mark.parametrize("depth", [wire.MAX_DEPTH + 1, 100_000])
+def test_deeply_nested_json_from_a_peer_is_refused_naming_it(depth, tmp_path):
+    """100,000 levels made Python's decoder raise a raw RecursionError on the receiving rank."""
+    results = run_distributed(_nested_json_route, 2, args=(str(tmp_path), depth), timeout=90)
+    text = results[0]
+    assert text is not None and text.startswith("[rank 0] rank 1 sent a model signature "), text
+    assert f"more than {wire.MAX_DEPTH} levels deep" in text, text

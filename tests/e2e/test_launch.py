@@ -167,7 +167,9 @@ def test_a_failing_rank_stops_all_and_is_named(job: Path):
         folder = job / mode
         returncode, _, stderr = finish(procs[mode])
         assert returncode == code, stderr
-        assert "rank(s) 1 failed (world size 2, node 0)" in stderr
+        headline = {"raise": "rank 1 raised ValueError: corrupt batch 7 (world size 2, node 0)",
+                    "kill": "rank(s) 1 failed (world size 2, node 0)"}[mode]  # fmt: skip
+        assert f"rankwise run: {headline}" in stderr, stderr
         assert f"rank 1 (local_rank 1, pid {(folder / 'pid1').read_text()}): {cause}" in stderr
         assert "stopped by the launcher: rank(s) 0" in stderr
         if mode == "raise":

@@ -146,7 +146,10 @@ def test_temporaries_of_killed_file_saves_do_not_accumulate(tmp_path):
 def test_truncated_file_error_names_the_file_and_cause(tmp_path):
     path = rw.save_checkpoint(tmp_path / "m.pt", model=_net(hidden=256))
     data = path.read_bytes()
-    for cut, cause in ((len(data) - 100, "OSError"), (200, "RuntimeError"), (0, "EOFError")):
+    # cut inside the zip: the missing end record (checkpoint/zipcheck.py), before torch reads;
+    # an empty file: torch's own EOFError
+    no_end = "no end record"
+    for cut, cause in ((len(data) - 100, no_end), (200, no_end), (0, "EOFError")):
         path.write_bytes(data[:cut])
         with pytest.raises(rw.ConfigError) as info:
             rw.load_checkpoint(path, model=_net(hidden=256))
@@ -186,3 +189,15 @@ def test_shape_mismatch_names_parameter_and_both_shapes(tmp_path, strict):
     text = str(info.value)
     assert "0.weight: checkpoint (8, 4), model (16, 4)" in text, text
     assert "2.weight: checkpoint (2, 8), model (2, 16)" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("where", ["cuda", "cuda:0", torch.device("cuda", 1), {"cpu": "cuda"}])
+def test_map_location_cuda_without_gpus_names_map_location_not_a_corrupt_file(tmp_path, where):
+    path = rw.save_checkpoint(tmp_path / "m.pt", model=_net(), step=1)
+    with pytest.raises(rw.ConfigError) as info:
+        rw.load_checkpoint(path, model=_net(), map_location=where)
+    text = str(info.value)
+    assert "map_location=" in text and "cuda" in text and "map_location='cpu'" in text, text
+    assert "corrupt" not in text and "truncated" not in text
+    assert rw.load_checkpoint(path, model=_net(), map_location="cpu")["step"] == 1

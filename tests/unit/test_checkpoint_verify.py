@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import zipfile
+import zlib
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 import rankwise as rw
@@ -90,8 +93,9 @@ def test_a_file_with_checksums_loads_in_torch_as_before(tmp_path):
         assert torch.equal(state["bias"], model.bias.detach())
 
 
-def _sum64_by_definition(data: bytes, block: int) -> int:
-    """Little-endian 64-bit words (the last zero-padded), summed per block, weights 1, 3, 5..."""
+def _sum64_by_definition(data: bytes, block: int = 1 << 20) -> int:
+    """The earlier manifests' checksum: little-endian 64-bit words (the last zero-padded),
+    summed per block, the block sums weighted 1, 3, 5 ... modulo 2**64."""
     data = data + bytes(-len(data) % 8)
     words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
     per = block // 8
@@ -99,29 +103,98 @@ def _sum64_by_definition(data: bytes, block: int) -> int:
     return sum((2 * j + 1) * s for j, s in enumerate(blocks)) % 2**64
 
 
-def test_sum64_matches_its_definition_and_pieces_add_up(monkeypatch):
-    monkeypatch.setattr(checkpoint_sums, "BLOCK", 256)
-    monkeypatch.setattr(checkpoint_sums, "PIECE", 1024)
-    for n in (0, 1, 7, 8, 255, 256, 1000, 4099):
+def _digest_by_definition(data: bytes, piece: int) -> str:
+    """XXH3-64 of each piece, the pieces' values and the length as little-endian words, XXH3-64."""
+    parts = [data[i : i + piece] for i in range(0, len(data), piece)] or [b""]
+    words = b"".join(xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in parts)
+    return f"{xxhash.xxh3_64_intdigest(words + len(data).to_bytes(8, 'little')):016x}"
+
+
+def test_digest_matches_its_definition_in_one_piece_and_in_many(monkeypatch, tmp_path):
+    for n in (0, 1, 7, 4099):
         data = os.urandom(n)
-        assert checkpoint_sums.sum64(data) == _sum64_by_definition(data, 256), n
-        view = memoryview(b"xyz" + data)  # a record that starts at an odd offset
-        parts = checkpoint_sums.pieces(3, n)
-        total = sum(checkpoint_sums.piece_sum(view, 3, a, b) for a, b in parts) % 2**64
-        assert total == _sum64_by_definition(data, 256), n
+        assert checkpoint_sums.digest(data) == _digest_by_definition(data, 64 << 20), n
+    monkeypatch.setattr(checkpoint_sums, "PIECE", 1000)
+    for n in (0, 999, 1000, 1001, 4099):
+        data = os.urandom(n)
+        assert checkpoint_sums.digest(data) == _digest_by_definition(data, 1000), n
+        (tmp_path / "f").write_bytes(data)
+        assert checkpoint_sums.digest_file(tmp_path / "f", threads=2) == checkpoint_sums.digest(
+            data
+        )
 
 
-def test_sum64_sees_every_single_byte_change_and_swapped_blocks(monkeypatch):
-    monkeypatch.setattr(checkpoint_sums, "BLOCK", 64)
-    data = bytearray(os.urandom(515))
-    before = checkpoint_sums.sum64(bytes(data))
-    for at in range(len(data)):
-        for delta in (1, 0x80, 0xFF):
-            changed = bytearray(data)
-            changed[at] = (changed[at] + delta) % 256
-            assert checkpoint_sums.sum64(bytes(changed)) != before, (at, delta)
-    swapped = data[64:128] + data[:64] + data[128:]
-    assert checkpoint_sums.sum64(bytes(swapped)) != before
+def _variants(data: bytes) -> dict[str, bytes]:
+    """Damage the word sum does not see (within one 1 MiB block), and CRC-32 does."""
+    a = bytearray(data)
+    a[7] ^= 0x80  # the sign bits of two words: +2**63 twice is 2**64, i.e. 0 modulo 2**64
+    a[15] ^= 0x80
+    b = bytearray(data)
+    b[0:8], b[8:16] = data[8:16], data[0:8]  # two words swapped
+    c = bytearray(data)
+    c[0:4096], c[4096:8192] = data[4096:8192], data[0:4096]  # two 4 KiB pages swapped
+    return {"two sign bits": bytes(a), "two words swapped": bytes(b), "two pages swapped": bytes(c)}
+
+
+def test_the_word_sum_missed_sign_bits_and_swaps_the_digest_and_crc32_see_them():
+    data = os.urandom(1 << 20)
+    for what, changed in _variants(data).items():
+        assert changed != data
+        assert _sum64_by_definition(changed) == _sum64_by_definition(data), what  # the old miss
+        assert zlib.crc32(changed) != zlib.crc32(data), what
+        assert checkpoint_sums.digest(changed) != checkpoint_sums.digest(data), what
+
+
+def test_such_damage_to_a_saved_tensor_is_refused_by_name(tmp_path):
+    for what in ("two sign bits", "two words swapped", "two pages swapped"):
+        torch.manual_seed(0)
+        model = nn.Linear(4096, 64)  # a 1 MiB weight
+        path = rw.save_checkpoint(tmp_path / f"{what}.pt", model=model)
+        record = max(checkpoint_verify.records(path), key=lambda r: r.size)
+        raw = bytearray(path.read_bytes())
+        start = record.data_offset
+        raw[start : start + 8192] = _variants(bytes(raw[start : start + 8192]))[what]
+        path.write_bytes(raw)
+        with pytest.raises(rw.ConfigError) as info:
+            rw.load_checkpoint(path, model=nn.Linear(4096, 64))
+        assert repr(record.name) in str(info.value) and str(path) in str(info.value), what
+
+
+def _with_old_manifest(tmp_path, algorithm="sum64-1MiB"):
+    """A checkpoint as earlier rankwise wrote it: torch.save + a 'sum64-1MiB' manifest."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    path = tmp_path / "old.pt"
+    torch.save({"format": "rankwise-checkpoint", "version": 1, "model": model.state_dict(),
+                "optimizer": None, "scheduler": None, "loader": None, "step": 1, "epoch": None,
+                "rng": [], "meta": {}, "extra": {}}, path)  # fmt: skip
+    with zipfile.ZipFile(path) as z:
+        names = [i.filename for i in z.infolist()]
+        sums = {n: [len(z.read(n)), f"{_sum64_by_definition(z.read(n)):016x}"] for n in names}
+    text = json.dumps({"algorithm": algorithm, "records": sums}).encode()
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr(f"{names[0].split('/')[0]}/.rankwise-sums.json", text)
+    return model, path
+
+
+@pytest.mark.parametrize("algorithm", ["sum64-1MiB", "a-later-one"])
+def test_a_manifest_of_another_algorithm_is_not_used_the_zip_crc32_is_checked(tmp_path, algorithm):
+    model, path = _with_old_manifest(tmp_path, algorithm)
+    fresh = nn.Linear(64, 32)
+    assert rw.load_checkpoint(path, model=fresh)["step"] == 1
+    assert torch.equal(fresh.weight, model.weight)
+    name = _flip(path, _tensor_record(path))
+    with pytest.raises(rw.ConfigError, match="CRC-32") as info:
+        rw.load_checkpoint(path, model=nn.Linear(64, 32))
+    assert repr(name) in str(info.value)
+
+
+def test_a_damaged_manifest_is_refused_by_name(tmp_path):
+    _, path = _with_old_manifest(tmp_path)
+    path.write_bytes(path.read_bytes().replace(b"sum64-1MiB", b"sum99-1MiB"))  # CRC mismatch
+    with pytest.raises(rw.ConfigError) as info:
+        rw.load_checkpoint(path, model=nn.Linear(64, 32))
+    assert ".rankwise-sums.json" in str(info.value) and str(path) in str(info.value)
 
 
 def test_a_flipped_byte_in_the_pickled_structure_is_named_too(tmp_path):
@@ -165,8 +238,7 @@ def test_a_record_split_into_pieces_is_still_checked_whole(tmp_path, monkeypatch
 
 
 def test_checksummed_records_split_into_pieces_are_checked_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_sums, "BLOCK", 256)
-    monkeypatch.setattr(checkpoint_sums, "PIECE", 1024)  # the weight: 8 pieces
+    monkeypatch.setattr(checkpoint_sums, "PIECE", 1024)  # the weight: 9 pieces
     _, path = _saved(tmp_path)
     checkpoint_verify.Verifier(path).check()
     name = _flip(path, _tensor_record(path), at=4321)  # inside the 5th piece

@@ -38,6 +38,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
             "--nproc-per-node",
         ),
         (["topology", "--nnode", "2", "--nodes", "3"], "rankwise topology", "--nodes", "--nnodes"),
+        (["config", "--max-restart", "2", "--shwo"], "rankwise config", "--shwo", "--show"),
     ],
 )
 def test_unknown_flag_names_the_subcommand_and_the_closest_flag(
@@ -90,7 +91,8 @@ def test_doctor_help_is_for_users(capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["run"], ["topology"], ["check"], ["doctor"], ["bench"], ["bench", "comm"]]
+    "argv",
+    [["run"], ["config"], ["topology"], ["check"], ["doctor"], ["bench"], ["bench", "comm"]],
 )
 def test_every_option_has_help_text(argv: list[str]) -> None:
     parser = build_parser()
@@ -226,6 +228,7 @@ def test_one_name_per_concept() -> None:
 
 def test_json_wherever_a_table_is_printed() -> None:
     tables = {
+        "rankwise config",
         "rankwise topology",
         "rankwise check",
         "rankwise doctor",

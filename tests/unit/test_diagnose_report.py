@@ -31,6 +31,7 @@ SOURCE = textwrap.dedent(
 def train_py(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(SOURCE)
+    report.LOCAL_FILES.add(str(path))  # this rank's own script: seen in its own stack
     return str(path)
 
 

@@ -42,6 +42,14 @@ def test_module_flag_and_elastic_nnodes():
     assert (o.min_nodes, o.nnodes) == (1, 3)
 
 
+def test_rdzv_token_is_parsed_in_both_spellings_and_kept_out_of_reprs():
+    for flag in ("--rdzv-token", "--rdzv_token"):
+        o = parse("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+                  flag, "s3cret-value", "t.py")  # fmt: skip
+        assert o.rdzv_token == "s3cret-value" and "s3cret-value" not in repr(o)
+    assert parse("t.py").rdzv_token is None
+
+
 def test_one_node_without_port_gets_a_fresh_local_store():
     a = choose_rendezvous(LaunchOptions(script="t.py", nproc_per_node=2), new_id="A")
     b = choose_rendezvous(LaunchOptions(script="t.py", nproc_per_node=2), new_id="B")

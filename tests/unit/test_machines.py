@@ -300,7 +300,7 @@ class _Handler:
 def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-    from rankwise.launch import rdzv_guard
+    from rankwise.launch import rdzv_guard, signed_rdzv
 
     monkeypatch.setattr(rdzv_guard, "READ_TIMEOUT_S", 0.2)
     handler = _Handler()
@@ -316,3 +316,5 @@ def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
     handler.block.set()
     static = _Handler("static")
     assert rdzv_guard.guard(static, 300) is static  # its calls never wait on a store
+    signed = _Handler(signed_rdzv.BACKEND)  # what `rankwise run --rdzv-backend c10d` registers
+    assert isinstance(rdzv_guard.guard(signed, 300), rdzv_guard.GuardedHandler)

@@ -33,8 +33,8 @@ ALLOWED = {
     # load_checkpoint(trusted=True): the caller says it trusts the file.
     ("checkpoint/single.py", "_load"),
     # rw.launch: the caller's own children report results through a local pipe (same user).
-    ("launch/spawn.py", "_pickled_exception"),
-    ("launch/spawn.py", "_collect"),
+    ("launch/child.py", "pickled_exception"),
+    ("launch/spawn.py", "_receive"),
 }
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from test_ps_protocol_faults import NUMEL, _frame, _MemoryWire, _server_with
 
+from rankwise.errors import ConfigError
+from rankwise.updates.asynchronous import _check_seconds
 from rankwise.updates.protocol import Kind, Message
 
 
@@ -23,9 +26,9 @@ class _DeafWire(_MemoryWire):
         self.release = threading.Event()
 
     def send(self, dst, msg):
-        if dst == 1:
+        if dst == 1 and not self.release.is_set():
             self.release.wait(60)
-            return
+            return  # the stuck reply: delivered once rank 1 receives again
         super().send(dst, msg)
 
 
@@ -35,27 +38,53 @@ def _local_step(server, kind=Kind.PUSH, grads=None, version=0) -> Message:
     return server.local_replies.get(timeout=10)
 
 
-def test_a_worker_that_stops_receiving_neither_freezes_the_others_nor_goes_unreported():
+def test_a_worker_that_stops_receiving_is_dropped_and_the_others_train_on():
+    """Was: the worker was reported only after the whole timeout (30 s, 300 s by default), and
+    its report stopped every other worker. Now it is dropped after its own stall window (8 s
+    by default, here the default under a 60 s timeout) and rank 0 trains on; if it comes back,
+    its next request is answered with STOP."""
     wire = _DeafWire()
-    server = _server_with(wire, timeout=2.0)
+    server = _server_with(wire, timeout=60.0)
     try:
         assert _local_step(server, Kind.PULL).kind == Kind.PARAMS
         wire.frames[1].put(_frame(wire, Kind.PULL, 1))  # its reply never gets through
-        time.sleep(0.3)
-        # Rank 0 trains on while the reply to rank 1 waits (it used to freeze the loop).
-        replies = [_local_step(server, version=i) for i in range(3)]
-        assert [r.kind for r in replies] == [Kind.PARAMS] * 3
-        deadline = time.monotonic() + 20
-        reply = replies[-1]
-        while reply.kind != Kind.STOP and time.monotonic() < deadline:
+        reply = _local_step(server)
+        deadline = time.monotonic() + 55  # a STOP or no drop before the timeout: a failure
+        while not server.stats().dropped and time.monotonic() < deadline:
+            assert reply.kind == Kind.PARAMS, reply.text  # rank 0 is never stopped
             time.sleep(0.2)
             reply = _local_step(server, version=reply.version)
-        assert reply.kind == Kind.STOP and reply.rank == 1
-        assert "worker rank 1 stopped receiving" in reply.text and "timeout 2s" in reply.text
-        server.inbox.put(Message(Kind.BYE, 0))
+        why = server.stats().dropped[1]
+        assert "worker rank 1 stopped receiving" in why and "stall_timeout 8s" in why
+        for _ in range(3):  # training goes on after the drop
+            reply = _local_step(server, version=reply.version)
+            assert reply.kind == Kind.PARAMS, reply.text
+        wire.release.set()  # it comes back: its stuck reply arrives, then it pushes again
+        wire.frames[1].put(_frame(wire, Kind.PUSH, 1))
+        dst, stop = wire.sent.get(timeout=10)
+        assert (dst, stop.kind, stop.rank) == (1, Kind.STOP, 1)
+        assert "it was dropped and the others trained on without it" in stop.text
+        server.inbox.put(Message(Kind.DONE, 0))
+        assert server.local_replies.get(timeout=10).kind == Kind.PARAMS  # the final parameters
         assert server.join(10.0)
     finally:
         wire.release.set()
+
+
+def test_the_stall_window_is_configurable_and_checked():
+    wire = _DeafWire()
+    server = _server_with(wire, timeout=60.0, stall_timeout=1.5)
+    try:
+        assert _local_step(server, Kind.PULL).kind == Kind.PARAMS
+        wire.frames[1].put(_frame(wire, Kind.PULL, 1))
+        deadline = time.monotonic() + 30
+        while not server.stats().dropped and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "(stall_timeout 1.5s)" in server.stats().dropped[1]
+    finally:
+        wire.release.set()
+    with pytest.raises(ConfigError, match="stall_timeout=0 must be a positive number"):
+        _check_seconds("stall_timeout", 0, "fix")
 
 
 def test_a_non_finite_push_is_refused_naming_the_rank_and_never_applied():

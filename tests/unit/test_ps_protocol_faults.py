@@ -53,7 +53,7 @@ def _server(wire) -> ParameterServer:
     return _server_with(wire, timeout=30.0)
 
 
-def _server_with(wire, *, timeout: float) -> ParameterServer:
+def _server_with(wire, *, timeout: float, **options) -> ParameterServer:
     params = [torch.nn.Parameter(torch.zeros(NUMEL))]
     server = ParameterServer(
         params=params,
@@ -64,6 +64,7 @@ def _server_with(wire, *, timeout: float) -> ParameterServer:
         bound=None,
         rank=0,
         timeout=timeout,
+        **options,
     )
     server.start()
     return server

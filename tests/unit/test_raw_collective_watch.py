@@ -73,6 +73,6 @@ def test_the_report_says_mismatch_or_who_is_outside():
     assert "rank 1 is running user code at train.py:12, in no collective" in raw.report(
         0, 2, states, 100.0, 1.0
     )
-    assert "rank(s) 1 are not in any collective" in raw.report(0, 2, states, 100.0, 1.0)
+    assert "Rank(s) 1 are not in any collective" in raw.report(0, 2, states, 100.0, 1.0)
     states[1]["t"] = 80.0
     assert "rank 1 has sent no heartbeat for 20s" in raw.report(0, 2, states, 100.0, 1.0)

@@ -20,7 +20,7 @@ def _bucket(numel: int, dtype: torch.dtype = torch.float32) -> Bucket:
 def test_only_large_buckets_are_laid_out_each_on_its_own_cache_line():
     big = shared_reduce.MIN_BYTES // 4
     buckets = [_bucket(10), _bucket(big + 3), _bucket(big, torch.float64), _bucket(big - 1)]
-    layout, slot = shared_reduce._layout(buckets)
+    layout, slot = shared_reduce.slot_layout(buckets)
     assert sorted(layout) == [1, 2]  # 40 bytes and MIN_BYTES - 4 bytes stay with Gloo
     offsets = [layout[b][1] for b in (1, 2)]
     assert offsets[0] == 0 and offsets[1] >= buckets[1].nbytes and offsets[1] % 64 == 0

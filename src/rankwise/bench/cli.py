@@ -64,6 +64,8 @@ def config_from(args: argparse.Namespace):
         device=args.device,
         validate_worlds=_ints(args.validate, "--validate"),
         network=args.network,
+        node_network=args.node_network,
+        ranks_per_node=args.ranks_per_node,
         comm_sizes=_sizes(args.comm_max_bytes, "--comm-max-bytes"),
     )
 
@@ -121,14 +123,18 @@ def run_comm(args: argparse.Namespace) -> int:
     from .runner import BenchConfig, device_and_backend
 
     nproc = args.nproc_per_node
-    if nproc < 2:
-        raise ConfigError(
-            f"--nproc-per-node {nproc}: an all-reduce needs at least 2 ranks",
-            fix="--nproc-per-node 2",
-        )
-    _, backend = device_and_backend(BenchConfig(nproc=nproc, device=args.device))
     sizes = _sizes(args.comm_max_bytes, "--comm-max-bytes")
-    report = commbench.run(nproc, backend, sizes, args.repeats)
+    report = commbench.launched(sizes, args.repeats)  # under rankwise run: the job's own ranks
+    if report == {}:
+        return 0  # not rank 0: rank 0 reports
+    if report is None:
+        if nproc < 2:
+            raise ConfigError(
+                f"--nproc-per-node {nproc}: an all-reduce needs at least 2 ranks",
+                fix="--nproc-per-node 2",
+            )
+        _, backend = device_and_backend(BenchConfig(nproc=nproc, device=args.device))
+        report = commbench.run(nproc, backend, sizes, args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comm.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -171,13 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N,...",
         help="world sizes to check the projection at",
     )
-    flag(
-        p,
-        "network",
-        default=None,
-        metavar="BANDWIDTH,LATENCY",
-        help="projection network, e.g. 100Gbps,5us",
-    )
+    _network_flags(p)
     _max_bytes(p, "largest all-reduce in the fit (default 64 MiB)")
     flag(
         p,
@@ -187,6 +187,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory for bench.json and bench.png",
     )
     flag(p, "json", action="store_true", help="print the report as JSON instead of the table")
+
+
+def _network_flags(p: argparse.ArgumentParser) -> None:
+    flag(p, "network", default=None, metavar="BANDWIDTH,LATENCY",
+         help="projection network, e.g. 100Gbps,5us")  # fmt: skip
+    flag(p, "node-network", default=None, metavar="BANDWIDTH,LATENCY",
+         help="link between nodes: also project across nodes, flat ring and hierarchical")  # fmt: skip
+    flag(p, "ranks-per-node", type=positive_int, default=None, metavar="L",
+         help="ranks per node in that projection (default --nproc-per-node)")  # fmt: skip
 
 
 def _nproc(p: argparse.ArgumentParser, help: str) -> None:
@@ -224,7 +233,9 @@ def _add_comm(sub: argparse._SubParsersAction) -> None:
         help="all-reduce latency and bus bandwidth, 4 KiB..64 MiB",
         description="Measure all-reduce latency and bus bandwidth between --nproc-per-node "
         "local ranks for message sizes 4 KiB..--comm-max-bytes, and memcpy bandwidth for "
-        "comparison. Writes comm.json to --out.",
+        "comparison. Writes comm.json to --out. Started by a launcher (rankwise run --nnodes 2 "
+        "--nproc-per-node 1 ... -m rankwise bench comm), it measures between the job's own "
+        "ranks instead: the link between nodes, for --node-network.",
     )
     _nproc(c, "ranks taking part, at least 2 (default 2)")
     flag(c, "repeats", type=positive_int, default=5, metavar="N", help="timed repeats per size (5)")

@@ -112,6 +112,25 @@ def measure(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> dict:
     }
 
 
+def launched(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> dict | None:
+    """Under a launcher (``rankwise run``, torchrun) with 2 ranks or more: measure between
+    the job's own ranks, wherever they run (``rankwise run --nnodes 2 --nproc-per-node 1 ...
+    -m rankwise bench comm`` measures the link between two nodes). None when not launched;
+    rank 0 gets the report, the other ranks ``{}``. Sync point: all ranks."""
+    from ..runtime import coords, init, shutdown
+
+    where = coords()
+    if where.source != "launcher" or where.world_size < 2:  # not an salloc shell's SLURM_*
+        return None
+    rt = init()
+    torch.set_num_threads(1)
+    try:
+        report = measure(sizes, repeats)
+    finally:
+        shutdown()
+    return report if rt.rank == 0 else {}
+
+
 def _worker(sizes: tuple[int, ...], repeats: int) -> dict:
     torch.set_num_threads(1)
     return measure(sizes, repeats)

@@ -17,6 +17,15 @@ with backward is assumed (on CPU the all-reduce competes with backward for the s
 GPUs DDP hides part of it, so the model is pessimistic there). The scaling efficiency is
 ``c * B / T_step(n)``: the fraction of one process's throughput each of ``n`` ranks keeps.
 
+**Across nodes** (``predict_across_nodes``): ``N`` nodes of ``L`` ranks joined by a slower
+link (its own ``alpha``/``beta``, measured between the nodes or given). A flat ring over the
+``W = N*L`` ranks crosses every node boundary, and each of its links carries
+``2(W-1)/W * M``: the ring model at ``W`` with the link's parameters. The hierarchical
+all-reduce (``parallel/ddp/hierarchical.py``) sums within each node through shared memory
+(each rank reads and adds ``(L-1)/L`` of the buckets, then copies as much back:
+``2(L-1)/L * M / memcpy``) and runs a ring over the ``N`` nodes, whose ``L`` concurrent
+chunks share the node's link: ``2(N-1) * alpha + 2(N-1)/N * M * beta``.
+
 Pure functions, no torch: tested alone, and the fit and validation are plain arithmetic.
 """
 
@@ -65,21 +74,21 @@ class Network:
         return cls(d["alpha_us"] * 1e-6, 1.0 / (d["bandwidth_GBps"] * 1e9), d.get("source", ""))
 
 
-def parse_network(text: str) -> Network:
+def parse_network(text: str, flag: str = "--network") -> Network:
     """``'100Gbps,5us'`` -> Network. Bandwidth in Gbps/Mbps (bits) or GB/s, MB/s (bytes)."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z/]+)\s*,\s*([\d.]+)\s*([a-z]+)\s*", text or "")
     bw_unit = match and match.group(2).lower()
     lat_unit = match and match.group(4).lower()
     if not match or bw_unit not in _BW_UNITS or lat_unit not in _LAT_UNITS:
         raise ConfigError(
-            f"--network {text!r} is not BANDWIDTH,LATENCY",
-            fix="write e.g. --network 100Gbps,5us (bandwidth in Gbps, Mbps, GB/s or MB/s; "
+            f"{flag} {text!r} is not BANDWIDTH,LATENCY",
+            fix=f"write e.g. {flag} 100Gbps,5us (bandwidth in Gbps, Mbps, GB/s or MB/s; "
             "latency in s, ms, us or ns).",
         )
     bandwidth = float(match.group(1)) * _BW_UNITS[bw_unit]
     latency = float(match.group(3)) * _LAT_UNITS[lat_unit]
     if bandwidth <= 0:
-        raise ConfigError(f"--network {text!r}: bandwidth must be positive", fix="e.g. 100Gbps,5us")
+        raise ConfigError(f"{flag} {text!r}: bandwidth must be positive", fix="e.g. 100Gbps,5us")
     return Network(latency, 1.0 / bandwidth, "given")
 
 
@@ -88,6 +97,44 @@ def ring_allreduce_s(n: int, nbytes: float, net: Network) -> float:
     if n <= 1:
         return 0.0
     return 2 * (n - 1) * net.alpha_s + 2 * (n - 1) / n * nbytes * net.beta_s_per_byte
+
+
+def hierarchical_allreduce_s(
+    nodes: int, per_node: int, nbytes: float, link: Network, memcpy_Bps: float = float("inf")
+) -> float:
+    """Seconds for the hierarchical all-reduce: shared memory in the node, a ring between the
+    nodes over ``link`` (see the module text)."""
+    inside = 2 * (per_node - 1) / per_node * nbytes / memcpy_Bps if per_node > 1 else 0.0
+    return inside + ring_allreduce_s(nodes, nbytes, link)
+
+
+def predict_across_nodes(
+    compute_s: float,
+    grad_bytes: int,
+    nodes: int,
+    per_node: int,
+    link: Network,
+    memcpy_Bps: float = float("inf"),
+    *,
+    hierarchical: bool,
+) -> dict:
+    """Modelled step (ms) at ``nodes`` x ``per_node`` ranks over ``link``: the flat ring or
+    the hierarchical all-reduce, plus the bucket copies, no overlap (as ``predict``)."""
+    n = nodes * per_node
+    copies = 2 * grad_bytes / memcpy_Bps if n > 1 else 0.0
+    if hierarchical:
+        comm = hierarchical_allreduce_s(nodes, per_node, grad_bytes, link, memcpy_Bps)
+    else:
+        comm = ring_allreduce_s(n, grad_bytes, link)
+    step = compute_s + copies + comm
+    return {
+        "world": n,
+        "nodes": nodes,
+        "algorithm": "hierarchical" if hierarchical else "ring",
+        "step_ms": round(step * 1e3, 3),
+        "comm_ms": round((step - compute_s) * 1e3, 3),
+        "efficiency": round(compute_s / step, 3),
+    }
 
 
 def fit_ring(rows: list[dict], world: int) -> Network:

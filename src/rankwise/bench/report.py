@@ -5,7 +5,11 @@ Definitions (every strategy processes the same global batch ``nproc * batch`` pe
 - ``speedup = single_step / step``: how much faster than one process with one thread;
 - ``scaling_efficiency = speedup / workers`` (workers: threads, replicas or processes);
 - ``comm_exposed_ms = step - independent_step`` for multi-process strategies: the time the step
-  loses to communication and synchronisation beyond the same work with no communication;
+  loses to communication and synchronisation beyond the same work with no communication. When
+  the load changed between runs the difference can come out negative (a step with
+  communication faster than the same work without): it is then not measured, never printed
+  as a negative time: ``comm_exposed_ms`` is None, ``comm_measurable`` False, and the
+  recommendation's ``confidence`` is 'low' and says why;
 - ``peak_mb``: each working rank's peak memory over ``steps`` steps of a fresh strategy;
 - ``loss``: the loss of the model after exactly ``steps`` steps, on the global batches.
 """
@@ -17,8 +21,9 @@ import statistics
 
 import torch
 
+from . import across_nodes
 from . import strategies as st
-from .projection import Network, parse_network, project, validate
+from .projection import Network, parse_network, predict, project, validate
 from .rows import BASELINE, REPLICATED, THREADS
 from .rows import strategy as row_strategy
 
@@ -66,6 +71,7 @@ def _rows(cfg, raw: dict) -> list[dict]:
         speedup = single / step["median"]
         workers = st.workers(name, n)
         multi = name not in st.ON_RANK0 and name != st.REFERENCE
+        comm = step["median"] - indep if multi else None
         rows.append(
             {
                 "name": name,
@@ -78,7 +84,8 @@ def _rows(cfg, raw: dict) -> list[dict]:
                 "samples_per_s": round(global_batch / step["median"] * 1e3, 1),
                 "speedup": round(speedup, 3),
                 "scaling_efficiency": round(speedup / workers, 3),
-                "comm_exposed_ms": round(step["median"] - indep, 3) if multi else None,
+                "comm_exposed_ms": round(comm, 3) if comm is not None and comm >= 0 else None,
+                "comm_measurable": None if comm is None else comm >= 0,
                 "peak_mb": [p for p in extra[name]["peak_mb"] if p is not None],
                 "loss": None if extra[name]["loss"] is None else round(extra[name]["loss"], 5),
             }
@@ -99,6 +106,10 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
         if raw["validation"]
         else []
     )
+    for c in checks:  # the curve's own value at that world size, for the picture's labels
+        c["curve_efficiency"] = predict(compute_ms / 1e3, grad_bytes, c["world"], net, copy)[
+            "efficiency"
+        ]
     return {
         "model": "step = c*B + 2*bytes/memcpy + 2(n-1)*alpha + 2(n-1)/n*bytes*beta "
         "(bucket copies + ring all-reduce, no overlap)",
@@ -115,24 +126,28 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
             "rows": checks,
             "max_abs_error": max((abs(c["error"]) for c in checks), default=None),
         },
+        "across_nodes": _across(cfg, per_sample, grad_bytes, copy),
     }
 
 
+def _across(cfg, per_sample: float, grad_bytes: int, copy: float) -> dict | None:
+    """The projection across nodes, with ``--node-network`` (``across_nodes.py``)."""
+    if cfg.node_network is None:
+        return None
+    per_node = cfg.ranks_per_node or cfg.nproc
+    return across_nodes.block(cfg.node_network, per_node, per_sample, cfg.batch, grad_bytes, copy)
+
+
 def recommend(rows: list[dict]) -> dict:
-    """The fastest exact strategy, with the numbers behind it in one line."""
+    """The fastest exact strategy, with the numbers behind it in one line, and how far to
+    trust it (``confidence``: 'normal', or 'low' with the reasons in the text)."""
     ok = [r for r in rows if r["available"] and r["name"] != st.REFERENCE]
     exact = sorted((r for r in ok if r["exact"]), key=lambda r: -r["samples_per_s"])
     best = exact[0]
-    parts = []
-    for r in exact[1:]:
-        comm = (
-            f", {r['comm_exposed_ms']:.1f} ms/step exposed in communication"
-            if r["comm_exposed_ms"] is not None
-            else ""
-        )
-        parts.append(
-            f"{r['name']} {r['speedup']:.2f}x (efficiency {r['scaling_efficiency']:.2f}{comm})"
-        )
+    parts = [
+        f"{r['name']} {r['speedup']:.2f}x (efficiency {r['scaling_efficiency']:.2f}{_comm_words(r)})"
+        for r in exact[1:]
+    ]
     head = (
         f"{best['name']} ({best['layout']}): {best['speedup']:.2f}x one process "
         f"(efficiency {best['scaling_efficiency']:.2f}, {best['step_ms']['median']:.1f} ms/step, "
@@ -147,7 +162,35 @@ def recommend(rows: list[dict]) -> dict:
     text = f"Recommendation: {head}; vs " + "; ".join(parts) if parts else f"Recommendation: {head}"
     if notes:
         text += ". Note: " + "; ".join(notes)
-    return {"strategy": best["name"], "text": text + "."}
+    doubts = _doubts(ok, exact, best)
+    if doubts:
+        text += (f". Confidence: low, {'; '.join(doubts)}: rerun when the machine is as quiet "
+                 "as it will be for training")
+    return {"strategy": best["name"], "confidence": "low" if doubts else "normal",
+            "text": text + "."}
+
+
+def _comm_words(r: dict) -> str:
+    if r.get("comm_measurable") is False:
+        return ", communication not measurable under this load"
+    if r["comm_exposed_ms"] is None:
+        return ""
+    return f", {r['comm_exposed_ms']:.1f} ms/step exposed in communication"
+
+
+def _doubts(ok: list[dict], exact: list[dict], best: dict) -> list[str]:
+    """Why the recommendation may not hold on a quiet machine (none: normal confidence)."""
+    doubts = []
+    lost = [r["name"] for r in ok if r.get("comm_measurable") is False]
+    if lost:
+        doubts.append(
+            f"the communication time of {', '.join(lost)} was not measurable under this load "
+            "(a step with communication ran faster than the same work without it, "
+            "'independent': the machine's load changed between the runs)"
+        )
+    if min(exact, key=lambda r: r["step_ms"]["min"]) is not best:
+        doubts.append("the fastest repeats rank the strategies differently from the medians")
+    return doubts
 
 
 def _notes(ok: list[dict], exact: list[dict], best: dict) -> list[str]:
@@ -159,7 +202,7 @@ def _notes(ok: list[dict], exact: list[dict], best: dict) -> list[str]:
         notes.append(
             f"by its fastest repeat {quickest['name']} would win "
             f"({quickest['step_ms']['min']:.1f} vs {best['step_ms']['min']:.1f} ms/step): "
-            "the machine's load varied, rerun when it is as quiet as it will be for training"
+            "the machine's load varied"
         )
     for r in ok:
         if not r["exact"] and r["samples_per_s"] > 1.1 * best["samples_per_s"]:
@@ -223,16 +266,35 @@ def format_table(doc: dict) -> str:
             continue
         s = r["step_ms"]
         step = f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
-        comm = "-" if r["comm_exposed_ms"] is None else f"{r['comm_exposed_ms']:.1f}"
+        comm = _comm_cell(r)
         peak = "/".join(f"{p:.0f}" for p in r["peak_mb"]) or "-"
         loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
         lines.append(
             f"{r['name']:<12} {r['layout']:<21} {step:>22} {r['samples_per_s']:>10.0f} "
             f"{r['speedup']:>6.2f}x {r['scaling_efficiency']:>5.2f} {comm:>8} {peak:>13} {loss:>8}"
         )
+    lost = [r["name"] for r in doc["strategies"] if r.get("comm_measurable") is False]
+    if lost:
+        lines.append(
+            f"n/m: comm ms not measurable under this load for {', '.join(lost)} (the step ran "
+            "faster than 'independent', the same work without communication)"
+        )
     lines += _projection_lines(doc["projection"])
     lines.append(doc["recommendation"]["text"])
     return "\n".join(lines)
+
+
+def _comm_cell(r: dict) -> str:
+    if r.get("comm_measurable") is False:
+        return "n/m"
+    return "-" if r["comm_exposed_ms"] is None else f"{r['comm_exposed_ms']:.1f}"
+
+
+def _error_words(error: float) -> str:
+    """The model's relative error in words, with no sign to misread: '13% low', '2% high'."""
+    if round(abs(error) * 100) == 0:
+        return "within 1%"
+    return f"{abs(error):.0%} {'low' if error < 0 else 'high'}"
 
 
 def _projection_lines(p: dict) -> list[str]:
@@ -251,11 +313,13 @@ def _projection_lines(p: dict) -> list[str]:
     if v["rows"]:
         checks = ", ".join(
             f"world {r['world']}: predicted {r['predicted_ms']:.1f} ms, measured "
-            f"{r['measured_ms']:.1f} ms ({r['error']:+.0%})"
+            f"{r['measured_ms']:.1f} ms ({_error_words(r['error'])})"
             for r in v["rows"]
         )
         lines.append(
             f"  model check here ({v.get('strategy', REPLICATED)} step = independent + modelled "
             f"copies + all-reduce): {checks}"
         )
+    if p.get("across_nodes"):
+        lines += across_nodes.lines(p["across_nodes"])
     return lines

@@ -67,6 +67,11 @@ class BenchConfig:
     """World sizes whose measured synchronous step validates the projection."""
     network: str | None = None
     """``BANDWIDTH,LATENCY`` for the projection, e.g. '100Gbps,5us'; default: measured here."""
+    node_network: str | None = None
+    """``BANDWIDTH,LATENCY`` of the link between nodes: the projection adds steps across nodes
+    of ``ranks_per_node`` ranks, flat ring and hierarchical (``across_nodes.py``)."""
+    ranks_per_node: int | None = None
+    """Ranks per node in the projection across nodes; default ``nproc``."""
     comm_sizes: tuple[int, ...] = SIZES
     """All-reduce message sizes (bytes) measured for the alpha-beta fit."""
     timeout: float = 900.0
@@ -100,8 +105,16 @@ class BenchConfig:
             raise ConfigError(
                 f"--device {self.device!r} is not auto, cpu or cuda", fix="--device cpu"
             )
-        if self.network is not None:
-            parse_network(self.network)
+        for flag, value in (("--network", self.network), ("--node-network", self.node_network)):
+            if value is not None:
+                parse_network(value, flag)
+        if self.ranks_per_node is not None and (
+            not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
+        ):
+            raise ConfigError(
+                f"--ranks-per-node {self.ranks_per_node!r} must be an integer >= 1",
+                fix="e.g. --ranks-per-node 8 (GPUs per machine)",
+            )
         resolve(self.model, self.data)  # a bad --model fails here, not inside the ranks
 
 

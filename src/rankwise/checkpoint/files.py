@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from .. import validate
 from ..errors import ConfigError
 
 LATEST = "latest"
@@ -133,10 +134,25 @@ def _written_order(paths: list[Path]) -> list[Path]:
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """Checkpoints in a directory written by ``save_checkpoint``, least recently written first."""
+    validate.path("directory", directory, where="rw.list_checkpoints()")
     d = Path(directory)
     if not d.is_dir():
         return []
     return _written_order([p for p in d.iterdir() if _NAME.match(p.name)])
+
+
+def check_arguments(
+    path: object, model: object, optimizer: object, *, saving: bool, epoch: object = None,
+    keep_last: object = 3,
+) -> None:
+    """``save_checkpoint``/``load_checkpoint``'s arguments by type (validate.py), before
+    anything is read, gathered or written."""
+    where = "rw.save_checkpoint()" if saving else "rw.load_checkpoint()"
+    validate.path("path", path, where=where)
+    validate.stateful("model", model, where=where, optional=not saving)
+    validate.optimizer("optimizer", optimizer, where=where)
+    validate.integer("epoch", epoch, minimum=0, optional=True, where=where)
+    validate.integer("keep_last", keep_last, where=where, example=3)
 
 
 def check_step(step: object) -> None:

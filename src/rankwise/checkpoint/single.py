@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, runtime, wire
+from .. import comm, devices, runtime, wire
 from ..errors import ConfigError, DistributedError
 from ..version import __version__
 from . import files, rng, verify
@@ -134,6 +134,7 @@ def save_checkpoint(
 
     Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
     """
+    files.check_arguments(path, model, optimizer, saving=True, epoch=epoch, keep_last=keep_last)
     files.check_step(step)
     if keep_last < 1:
         raise ConfigError(
@@ -244,7 +245,9 @@ def _load(file: Path, map_location: Any, trusted: bool) -> Any:
             fix="if you trust this file, pass trusted=True; or allow just that type with "
             f"torch.serialization.add_safe_globals([{what.rsplit('.', 1)[-1]}]).",
         ) from exc
-    except (EOFError, OSError, RuntimeError, KeyError, ValueError) as exc:
+    except ConfigError:
+        raise
+    except Exception as exc:  # whatever torch's reader raises on bytes it cannot make sense of
         raise _unreadable(file, exc, "it is truncated, corrupt or not a torch.save file") from exc
 
 
@@ -302,6 +305,23 @@ def _default_map_location() -> torch.device:
     return runtime.get_runtime().device if runtime.is_initialized() else torch.device("cpu")
 
 
+def _check_map_location(map_location: Any) -> None:
+    """A device ``map_location`` names must exist here: torch's error for ``'cuda'`` on a
+    machine without GPUs reads like a damaged file (docs/checkpoints.md)."""
+    targets = map_location.values() if isinstance(map_location, Mapping) else [map_location]
+    for target in targets:
+        if isinstance(target, (str, torch.device)) and str(target) not in ("cpu", "meta"):
+            try:
+                devices.resolve_device(target, "map_location")
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"map_location={map_location!r} names a device this process does not have "
+                    f"({exc.message})",
+                    fix="pass map_location='cpu', or leave it out: each rank then loads onto its "
+                    "own device (rt.device), or onto the CPU before rw.init().",
+                ) from None
+
+
 def _load_plain(file: Path, ckpt: Any, model: nn.Module | None, strict: bool) -> dict[str, Any]:
     """A plain state dict (``torch.save(model.state_dict())``): into ``model`` only."""
     if model is None or not isinstance(ckpt, Mapping):
@@ -341,7 +361,9 @@ def load_checkpoint(
     every rank and load at any M. Rank r restores the RNG state saved by rank r when r < N;
     ranks r >= N keep their current RNG state (there is nothing of theirs to restore).
     """
+    files.check_arguments(path, model, optimizer, saving=False)
     file = resolve(path)
+    _check_map_location(map_location)
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
         return _load_plain(file, ckpt, model, strict)

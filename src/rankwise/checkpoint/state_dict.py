@@ -13,11 +13,14 @@ from typing import Any
 
 from torch import nn
 
+from .. import validate
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside DDP/DP wrappers (ours or torch's) and ``torch.compile``."""
+    validate.stateful("model", model, where="rw.unwrap_model()")
     while True:
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):

@@ -1,18 +1,23 @@
-"""A fast checksum per record, written into the checkpoint at save and checked on load.
+"""A position-dependent digest per record, written into the checkpoint at save and checked on load.
 
-CRC-32 (what the zip stores) runs at a few GB/s per core: on a loaded machine it added a third
-to a 1 GB load. ``sum64`` runs at memory speed instead: the record's little-endian 64-bit
-words are summed per 1 MiB block (numpy, which releases the GIL, so threads share the work),
-and the block sums are added with odd weights 1, 3, 5 ... modulo 2**64. Any one damaged word
-(a flipped bit or byte) changes its block's sum by a non-zero amount, and an odd weight keeps
-it non-zero; a zeroed or torn page, a cut-short record or two swapped blocks change it too
-(the record's length is stored beside it). It guards against accidents of disks, copies and
-memory, not against someone who edits the file on purpose: neither does CRC-32.
+The digest is xxHash's XXH3 (64 bits, the ``xxhash`` package) over 64 MiB pieces, combined in
+order: ``digest = xxh3_64(xxh3_64(piece 0) || xxh3_64(piece 1) || ... || length)``, each value a
+little-endian 64-bit word. XXH3 runs at memory speed (tens of GB/s per core, several times
+CRC-32) and releases the GIL on large inputs, so threads check the pieces of a file while
+``torch.load`` reads it. Unlike a sum of words it depends on where every byte is: swapped words,
+swapped pages or swapped pieces, two flips that cancel in a sum, a zeroed page or a record cut
+short all change it (a changed record keeps its digest with probability 2**-64). Like CRC-32 it
+guards against accidents of disks, copies and memory, not against someone who edits the file
+on purpose (nothing without a secret key does).
 
-``add_manifest`` appends one small record, ``<archive>/.rankwise-sums.json``, to the zip that
-``torch.save`` wrote (the other records do not move, so ``torch.load`` and ``mmap=True``
-loads read the file as before); ``verify`` checks every record against it, and
-falls back to the zip's CRC-32 for files without it (older checkpoints, plain ``torch.save``).
+``digest(buffer)`` and ``digest_file(path)`` are the function API (sharded checkpoints store one
+per file). ``add_manifest`` appends one small record, ``<archive>/.rankwise-sums.json``, to the
+zip that ``torch.save`` wrote: for every record, its size and the digest of its bytes *from its
+local zip header to the end of its data* (header, name, extra field, data), so that no byte a
+reader uses is left out. The other records do not move: ``torch.load`` and ``mmap=True`` loads
+read the file as before. A manifest of another algorithm (the earlier ``sum64-1MiB``, a weighted
+word sum that missed swapped words, or one a later version may write) is not used: ``parse``
+returns None and the file is checked against the zip's CRC-32 instead (``verify``).
 """
 
 from __future__ import annotations
@@ -21,48 +26,79 @@ import json
 import mmap
 import os
 import zipfile
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
+import xxhash
 
 MANIFEST = ".rankwise-sums.json"
-ALGORITHM = "sum64-1MiB"
-BLOCK = 1 << 20  # bytes per weighted block
-PIECE = 64 * BLOCK  # bytes per thread task; a multiple of BLOCK so weights stay global
-_MASK = (1 << 64) - 1
-_NONE = np.zeros(0, dtype=np.uint64)
+ALGORITHM = "xxh3_64-64MiB"
+"""The manifest's algorithm name: XXH3-64 over 64 MiB pieces, combined in order."""
+OLD_ALGORITHMS = ("sum64-1MiB",)
+"""Algorithms of earlier manifests: not trusted (the zip's CRC-32 is checked instead)."""
+PIECE = 64 << 20  # bytes per piece: one thread task, and part of the digest's definition
 
 
-def piece_sum(mapped: Any, record_start: int, start: int, end: int) -> int:
-    """The weighted sum of ``mapped[start:end]``, a piece of the record that begins at
-    ``record_start``; ``start - record_start`` is a multiple of ``BLOCK``. Pieces add up."""
-    first = (start - record_start) // BLOCK
-    count = (end - start) // 8
-    words = np.frombuffer(mapped, dtype="<u8", count=count, offset=start) if count else _NONE
-    per = BLOCK // 8
-    full = count // per
-    sums = np.empty(full + 1, dtype=np.uint64)
-    if full:
-        words[: full * per].reshape(full, per).sum(axis=1, dtype=np.uint64, out=sums[:full])
-    sums[full] = words[full * per :].sum(dtype=np.uint64)
-    weights = 2 * np.arange(first, first + full + 1, dtype=np.uint64) + 1
-    total = int((sums * weights).sum(dtype=np.uint64))
-    tail = bytes(mapped[start + 8 * count : end])  # the last 1-7 bytes, as one padded word
-    if tail:
-        total += (2 * (first + full) + 1) * int.from_bytes(tail, "little")
-    return total & _MASK
+def threads_default() -> int:
+    return min(8, os.cpu_count() or 1)
 
 
 def pieces(start: int, size: int) -> list[tuple[int, int]]:
-    """``[start, start + size)`` cut into ``PIECE``-byte ranges (one thread task each)."""
+    """``[start, start + size)`` cut into ``PIECE``-byte ranges (at least one, maybe empty)."""
     end = start + size
     return [(a, min(a + PIECE, end)) for a in range(start, end, PIECE)] or [(end, end)]
 
 
-def sum64(data: bytes) -> int:
-    """The checksum of ``data`` in one call (tests, small records)."""
-    return piece_sum(memoryview(data), 0, 0, len(data)) if data else 0
+def piece_digest(view: Any, start: int, end: int) -> int:
+    """XXH3-64 of ``view[start:end]``, read in place (no copy; the GIL is released)."""
+    return xxhash.xxh3_64_intdigest(view[start:end])
+
+
+def combine(piece_digests: Iterable[int], length: int) -> str:
+    """The digest (16 hex digits) of ``length`` bytes whose pieces had ``piece_digests``."""
+    words = b"".join(d.to_bytes(8, "little") for d in piece_digests)
+    return f"{xxhash.xxh3_64_intdigest(words + length.to_bytes(8, 'little')):016x}"
+
+
+def digest(buffer: Any) -> str:
+    """The digest of a bytes-like object (bytes, memoryview, numpy array, mmap), as 16 hex
+    digits: what the manifest stores per record and ``digest_file`` gives for a whole file."""
+    view = memoryview(buffer).cast("B")
+    try:
+        return combine((piece_digest(view, a, b) for a, b in pieces(0, len(view))), len(view))
+    finally:
+        view.release()
+
+
+def digest_ranges(
+    view: Any, ranges: list[tuple[int, int]], threads: int | None = None
+) -> list[str]:
+    """The digest of each ``(start, end)`` range of ``view``, pieces computed in threads."""
+    with ThreadPoolExecutor(threads or threads_default()) as pool:
+        jobs = [
+            [pool.submit(piece_digest, view, a, b) for a, b in pieces(start, end - start)]
+            for start, end in ranges
+        ]
+        return [
+            combine((j.result() for j in parts), end - start)
+            for parts, (start, end) in zip(jobs, ranges, strict=True)
+        ]
+
+
+def digest_file(path: str | os.PathLike, threads: int | None = None) -> str:
+    """``digest(open(path, 'rb').read())``, without reading the file into memory: mapped and
+    hashed in threads (sharded checkpoints store one per file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return digest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return digest_ranges(view, [(0, size)], threads)[0]
+            finally:
+                view.release()
 
 
 def manifest_name(names: list[str]) -> str:
@@ -75,38 +111,38 @@ def is_manifest(name: str) -> bool:
     return name.rsplit("/", 1)[-1] == MANIFEST
 
 
-def parse(text: bytes) -> dict[str, tuple[int, int]]:
-    """``{record name: (size, sum)}`` from a manifest's bytes; ``ValueError`` if malformed."""
+def parse(text: bytes) -> dict[str, tuple[int, str]] | None:
+    """``{record name: (data size, digest)}`` from a manifest's bytes; None for a manifest of
+    another algorithm (an earlier one, or one a later version writes: the caller checks the
+    zip's CRC-32 instead); ``ValueError`` if malformed."""
     data = json.loads(text.decode("utf-8"))
-    if not (isinstance(data, dict) and data.get("algorithm") == ALGORITHM):
-        raise ValueError(f"unknown checksum algorithm {str(data)[:60]!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object: {str(data)[:60]!r}")
+    if data.get("algorithm") != ALGORITHM:
+        return None  # an earlier algorithm (OLD_ALGORITHMS) or a later one: CRC-32 it is
     out = {}
     for name, entry in data["records"].items():
         size, value = entry
-        out[str(name)] = (int(size), int(value, 16))
+        if not (isinstance(value, str) and len(value) == 16):
+            raise ValueError(f"malformed digest {str(value)[:40]!r} of {name!r}")
+        int(value, 16)
+        out[str(name)] = (int(size), value)
     return out
 
 
 def add_manifest(fd: int, records: list[Any], threads: int | None = None) -> None:
-    """Append the manifest of ``records`` (``verify.Record``s of the zip open on
-    ``fd``, read-write) to that zip. Called on the temporary file before its atomic rename."""
-    sums: dict[str, list[Any]] = {}
+    """Append the manifest of ``records`` (``zipcheck.Entry``s of the zip open on ``fd``,
+    read-write) to that zip. Called on the temporary file before its atomic rename."""
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
-            with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-                jobs = {
-                    r.name: [
-                        pool.submit(piece_sum, view, r.offset, a, b)
-                        for a, b in pieces(r.offset, r.size)
-                    ]
-                    for r in records
-                }
-                for r in records:
-                    total = sum(job.result() for job in jobs[r.name]) & _MASK
-                    sums[r.name] = [r.size, f"{total:016x}"]
+            ranges = [(r.header_offset, r.data_offset + r.size) for r in records]
+            digests = digest_ranges(view, ranges, threads)
         finally:
             view.release()
+    sums = {r.name: [r.size, d] for r, d in zip(records, digests, strict=True)}
     text = json.dumps({"algorithm": ALGORITHM, "records": sums}, sort_keys=True).encode()
+    info = zipfile.ZipInfo(manifest_name([r.name for r in records]), (1980, 1, 1, 0, 0, 0))
+    info.external_attr = 0  # a plain file for every reader (the DOS bits stay clear)
     with os.fdopen(os.dup(fd), "r+b") as f, zipfile.ZipFile(f, "a") as z:
-        z.writestr(manifest_name([r.name for r in records]), text, zipfile.ZIP_STORED)
+        z.writestr(info, text, zipfile.ZIP_STORED)

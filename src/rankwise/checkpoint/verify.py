@@ -1,81 +1,52 @@
-"""Checking a checkpoint's bytes on load: every record of the file against its checksum.
+"""Checking a checkpoint's bytes on load: its zip structure, then every record.
 
 ``torch.save`` writes a zip whose every record (the pickled structure, each tensor's storage)
-carries a CRC-32, and ``torch.load`` does not check them: a flipped byte inside a tensor loads
-as a wrong weight. ``rw.save_checkpoint`` also writes a faster checksum per record into the
-file (``sums``: a weighted 64-bit sum at memory speed). ``Verifier`` checks every
-record against it, or against the zip's CRC-32 in files without it (older checkpoints, plain
-``torch.save``), in threads while ``torch.load`` reads the same file (numpy and ``zlib.crc32``
-release the GIL), so a verified load costs little more wall time than a plain one
-(``benchmarks/checkpoint_verify.py``). A mismatch is a ``ConfigError`` naming the file and the
-record. Files in torch's legacy (non-zip) format carry neither and are not checked.
+carries a CRC-32, and ``torch.load`` checks neither them nor the zip's directory: a flipped
+byte inside a tensor loads as a wrong weight, a flipped bit in the directory can load
+uninitialised memory. ``Verifier`` first reads the structure as torch's reader does and refuses
+whatever could be read otherwise than written (``zipcheck``), then checks every record: against
+the digests ``rw.save_checkpoint`` writes into the file (``sums``: XXH3 over each record's local
+header and data), or against the zip's CRC-32 in files without them (older checkpoints, plain
+``torch.save``). The records are checked in threads while ``torch.load`` reads the same file
+(``xxhash`` and ``zlib.crc32`` release the GIL), so a verified load costs little more wall time
+than a plain one (``benchmarks/checkpoint_verify.py``). A mismatch is a ``ConfigError`` naming
+the file and the record. Files in torch's legacy (non-zip) format carry neither and are not
+checked.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import struct
-import zipfile
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ..errors import ConfigError
-from . import sums
+from . import sums, zipcheck
+from .zipcheck import Entry, corrupt
+
+Record = Entry  # the name earlier code used
+__all__ = ["Record", "Verifier", "corrupt", "crc32_combine", "records", "save"]
 
 _CHUNK = 8 * 1024 * 1024
 _PIECE = 64 * 1024 * 1024  # large records are split so that every thread has work
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
-_LOCAL_MAGIC = 0x04034B50
+_TASK = 8 * 1024 * 1024  # small records are grouped into tasks of at least this many bytes
 
 
-@dataclass(frozen=True)
-class Record:
-    """One stored record of the zip: where its bytes are and the CRC-32 they must have."""
-
-    name: str
-    offset: int
-    size: int
-    crc: int
-
-
-def records(file: Path | IO[bytes]) -> list[Record]:
-    """The stored records of a ``torch.save`` zip (a path or an open binary file), with their
-    data offsets; [] if not a zip."""
-    if isinstance(file, (str, os.PathLike)):
-        with open(file, "rb") as f:
-            return _records(f, Path(file))
-    return _records(file, Path(str(getattr(file, "name", "<file>"))))
-
-
-def _records(f: IO[bytes], file: Path) -> list[Record]:
-    if not zipfile.is_zipfile(f):
-        return []
-    out = []
-    with zipfile.ZipFile(f) as z:
-        for info in z.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                continue  # torch stores records uncompressed; anything else is not ours to check
-            f.seek(info.header_offset)
-            header = f.read(_LOCAL_HEADER.size)
-            fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
-            if fields is None or fields[0] != _LOCAL_MAGIC:
-                raise corrupt(file, info.filename, "its zip header is damaged")
-            start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-            out.append(Record(info.filename, start, info.compress_size, info.CRC))
-    return out
-
-
-def corrupt(file: Path, entry: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"checkpoint {os.fspath(file)!r} is corrupt: record {entry!r} {why}; loading it would "
-        "resume from wrong values",
-        fix="load an earlier checkpoint (rw.list_checkpoints(folder) lists them) or copy the file "
-        "again from a good source; check the disk or the transfer that damaged it.",
-    )
+def records(file: Path | str | os.PathLike) -> list[Entry]:
+    """The records of a ``torch.save`` zip, checked by ``zipcheck`` ([] if not a zip)."""
+    path = Path(file)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return []
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return zipcheck.entries(view, path)
+            finally:
+                view.release()
 
 
 def _crc_piece(mapped: memoryview, start: int, end: int) -> int:
@@ -132,108 +103,145 @@ def _pieces(record: Record) -> list[tuple[int, int]]:
 
 
 def save(obj: object, f: IO[bytes]) -> None:
-    """``torch.save(obj, f)`` plus the checksum manifest (``sums``). ``f`` is a file
+    """``torch.save(obj, f)`` plus the digest manifest (``sums``). ``f`` is a file
     whose descriptor is open for reading and writing (``files.write_atomic``'s)."""
     import torch
 
     torch.save(obj, f)
     f.flush()
-    with os.fdopen(os.dup(f.fileno()), "rb") as g:
-        written = records(g)
-    sums.add_manifest(f.fileno(), written)
+    sums.add_manifest(f.fileno(), _records_of(f))
     f.seek(0, os.SEEK_END)  # the file grew behind this object's back
 
 
+def _records_of(f: IO[bytes]) -> list[Entry]:
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return zipcheck.entries(view, Path(str(getattr(f, "name", "<file>"))))
+        finally:
+            view.release()
+
+
 class Verifier:
-    """``Verifier(file)`` starts checking every record in threads; ``check()`` waits and raises.
+    """``Verifier(file)`` checks the zip structure at once (``ConfigError`` if damaged), then
+    starts checking every record in threads; ``check()`` waits and raises.
 
     Use it around ``torch.load`` of the same file: the two read it concurrently.
     """
 
     def __init__(self, file: Path, threads: int | None = None) -> None:
         self.file = file
-        try:
-            self.records = records(file)
-        except (OSError, zipfile.BadZipFile, ValueError):
-            self.records = []  # torch.load names the damage; nothing here to compare against
         self._map: mmap.mmap | None = None
-        if self.records:
-            try:
-                with open(file, "rb") as f:
+        self._view = memoryview(b"")
+        try:
+            with open(file, "rb") as f:
+                if os.fstat(f.fileno()).st_size:
                     self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):  # a filesystem that cannot map: load unverified
-                self.records = []
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        self._error: ConfigError | None = None
-        self._sums = self._manifest()
-        workers = threads or min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rankwise-verify")
-        self._futures = [(r, self._submit(r)) for r in self.records]
+        except (OSError, ValueError):  # unreadable or cannot map: torch.load names the problem
+            self._map = None
+        if self._map is not None:
+            self._view = memoryview(self._map)
+        self._pool: ThreadPoolExecutor | None = None
+        self._tasks: list[tuple[list[tuple[int, int, int]], Future | None]] = []
+        try:
+            self.records = zipcheck.entries(self._view, file)
+            self._sums = self._manifest()
+        except BaseException:
+            self.close()
+            raise
+        if len(self._view) >= _TASK:  # a small file is checked in check(), without threads
+            self._pool = ThreadPoolExecutor(threads or sums.threads_default(), "rankwise-verify")
+        self._submit()
 
-    def _manifest(self) -> dict[str, tuple[int, int]]:
-        """The checksums written at save, {} if none; a damaged manifest is itself an error."""
+    def _manifest(self) -> dict[str, tuple[int, str]] | None:
+        """The digests written at save; None where there are none (or of an older algorithm):
+        then the zip's CRC-32 is checked. A damaged manifest is itself an error."""
         found = [r for r in self.records if sums.is_manifest(r.name)]
         if not found:
-            return {}
+            return None
         r = found[0]
-        data = bytes(self._view[r.offset : r.offset + r.size])
+        if r is not self.records[-1]:
+            raise corrupt(self.file, r.name, "(the digests written at save) is not the last record")
+        data = bytes(self._view[r.data_offset : r.data_offset + r.size])
         if zlib.crc32(data) != r.crc:
-            self._error = corrupt(self.file, r.name, "(the checksums written at save) is damaged")
-            return {}
+            raise corrupt(self.file, r.name, "(the digests written at save) is damaged")
         try:
             return sums.parse(data)
-        except (ValueError, KeyError, TypeError) as exc:
-            self._error = corrupt(self.file, r.name, f"cannot be read ({exc})")
-            return {}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise corrupt(self.file, r.name, f"cannot be read ({exc})") from None
 
-    def _submit(self, r: Record) -> list[tuple[int, Future]]:
-        if r.offset + r.size > len(self._view):
-            return []  # cut short: check() says so
-        if r.name in self._sums:
-            return [
-                (b - a, self._pool.submit(sums.piece_sum, self._view, r.offset, a, b))
-                for a, b in sums.pieces(r.offset, r.size)
-            ]
-        return [(b - a, self._pool.submit(_crc_piece, self._view, a, b)) for a, b in _pieces(r)]
+    def _ranges(self, r: Entry) -> list[tuple[int, int]]:
+        """What is checked of a record: with digests, its local header and data; else its data."""
+        if self._sums is not None:
+            return sums.pieces(r.header_offset, r.data_offset + r.size - r.header_offset)
+        return _pieces(r)
+
+    def _submit(self) -> None:
+        """Queue every record's pieces, several small ones per task (a thread handoff costs more
+        than hashing a few kilobytes; a checkpoint may hold thousands of small tensors)."""
+        fn = sums.piece_digest if self._sums is not None else _crc_piece
+        group: list[tuple[int, int, int]] = []
+        size = 0
+        for i, r in enumerate(self.records):
+            if sums.is_manifest(r.name):
+                continue  # checked above, by its CRC
+            for a, b in self._ranges(r):
+                group.append((i, a, b))
+                size += b - a
+                if size >= _TASK:
+                    self._queue(fn, group)
+                    group, size = [], 0
+        if group:
+            self._queue(fn, group)
+
+    def _queue(self, fn: Callable[[memoryview, int, int], int], group: list) -> None:
+        if self._pool is None:
+            self._tasks.append((group, None))
+        else:
+            self._tasks.append((group, self._pool.submit(_run, fn, self._view, group)))
 
     def check(self) -> None:
         """Wait for every record; raise ``ConfigError`` naming the first that does not match."""
         try:
-            if self._error is not None:
-                raise self._error
-            for record, pieces in self._futures:
-                if record.offset + record.size > len(self._view):
-                    raise corrupt(self.file, record.name, "is cut short")
-                if record.name in self._sums:
-                    self._check_sum(record, pieces)
+            done: dict[int, list[tuple[int, int]]] = {}
+            fn = sums.piece_digest if self._sums is not None else _crc_piece
+            for group, future in self._tasks:
+                values = _run(fn, self._view, group) if future is None else future.result()
+                for (i, a, b), value in zip(group, values, strict=True):
+                    done.setdefault(i, []).append((b - a, value))
+            for i, pieces in sorted(done.items()):
+                if self._sums is not None:
+                    self._check_digest(self.records[i], pieces)
                 else:
-                    self._check_crc(record, pieces)
+                    self._check_crc(self.records[i], pieces)
             held = {r.name for r in self.records}
-            for name in self._sums:
+            for name in self._sums or {}:
                 if name not in held:
-                    raise corrupt(self.file, name, "is missing (the file's checksums list it)")
+                    raise corrupt(self.file, name, "is missing (the file's digests list it)")
         finally:
             self.close()
 
-    def _check_sum(self, record: Record, pieces: list[tuple[int, Future]]) -> None:
+    def _check_digest(self, record: Entry, pieces: list[tuple[int, int]]) -> None:
+        assert self._sums is not None
+        if record.name not in self._sums:
+            raise corrupt(self.file, record.name, "is not listed in the digests written at save")
         size, expected = self._sums[record.name]
         if size != record.size:
             raise corrupt(
                 self.file, record.name, f"holds {record.size} bytes, not the {size} written"
             )
-        got = sum(future.result() for _, future in pieces) & (2**64 - 1)
+        got = sums.combine((value for _, value in pieces), sum(n for n, _ in pieces))
         if got != expected:
             raise corrupt(
                 self.file,
                 record.name,
-                f"has checksum {sums.ALGORITHM} {got:016x}, not "
-                f"the {expected:016x} written with it",
+                f"has checksum {sums.ALGORITHM} {got}, not the {expected} written with it",
             )
 
-    def _check_crc(self, record: Record, pieces: list[tuple[int, Future]]) -> None:
+    def _check_crc(self, record: Entry, pieces: list[tuple[int, int]]) -> None:
         got = 0
-        for length, future in pieces:
-            got = crc32_combine(got, future.result(), length)
+        for length, value in pieces:
+            got = crc32_combine(got, value, length)
         if got != record.crc:
             raise corrupt(
                 self.file,
@@ -242,11 +250,18 @@ class Verifier:
             )
 
     def close(self) -> None:
-        for _, pieces in self._futures:
-            for _, future in pieces:
+        for _, future in self._tasks:
+            if future is not None:
                 future.cancel()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._view.release()
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+def _run(
+    fn: Callable[[memoryview, int, int], int], view: memoryview, group: list[tuple[int, int, int]]
+) -> list[int]:
+    return [fn(view, a, b) for _, a, b in group]

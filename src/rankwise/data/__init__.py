@@ -7,12 +7,15 @@
   (``metrics.py``).
 - ``join``: all ranks stop together on truly uneven iterators (``uneven.py``).
 - ``ShardedIterable``: iterable datasets split by rank and DataLoader worker (``iterable.py``).
+- ``seed_everything``: every random stream from one seed, per rank as documented
+  (``seeding.py``).
 """
 
 from .batching import Loader, loader, per_device_batch
 from .iterable import ShardedIterable
 from .metrics import gather_for_metrics
 from .sampler import DistributedSampler
+from .seeding import seed_everything
 from .uneven import Join, join
 
 __all__ = [
@@ -24,4 +27,5 @@ __all__ = [
     "join",
     "loader",
     "per_device_batch",
+    "seed_everything",
 ]

@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..errors import ConfigError
 from . import _coords, _resume
-from .contract import per_device_batch
+from .contract import check_built_loader, check_loader_arguments, per_device_batch
 from .iterable import ShardedIterable
 from .sampler import DistributedSampler
+from .seeding import default_seed
 
 
 class Loader:
@@ -55,6 +56,9 @@ class Loader:
         replicas_in_process: int,
         generator_seed: int | None = None,
     ) -> None:
+        check_built_loader(dataloader, {"per_device_batch_size": per_device_batch_size,
+                           "num_replicas": num_replicas, "replicas_in_process": replicas_in_process},
+                           generator_seed)  # fmt: skip
         self.dataloader = dataloader
         # DataLoader draws its workers' base seed from its generator, or else from torch's
         # global RNG, at every iter(): a draw a resumed run would not repeat in the same place.
@@ -238,7 +242,7 @@ def loader(
     global_batch_size: int | None = None,
     shuffle: bool = False,
     drop_last: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     sampler: Sampler | None = None,
     evaluation: bool = False,
     replicas_in_process: int = 1,
@@ -251,8 +255,9 @@ def loader(
 
     Exactly one of ``batch_size`` (per device) or ``global_batch_size`` (per step, whole job).
     ``shuffle``/``seed``/``drop_last`` configure the ``DistributedSampler`` the loader builds
-    (``drop_last`` also drops the last incomplete batch). ``evaluation=True`` neither pads nor
-    drops: each sample is seen once; combine with ``rw.gather_for_metrics``.
+    (``seed`` by default ``rw.seed_everything``'s, else 0, also seeds the workers with the rank
+    and epoch; ``drop_last`` also drops the last incomplete batch). ``evaluation=True`` neither
+    pads nor drops: each sample is seen once; combine with ``rw.gather_for_metrics``.
     ``replicas_in_process`` is the number of devices a ``rw.DataParallel`` model in this process
     splits each batch over: the loader batch is then that process's whole (global at world
     size 1) batch. ``num_replicas``/``rank`` default to the runtime's. Iterable datasets are
@@ -260,14 +265,13 @@ def loader(
     arguments go to ``torch.utils.data.DataLoader``. No sync point.
     """
     rank, num_replicas = _coords.resolve(num_replicas, rank)
+    seed = default_seed() if seed is None else seed
     per_device = per_device_batch(batch_size, global_batch_size, num_replicas, replicas_in_process)
-    _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last)
+    _check_kwargs(dataloader_kwargs, shuffle, sampler, evaluation, drop_last, dataset, seed)
     _check_not_empty(dataset)
     process_batch = per_device * replicas_in_process
-    dataset, sampler = _share(
-        dataset, sampler, num_replicas, rank, shuffle, seed, drop_last, evaluation, shard,
-        process_batch,
-    )  # fmt: skip
+    dataset, sampler = _share(dataset, sampler, num_replicas, rank, shuffle, seed, drop_last,
+                              evaluation, shard, process_batch)  # fmt: skip
     own_generator = dataloader_kwargs.get("generator") is None
     if own_generator:
         dataloader_kwargs["generator"] = torch.Generator()
@@ -322,8 +326,10 @@ def _share(
 
 
 def _check_kwargs(
-    kwargs: dict[str, Any], shuffle: bool, sampler: Any, evaluation: bool, drop_last: bool
-) -> None:
+    kwargs: dict[str, Any], shuffle: bool, sampler: Any, evaluation: bool, drop_last: bool,
+    dataset: Any, seed: Any,
+) -> None:  # fmt: skip
+    check_loader_arguments(dataset, seed, sampler)  # by type first (validate.py)
     if "batch_sampler" in kwargs:
         raise ConfigError(
             "batch_sampler= was given to rw.loader; it would bypass the batch-size contract",

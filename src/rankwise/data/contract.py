@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.utils.data import DataLoader, IterableDataset
+
+from .. import validate
 from ..errors import ConfigError
 
 
@@ -46,6 +49,31 @@ def per_device_batch(
             "batch_size= (per device) instead.",
         )
     return global_batch_size // replicas
+
+
+def check_loader_arguments(dataset: Any, seed: Any, sampler: Any) -> None:
+    """``rw.loader``'s arguments the batch sizes do not cover, by type (validate.py)."""
+    sized = hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+    if not (sized or isinstance(dataset, IterableDataset)):
+        validate.fail("dataset", dataset, "a data set (with len() and [index]) or an "
+                      "IterableDataset", where="rw.loader()", fix="pass the data set itself, e.g. "
+                      "rw.loader(TensorDataset(x, y), batch_size=32).")  # fmt: skip
+    validate.integer("seed", seed, where="rw.loader()")
+    if sampler is not None and (isinstance(sampler, (str, bytes)) or not hasattr(sampler, "__iter__")):
+        validate.fail("sampler", sampler, "a torch Sampler (an iterable of indices) or None",
+                      where="rw.loader()", fix="pass e.g. sampler=rw.DistributedSampler(dataset), "
+                      "or shuffle=True and no sampler.")  # fmt: skip
+
+
+def check_built_loader(dataloader: Any, sizes: dict[str, Any], generator_seed: Any) -> None:
+    """``rw.Loader(dataloader, per_device_batch_size=, num_replicas=, replicas_in_process=)``."""
+    if not isinstance(dataloader, DataLoader):
+        validate.fail("dataloader", dataloader, "a torch DataLoader", where="rw.Loader()",
+                      fix="build loaders with rw.loader(dataset, batch_size=...), which makes "
+                      "the DataLoader and the rw.Loader.")  # fmt: skip
+    for name, value in sizes.items():
+        validate.integer(name, value, minimum=1, where="rw.Loader()")
+    validate.integer("generator_seed", generator_seed, optional=True, where="rw.Loader()")
 
 
 def _check_positive(name: str, value: Any, example: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import validate
 from ..errors import ConfigError
 from . import _coords
 from .sampler import share_size
@@ -38,6 +39,9 @@ class ShardedIterable(IterableDataset):
         even: bool = False,
         chunk: int = 1,
     ) -> None:
+        if not hasattr(dataset, "__iter__"):
+            validate.fail("dataset", dataset, "an iterable", where="ShardedIterable()",
+                          fix="pass the stream (an IterableDataset or any iterable).")  # fmt: skip
         self.rank, self.num_replicas = _coords.resolve(num_replicas, rank)
         if not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(

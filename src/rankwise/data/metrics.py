@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import comm, runtime, wire
+from .. import comm, runtime, validate, wire
 from ..errors import ConfigError, DistributedError
 from . import _coords
 from .sampler import share_size
@@ -36,6 +36,8 @@ def gather_for_metrics(data: T, *, num_samples: int | None = None) -> T:
     After a padding sampler, pass ``num_samples=len(dataset)`` to drop the padded duplicates
     (they are always the last positions). Sync point: all ranks (call it once, after the loop).
     """
+    validate.integer("num_samples", num_samples, minimum=0, optional=True,
+                     where="rw.gather_for_metrics()")  # fmt: skip
     world = _coords.require_group("gather_for_metrics")
     group = runtime.data_group()  # None: every rank reads its own data
     peers = None if group is None else dist.get_process_group_ranks(group)

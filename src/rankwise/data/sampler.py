@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .. import validate
 from ..errors import ConfigError, RuntimeStateError, warn_user
 from . import _coords
 
@@ -81,6 +82,10 @@ class DistributedSampler(Sampler[int]):
         *,
         pad: bool = True,
     ) -> None:
+        if not hasattr(dataset, "__len__"):
+            validate.fail("dataset", dataset, "a data set with len()", where="DistributedSampler()",
+                          fix="pass the map-style data set the DataLoader reads.")  # fmt: skip
+        validate.integer("seed", seed, where="DistributedSampler()")
         self.rank, self.num_replicas = _coords.resolve(num_replicas, rank)
         if drop_last and not pad:
             raise ConfigError(

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from .. import comm
+from .. import comm, validate
 from ..errors import RuntimeStateError
 from . import _coords
 
@@ -93,4 +93,5 @@ def join(iterable: Iterable[T]) -> Join[T]:
     Use as ``with rw.join(batches) as it: for batch in it: ...``. See the module docs for the
     semantics. Sync point: all ranks, at every step and when leaving the ``with`` block early.
     """
+    validate.iterable("iterable", iterable, where="rw.join()")
     return Join(iterable)

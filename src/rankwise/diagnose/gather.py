@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from .. import env as envmod
 from ..errors import DistributedError
-from . import nodes, report
+from . import nodes, peer, report
 from .report import RankView, Record, Site
-from .sidechannel import Channel, key_last, key_ring, parse_wire, record_from_dict
+from .sidechannel import Channel, key_last, key_ring
 
 _FIX_UNTRACKED = (
     "every rank must reach the same collectives; check every rank's log for the first error, "
@@ -52,27 +52,30 @@ class _Peer:
     frame: Site | None
     latest: Record | None
     finished: bool = False
+    raised: str | None = None
     node: int | None = None
 
 
 def _read(channel: Channel, group: str, rank: int) -> _Peer:
+    """What the store says of ``rank`` (every value checked and escaped by ``peer``)."""
     state = channel.state(rank)
     latest = None
     entries = (state or {}).get("groups", {}).get(group) or []
     if entries:
-        latest = record_from_dict(entries[-1])
-    raw = channel.get(key_last(group, rank))
-    if raw:
-        wired, _ = parse_wire(raw)
-        if latest is None or wired.seq > latest.seq:
-            latest = wired
-    frame = Site(*state["frame"]) if state and state.get("frame") else None
+        latest = entries[-1]
+    wired = peer.parse_wire(channel.get(key_last(group, rank)))
+    if wired is not None and (latest is None or wired[0].seq > latest.seq):
+        latest = wired[0]
+    frame = state["frame"] if state else None
+    beat = state["t"] if state else None
+    node = (state or {}).get("node")  # its machine: a node whose ranks all went silent is named
+    raised = channel.raised(rank)
+    if raised is not None:  # it ended on an exception: where it came from, and what
+        return _Peer(beat, raised["site"], latest, False, raised["error"], node)
     done = channel.finished(rank)
     if done is not None:  # it ended normally: where it called rw.shutdown, if it did
-        frame = Site(*done["site"]) if done.get("site") else None
-    node = (state or {}).get("node")
-    node = node if isinstance(node, int) else None
-    return _Peer(state["t"] if state else None, frame, latest, done is not None, node)
+        frame = done["site"]
+    return _Peer(beat, frame, latest, done is not None, node=node)
 
 
 def collect_views(
@@ -98,7 +101,7 @@ def collect_views(
             failed = cur.latest is not None and cur.latest.state == "failed"
             if advanced or recent or failed:  # a rank that reported its own failure is no corpse
                 alive.add(r)
-            elif cur.finished:  # settled too: it ended normally, no heartbeat will come
+            elif cur.finished or cur.raised:  # settled: it ended, no heartbeat will come
                 done.add(r)
         cut_off = getattr(channel, "missed", None)  # no answer from the store: stop asking
         if len(alive | done) == len(others) or time.monotonic() >= deadline or cut_off:
@@ -110,13 +113,14 @@ def collect_views(
         state = True if r in alive else (None if cur.beat is None and cur.latest is None else False)
         silent = None if cur.beat is None else max(0.0, time.time() - cur.beat)
         finished = r not in alive and cur.finished
-        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, cur.node))
+        raised = cur.raised if r not in alive else None
+        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, raised, cur.node))
     return views
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    return report.clean_backend_error(text)[:300] if text else type(exc).__name__
 
 
 def failure_error(
@@ -146,15 +150,19 @@ def failure_error(
     cause = cause if mark else first
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
     missed, gone = getattr(channel, "missed", None), getattr(channel, "gone", None)
+    found = report.decide(entry.record(), views)
     if missed or gone:  # cut off from the store, or its host died: the others are unknown
         head = f"{entry.op} #{entry.seq} {verb} on rank {g.global_rank} after {elapsed:.1f}s"
         says = nodes.unreachable_sentence(missed) if missed else nodes.gone_sentence(gone)
         msg = f"{head} ({cause}). {says}"
         fix = nodes.unreachable_fix(missed) if missed else nodes.gone_fix(gone)
-    if mark:
+        found = None
+    if mark and cause != "a peer closed its connection":  # else it adds only an address
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
     finished = [v.rank for v in views if v.finished]
-    write_diag_file(g.global_rank, msg, fix, report.culprits(views, entry.seq), finished,
+    raised = {v.rank: v.raised for v in views if v.raised}
+    culprits = report.culprits(views, entry.seq)
+    write_diag_file(g.global_rank, msg, fix, culprits, finished, raised, found,
                     lost=nodes.lost_nodes(views), unreachable=missed, gone=gone, node=node)  # fmt: skip
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
@@ -171,13 +179,14 @@ def _rings(g: Any, seq: int, interval: float) -> dict[int, list[Record]]:
         for r in list(pending):
             raw = channel.get(key_ring(g.name, r))
             if raw:
-                rings[r] = [record_from_dict(d) for d in json.loads(raw)["ring"]]
+                ring = peer.loads(raw)
+                rings[r] = peer.records(ring.get("ring") if isinstance(ring, dict) else None)
                 pending.remove(r)
         if pending:
             time.sleep(0.02)
     for r in pending:  # it did not answer: its last published collective is all we know
-        raw = channel.get(key_last(g.name, r))
-        rings[r] = [parse_wire(raw)[0]] if raw else []
+        wired = peer.parse_wire(channel.get(key_last(g.name, r)))
+        rings[r] = [wired[0]] if wired else []
     return rings
 
 
@@ -186,7 +195,8 @@ def mismatch_error(g: Any, e: Any, interval: float) -> DistributedError:
     e.state, e.error = "failed", "fingerprint mismatch"
     seq, records = report.first_divergence(_rings(g, e.seq, interval))
     msg, fix = report.mismatch_report(g.global_rank, seq, records)
-    write_diag_file(g.global_rank, msg, fix)
+    present = {r: rec for r, rec in records.items() if rec is not None}
+    write_diag_file(g.global_rank, msg, fix, cause=report.mismatch_cause(present))
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -196,13 +206,16 @@ def write_diag_file(
     fix: str,
     culprits: list[int] | None = None,
     finished: list[int] | None = None,
+    raised: dict[int, str] | None = None,
+    cause: report.Cause | None = None,
     **machines: Any,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
-    and ``rank<r>.json`` naming the ranks to blame and those that had finished normally (the
-    launcher's headline); ``machines``: ``lost`` (``{node: ranks}`` that all stopped
-    responding), ``unreachable`` (the store's 'host:port' when it did not answer), ``gone``
-    (... when it closed the connection) and ``node`` (this rank's node)."""
+    and ``rank<r>.json`` naming the ranks to blame, those that had finished normally and
+    those that raised, with their exception, and the cause found (the launcher's headline);
+    ``machines``: ``lost`` (``{node: ranks}`` that all stopped responding), ``unreachable``
+    (the store's 'host:port' when it did not answer), ``gone`` (... when it closed the
+    connection) and ``node`` (this rank's node)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -211,10 +224,17 @@ def write_diag_file(
         with open(os.path.join(folder, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"[rank {rank}] {message}\nFix: {fix}\n")
         with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            lost = {str(n): r for n, r in (machines.get("lost") or {}).items()}
-            json.dump({"culprits": culprits or [], "finished": finished or [], "lost": lost,
-                       "unreachable": machines.get("unreachable"), "gone": machines.get("gone"),
-                       "node": machines.get("node")}, f)  # fmt: skip
+            facts = {
+                "culprits": culprits or [],
+                "finished": finished or [],
+                "raised": {str(r): e for r, e in (raised or {}).items()},
+                "cause": None if cause is None else {"tag": cause.tag, "ranks": cause.ranks},
+                "lost": {str(n): r for n, r in (machines.get("lost") or {}).items()},
+                "unreachable": machines.get("unreachable"),
+                "gone": machines.get("gone"),
+                "node": machines.get("node"),
+            }
+            json.dump(facts, f)
     except OSError:
         pass
 

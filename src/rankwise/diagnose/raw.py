@@ -7,8 +7,11 @@ the cost of an extra collective each time. Here the watchdog's heartbeat, which 
 where the main thread is, also notes when it is inside a ``torch.distributed`` collective called
 from user code (the op, its call site, since when). Once one has waited ``stall.after_s()``
 seconds (50 by default: within a minute), the lowest such rank prints a report from every
-rank's heartbeat: which collective each rank is in, or the user code it is running. Nothing is
-raised and no collective is added: the job goes on waiting until the timeout.
+rank's heartbeat: which collective each rank is in, or the user code it is running. No
+collective is added. When every rank is blocked in such a call and the calls differ (an
+``all_reduce`` on one rank, a ``recv`` or a ``broadcast`` on another), none of them can ever
+return: every rank then ends (exit code 1) instead of waiting for the timeout, the lowest one
+leaving the report where ``rankwise run`` quotes it. Otherwise the job goes on waiting.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .report import Site
+from .frames import internal
+from .records import Site
 
 TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 C10D = os.path.join(TORCH, "distributed") + os.sep
@@ -50,8 +54,9 @@ def find(frame: Any) -> tuple[str, Site, int] | None:
         elif op_frame is not None:
             if code.co_filename.startswith(RANKWISE):
                 return None
-            site = Site(code.co_filename, frame.f_lineno, code.co_name)
-            return op_frame.f_code.co_name, site, id(op_frame)
+            if not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools, ...
+                site = Site(code.co_filename, frame.f_lineno, code.co_name)
+                return op_frame.f_code.co_name, site, id(op_frame)
         frame = frame.f_back
     return None
 
@@ -95,38 +100,87 @@ def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     return f"is running user code{where}, in no collective"
 
 
-def report(me: int, world: int, states: dict[int, Any], now: float, interval: float) -> str:
-    """The stall report over every rank's heartbeat (``states``: rank -> heartbeat or None)."""
+P2P = frozenset({"send", "recv", "send_object_list", "recv_object_list"})
+"""Point-to-point calls: a send and a recv that differ by name can still be a matching pair."""
+DEADLOCK_KEY = "rankwise/diag/raw/deadlock"
+"""Set in the store by the rank that found the ranks deadlocked: the others end too."""
+
+
+class Stall(NamedTuple):
+    """What ``check`` found: the report it printed (None on the ranks that do not print it)
+    and whether the ranks are deadlocked (their calls can never complete: end the job)."""
+
+    text: str | None
+    deadlocked: bool
+
+
+def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) -> bool:
+    """Every rank is blocked in a raw ``torch.distributed`` call (fresh heartbeats, each call
+    older than three heartbeats) and the calls differ, not as a send and a recv may: nobody
+    can make progress, so none of these calls will ever return."""
+    ops = set()
+    for r in range(world):
+        state = states.get(r) or {}
+        found = state.get("raw")
+        stale = now - state.get("t", 0) > 5 * interval  # a heartbeat late under load is no proof
+        if not found or stale or now - found[4] < 3 * interval:
+            return False
+        ops.add(found[0])
+    return len(ops) > 1 and not ops <= P2P
+
+
+def report(
+    me: int, world: int, states: dict[int, Any], now: float, interval: float, ending: bool = False
+) -> str:
+    """The stall report over every rank's heartbeat (``states``: rank -> heartbeat or None).
+    ``ending``: the ranks are deadlocked and the job ends now, not at the timeout."""
     parts = [f"rank {r} {_where(states.get(r), now, interval)}" for r in range(world)]
     ops = {tuple(s["raw"][:3]) for s in states.values() if s and s.get("raw")}
     outside = [r for r in range(world) if not (states.get(r) or {}).get("raw")]
     if outside:
-        why = f"rank(s) {', '.join(map(str, outside))} are not in any collective"
+        why = f"Rank(s) {', '.join(map(str, outside))} are not in any collective"
     elif len({o[0] for o in ops}) > 1:
-        why = "the ranks are in different collectives (a mismatch: they can never match up)"
+        why = "The ranks are in different collectives (a mismatch: they can never match up)"
     else:
-        why = "every rank is in the same collective (a slow rank, or a mismatch of shapes)"
+        why = "Every rank is in the same collective (a slow rank, or a mismatch of shapes)"
+    after = (
+        "(rankwise ends the job now: waiting for the timeout would change nothing; --debug "
+        "makes torch check each collective)"
+        if ending
+        else "(the job keeps waiting until the timeout; --debug makes torch check each collective)"
+    )
     return (
         f"rankwise: [rank {me}] stall in a torch.distributed collective: {'; '.join(parts)}. "
         f"{why}.\nFix: every rank must call the same torch.distributed collectives in the same "
-        "order; look for a collective inside `if rank == ...:` or a rank that stopped. "
-        "(the job keeps waiting until the timeout; --debug makes torch check each collective)"
+        f"order; look for a collective inside `if rank == ...:` or a rank that stopped. {after}"
     )
 
 
 def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: int,
-          interval: float, limit: float) -> str | None:  # fmt: skip
-    """Print the report once per stuck call, from the lowest rank stuck in a raw collective."""
+          interval: float, limit: float) -> Stall | None:  # fmt: skip
+    """Print the report once per stuck call, from the lowest rank stuck in a raw collective,
+    and look again at every heartbeat after it: once the ranks are deadlocked, that rank says
+    so (``DEADLOCK_KEY``) and every rank ends."""
     if limit <= 0 or mine is None or world < 2:
         return None
     since, now = mine[4], time.time()
-    if now - since < limit or tracker.reported == since:
+    if channel.get(DEADLOCK_KEY) is not None and now - since > 3 * interval:
+        return Stall(None, True)  # the rank that reported it ends; so does this one
+    if now - since < limit:
         return None
+    first = tracker.reported != since
+    tracker.reported = since
     states = {r: (channel.state(r) if r != rank else {"raw": mine, "t": now}) for r in range(world)}
     stuck = [r for r, s in states.items() if s and s.get("raw")]
-    tracker.reported = since
     if stuck and rank != min(stuck):
-        return None
-    text = report(rank, world, states, now, interval)
-    print(text, file=sys.stderr, flush=True)
-    return text
+        return None  # the lowest stuck rank reports, and says when to end (DEADLOCK_KEY)
+    ending = deadlocked(states, world, now, interval)
+    if not first and not ending:
+        return None  # reported already, and not (yet) certain
+    text = report(rank, world, states, now, interval, ending)
+    print(text if first else f"rankwise: [rank {rank}] the stall reported above is a deadlock: "
+          "every rank is blocked in a call that can never complete.", file=sys.stderr,
+          flush=True)  # fmt: skip
+    if ending:
+        channel.set(DEADLOCK_KEY, str(rank))
+    return Stall(text, ending)

@@ -11,107 +11,60 @@ without processes. The shape of a report:
 
 from __future__ import annotations
 
-import ast
-import os
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import NamedTuple
+import re
 
 from . import nodes
+from .causes import (
+    FIX_BATCH,
+    FIX_BEHIND,
+    FIX_DEAD,
+    FIX_FINISHED,
+    FIX_MISMATCH,
+    FIX_UNEVEN,
+    Cause,
+    batch_sentence,
+    fix_raised,
+    is_step,
+    raised_sentence,
+    uneven_sentence,
+)
+from .records import LOCAL_FILES, RankView, Record, Site, describe, if_context
 
-
-class Site(NamedTuple):
-    """A place in the user's code (a tuple: made on every collective, so it must be cheap)."""
-
-    file: str
-    line: int
-    func: str
-
-    def short(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}"
-
-
-@dataclass(frozen=True)
-class Record:
-    """One collective as one rank saw it."""
-
-    seq: int
-    op: str
-    sig: str
-    """Operation details and tensor signature, e.g. 'sum, float32[1024]'."""
-    label: str | None
-    site: Site | None
-    state: str
-    """'entered' (published before issuing), 'waiting', 'done' or 'failed'."""
-    digest: int
-
-
-@dataclass(frozen=True)
-class RankView:
-    """What the side channel says about one rank."""
-
-    rank: int
-    latest: Record | None
-    alive: bool | None
-    """False: no heartbeat for a while (killed, crashed or frozen); None: never reported."""
-    silent_s: float | None = None
-    """Seconds since its last heartbeat."""
-    frame: Site | None = None
-    """Where its main thread was at its last heartbeat (user code); for a finished rank, where
-    it called ``rw.shutdown`` (None at a clean exit)."""
-    finished: bool = False
-    """It ended normally (``rw.shutdown`` or a clean exit): it will issue no more collectives."""
-    node: int | None = None
-    """Its node (machine) index, from its heartbeat; None when unknown."""
-
-
-@lru_cache(maxsize=64)
-def _parsed(path: str, mtime: float) -> tuple[ast.AST, str] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        return ast.parse(source), source
-    except (OSError, SyntaxError, ValueError):
-        return None
-
-
-def if_context(path: str, line: int) -> str | None:
-    """The innermost ``if`` around ``line`` in ``path``: "inside `if rank == 0`" (best effort)."""
-    try:
-        parsed = _parsed(path, os.path.getmtime(path))
-    except OSError:
-        return None
-    if parsed is None:
-        return None
-    tree, source = parsed
-    best: tuple[int, str] | None = None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.If):
-            continue
-        for branch, inside in ((node.body, "inside"), (node.orelse, "in the else of")):
-            if branch and branch[0].lineno <= line <= (branch[-1].end_lineno or line):
-                depth = branch[0].lineno  # the innermost branch starts last
-                if best is None or depth >= best[0]:
-                    test = ast.get_source_segment(source, node.test) or ast.unparse(node.test)
-                    test = test if len(test) <= 60 else test[:57] + "..."
-                    best = (depth, f"{inside} `if {test}`")
-    return None if best is None else best[1]
-
-
-def describe(rec: Record, *, context: bool = True) -> str:
-    """'all_reduce #57 (bucket 3, float32[1024], from train.py:42, inside `if rank == 0`)'."""
-    details = [part for part in (rec.label, rec.sig) if part]
-    if rec.site is not None:
-        details.append(f"from {rec.site.short()}")
-        where = if_context(rec.site.file, rec.site.line) if context else None
-        if where:
-            details.append(where)
-    return f"{rec.op} #{rec.seq}" + (f" ({', '.join(details)})" if details else "")
+__all__ = [
+    "FIX_BATCH",
+    "FIX_BEHIND",
+    "FIX_DEAD",
+    "FIX_FINISHED",
+    "FIX_MISMATCH",
+    "FIX_UNEVEN",
+    "LOCAL_FILES",
+    "Cause",
+    "RankView",
+    "Record",
+    "Site",
+    "classify",
+    "clean_backend_error",
+    "culprits",
+    "decide",
+    "describe",
+    "disagreement",
+    "failure_report",
+    "first_divergence",
+    "if_context",
+    "mismatch_cause",
+    "mismatch_report",
+    "rank_sentence",
+    "stall_report",
+]  # fmt: skip
 
 
 def rank_sentence(view: RankView, want_seq: int) -> str:
     """What one rank is doing, relative to the collective ``want_seq`` that failed."""
     r, rec = view.rank, view.latest
+    if view.raised:
+        at = f" at {view.frame.short()}" if view.frame else ""
+        last = f"after {describe(rec)}" if rec else "before issuing any collective"
+        return f"rank {r} raised {view.raised}{at}, {last}: it will never reach #{want_seq}"
     if view.finished:
         where = f" (rw.shutdown at {view.frame.short()})" if view.frame else ""
         last = f"after {describe(rec)}" if rec else "without issuing any collective"
@@ -159,27 +112,6 @@ def _what(rec: Record) -> str:
     return f"{rec.op}({rec.sig})" if rec.sig else rec.op
 
 
-FIX_MISMATCH = (
-    "every rank must issue the same collectives, in the same order, with the same shapes and "
-    "dtypes; look at the call sites above for a collective inside a rank-dependent branch "
-    "(`if rank == 0:`) or a tensor whose shape depends on the rank's data."
-)
-FIX_DEAD = (
-    "read the log of the rank that stopped: its first error is the cause (a rank killed by the "
-    "OS, e.g. out of memory, leaves no Python traceback; `dmesg` shows it)."
-)
-FIX_FINISHED = (
-    "every rank must call each collective: this one ran on some ranks only (look at its call "
-    "site above: a collective under `if rank == 0:`), and the others ended their script without "
-    "it. Call it on every rank and use its result on rank 0 only, or drop it."
-)
-FIX_BEHIND = (
-    "every rank must reach the same collectives; the rank(s) named above are busy elsewhere "
-    "(a collective skipped under a condition, an endless loop, or a much slower step). "
-    "If the work is just slow, raise the timeout: rw.init(timeout=...)."
-)
-
-
 def failure_report(
     me: int,
     failed: Record,
@@ -192,39 +124,65 @@ def failure_report(
     want = failed.seq
     sentences = [rank_sentence(v, want) for v in sorted(views, key=lambda v: v.rank)]
     head = f"{failed.op} #{want} {verb} on rank {me} after {elapsed:.1f}s ({cause}): "
+    found = decide(failed, views)
     text = head + "; ".join(sentences) + "."
+    return (f"{text} {found.sentence}" if found.sentence else text), found.fix
+
+
+def decide(failed: Record, views: list[RankView]) -> Cause:
+    """Why ``failed`` cannot complete, in this order: a rank raised; ranks left the training
+    loop (uneven data); ranks disagree (per-rank batch sizes, or another collective); a rank
+    stopped; ranks finished; ranks never arrived."""
+    want = failed.seq
+    raised = raised_sentence(views)
+    if raised:
+        return Cause("raised", raised[0], fix_raised(raised[1]), raised[1])
+    uneven = uneven_sentence(failed, views)
+    if uneven:
+        return Cause("uneven", uneven[0], FIX_UNEVEN, uneven[1])
     current = {v.rank: v.latest for v in views if v.latest is not None and v.latest.seq == want}
     disagree = disagreement(current)
+    if disagree:
+        batch = batch_sentence(current)
+        if batch:
+            return Cause("batch", f"{disagree} {batch}", FIX_BATCH, sorted(current))
+        return Cause("mismatch", disagree, FIX_MISMATCH, sorted(current))
     dead = [v.rank for v in views if v.alive is False and not v.finished]
     finished = [v.rank for v in views if v.finished]
     behind = [v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want)]
-    if disagree:
-        return f"{text} {disagree}", FIX_MISMATCH
     lost = nodes.lost_nodes(views)
     if lost:  # a whole machine went silent: name it
-        return f"{text} {nodes.lost_sentence(lost)}", nodes.lost_fix(lost)
+        ranks = sorted(r for rs in lost.values() for r in rs)
+        return Cause("lost", nodes.lost_sentence(lost), nodes.lost_fix(lost), ranks)
     if dead:
-        return text, f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD
+        return Cause("dead", "", f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD, dead)
     if finished:
         called = [v.rank for v in views if not v.finished]
-        return (
-            f"{text} {failed.op} #{want} was called on rank(s) {_ranks(called)} only: rank(s) "
+        return Cause(
+            "finished",
+            f"{failed.op} #{want} was called on rank(s) {_ranks(called)} only: rank(s) "
             f"{_ranks(finished)} finished normally without it.",
             FIX_FINISHED,
+            called,
         )
     if behind:
-        return f"{text} Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND
-    return (
-        text,
+        return Cause("behind", f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND,
+                     behind)  # fmt: skip
+    return Cause(
+        "unknown", "",
         "check the backend error above and every rank's log; raise the timeout if the work is slow.",
-    )
+        [],
+    )  # fmt: skip
 
 
 def culprits(views: list[RankView], want: int) -> list[int]:
-    """The ranks to blame for collective ``want`` not completing: those that stopped
-    responding, else those alive that never reached it (the waiting ranks are their victims).
-    When ranks finished normally instead, the ranks that issued the extra collective are
-    to blame: they called it where the others never would."""
+    """The ranks to blame for collective ``want`` not completing: those that raised, else those
+    that stopped responding, else those alive that never reached it (the waiting ranks are
+    their victims). When ranks finished normally instead, the ranks that issued the extra
+    collective are to blame: they called it where the others never would."""
+    raised = [v.rank for v in views if v.raised]
+    if raised:
+        return sorted(raised)
     dead = [v.rank for v in views if v.alive is False and not v.finished]
     if dead:
         return sorted(dead)
@@ -270,7 +228,22 @@ def mismatch_report(me: int, seq: int, records: dict[int, Record | None]) -> tup
         f"collectives disagree across ranks, caught on rank {me} before collective #{seq} "
         f"could exchange data: {'; '.join(parts)}. {tail}"
     ).rstrip()
-    return text, FIX_MISMATCH
+    found = mismatch_cause(present)
+    return (f"{text} {found.sentence}" if found.sentence else text), found.fix
+
+
+def mismatch_cause(present: dict[int, Record]) -> Cause:
+    """Why the ranks' records of one collective number differ: uneven data (one is a training
+    step's, another not), per-rank batch sizes, or another collective."""
+    views = [RankView(r, rec, True) for r, rec in sorted(present.items())]
+    want = next((rec for rec in present.values() if is_step(rec)), None)
+    uneven = uneven_sentence(want, views) if want is not None else None
+    if uneven:
+        return Cause("uneven", uneven[0], FIX_UNEVEN, uneven[1])
+    batch = batch_sentence(present)
+    if batch:
+        return Cause("batch", batch, FIX_BATCH, sorted(present))
+    return Cause("mismatch", "", FIX_MISMATCH, sorted(present))
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -286,7 +259,26 @@ def classify(error: str) -> str:
         return "timed out in a monitored barrier"
     if "timed out" in low or "timeout" in low:
         return "timed out"
-    return error.splitlines()[0][:200] if error else "failed"
+    return clean_backend_error(error)[:200] if error else "failed"
+
+
+_SOURCE_TAG = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|h|hpp|cu):\d+\]\s*")
+_NOISE = (
+    "This is typically caused by a remote worker crashing.",
+    "Check the logs of the remote worker before reporting an error.",
+    "GLHF!",
+)
+
+
+def clean_backend_error(error: str) -> str:
+    """The first line of a backend's error without its noise: Gloo's source tag
+    (``[/__w/pytorch/.../pair.cc:553]``) and its boilerplate ("This is typically caused by a
+    remote worker crashing. ... GLHF! 🏖️"), which say nothing about this failure."""
+    first = next((ln.strip() for ln in error.splitlines() if ln.strip()), "")
+    first = _SOURCE_TAG.sub("", first)
+    for noise in _NOISE:
+        first = first.split(noise)[0] if noise == "GLHF!" else first.replace(noise, "")
+    return " ".join(first.split()).rstrip(" .") or error.strip()[:200]
 
 
 def first_divergence(rings: dict[int, list[Record]]) -> tuple[int, dict[int, Record | None]]:

@@ -13,6 +13,11 @@ Keys (under the store's own prefix):
 - ``rankwise/diag/finished/{rank}``: JSON written once when a rank ends normally (``rw.shutdown``
   or a clean exit): time, where, how many collectives it issued. A rank waiting in a collective
   that a finished rank will never issue can then say so instead of "never reported".
+- ``rankwise/diag/raised/{rank}``: JSON written instead when a rank ends on an exception: the
+  exception's type and message (escaped, at most 500 characters) and the user's line it came
+  from, so the others say "rank 0 raised ValueError: ..." rather than blame themselves.
+
+Everything read back from other ranks goes through ``peer`` (untrusted data).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import raw, reach
-from .report import Record, Site
+from . import peer, raw, reach, report
+from .frames import internal
+from .peer import SEP
+from .records import Site
 
 _log = logging.getLogger("rankwise.diagnose")
 _PREFIX = "rankwise/diag"
@@ -50,7 +57,8 @@ def key_finished(rank: int) -> str:
     return f"{_PREFIX}/finished/{rank}"
 
 
-SEP = "\x1f"
+def key_raised(rank: int) -> str:
+    return f"{_PREFIX}/raised/{rank}"
 
 
 def wire(
@@ -59,18 +67,6 @@ def wire(
     """The compact line published before each collective (parsed by ``parse_wire``)."""
     f, line, func = (site.file, site.line, site.func) if site else ("", 0, "")
     return SEP.join((str(seq), op, sig, label or "", f, str(line), func, str(digest), f"{t:.3f}"))
-
-
-def parse_wire(text: str) -> tuple[Record, float]:
-    seq, op, sig, label, f, line, func, digest, t = text.split(SEP)
-    site = Site(f, int(line), func) if f else None
-    rec = Record(int(seq), op, sig, label or None, site, "entered", int(digest))
-    return rec, float(t)
-
-
-def record_from_dict(d: dict[str, Any]) -> Record:
-    site = Site(*d["site"]) if d.get("site") else None
-    return Record(d["seq"], d["op"], d["sig"], d.get("label"), site, d["state"], d["digest"])
 
 
 class Channel:
@@ -136,25 +132,28 @@ class Channel:
 
     def finished(self, rank: int) -> dict[str, Any] | None:
         """What ``rank`` published when it ended normally; None while it has not."""
-        raw = self.get(key_finished(rank))
-        try:
-            return None if raw is None else json.loads(raw)
-        except ValueError:
-            return None
+        return peer.exit_note(peer.loads(self.get(key_finished(rank))))
+
+    def raised(self, rank: int) -> dict[str, Any] | None:
+        """What ``rank`` published when it ended on an exception (``error``: 'ValueError: ...',
+        escaped; ``site``: the user's line it came from); None when it has not."""
+        note = peer.exit_note(peer.loads(self.get(key_raised(rank))))
+        return note if note is not None and "error" in note else None
 
     def state(self, rank: int) -> dict[str, Any] | None:
-        raw = self.get(key_state(rank))
-        try:
-            return None if raw is None else json.loads(raw)
-        except ValueError:
-            return None
+        """``rank``'s latest heartbeat, checked field by field (``peer.heartbeat``)."""
+        return peer.heartbeat(peer.loads(self.get(key_state(rank))))
 
 
 def user_site(frame: Any, skip: tuple[str, ...]) -> Site | None:
-    """The first frame, walking outwards, whose file is not under one of ``skip``."""
+    """The first frame, walking outwards, that is the user's (``internal`` is False).
+
+    Its file joins the files this rank has seen in its own stack, the only ones a report may
+    quote (``report.if_context``): a peer's call site is never opened."""
     while frame is not None:
         code = frame.f_code
-        if not code.co_filename.startswith(skip):
+        if not internal(code.co_filename, skip):
+            report.LOCAL_FILES.add(code.co_filename)
             return Site(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return None

@@ -13,10 +13,12 @@ orphan training unsupervised. SIGKILL, not SIGTERM: a user's SIGTERM handler (a 
 preemption) would enter collectives with peers that are dying too, and hang with no one left
 to stop it.
 
-A run that finishes (normally or with exit code 0) ends with ``finish_cleanly``: everything the
-script can observe of Python's shutdown happens (threads joined, ``atexit`` handlers run, open
-files flushed), then the process leaves without the interpreter's teardown of native libraries,
-which under load occasionally ended a finished run with SIGABRT.
+A run ends with ``finish_cleanly``: everything the script can observe of Python's shutdown
+happens (threads joined, ``atexit`` handlers run, open files flushed), then the process leaves
+without the interpreter's teardown of native libraries, which under load occasionally ended a
+finished run with SIGABRT. A run that raised leaves its exception where Python leaves an
+uncaught one (``sys.last_value``), so that rankwise tells the other ranks "rank r raised ..."
+instead of "finished normally"; a diagnosis the launcher will quote is printed there, once.
 
 This file is executed by path and imports only the standard library: it must not pay for
 importing torch (or rankwise) before the user's script does. For the same reason it reads the
@@ -34,6 +36,7 @@ import os
 import runpy
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -67,13 +70,75 @@ def _where(filename: str) -> str:
     return filename if filename.startswith("<") else os.path.abspath(filename)
 
 
+_CARETS = frozenset("^~ ")
+_RANKWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    """rankwise's, torch's and the standard library's folders (not installed packages)."""
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(getattr(torch, "__file__", None) or "/nonexistent") + os.sep
+    return (_RANKWISE, torch_dir, "<frozen")
+
+
+def _stdlib(filename: str) -> bool:
+    paths = sysconfig.get_paths()
+    libs = tuple(os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if k in paths)
+    pkgs = tuple(os.path.join(paths[k], "") for k in ("purelib", "platlib") if k in paths)
+    return filename.startswith(libs) and not filename.startswith(pkgs)
+
+
+def _diagnosed(exc: BaseException) -> bool:
+    """rankwise's diagnosis of a failure across ranks: its message is the explanation."""
+    return any(c.__name__ == "DistributedError" and c.__module__ == "rankwise.errors"
+               for c in type(exc).__mro__)  # fmt: skip
+
+
+def shown_traceback(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """The traceback as a person should read it: from the user's code on (``skip``: files of
+    frames to leave out at the start, such as this wrapper's), without Python's caret lines.
+
+    For rankwise's diagnosis of a failure across ranks (a ``DistributedError``), only the
+    user's own frames and the message: not the backend error it was made from (the message
+    quotes what matters of it) nor the frames inside rankwise, torch and the standard library.
+    """
+    tb = exc.__traceback__
+    while tb is not None and _where(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    if _diagnosed(exc):
+        inside = _internal_dirs()
+        frames = [
+            (f, line) for f, line in traceback.walk_tb(tb or exc.__traceback__)
+            if not f.f_code.co_filename.startswith(inside) and not _stdlib(f.f_code.co_filename)
+        ]  # fmt: skip
+        stack = traceback.StackSummary.extract(iter(frames))
+        lines = ["Traceback (most recent call last):\n", *stack.format()] if frames else []
+        lines += traceback.format_exception_only(type(exc), exc)
+    else:
+        lines = traceback.format_exception(type(exc), exc, tb or exc.__traceback__)
+    text = "".join(lines)
+    return "".join(
+        ln for ln in text.splitlines(True) if not (ln.strip() and set(ln.rstrip("\n")) <= _CARETS)
+    )
+
+
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without this wrapper's and runpy's frames: it starts in the user's code."""
-    tb = exc.__traceback__
     ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
-    while tb is not None and _where(tb.tb_frame.f_code.co_filename) in ours:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    return shown_traceback(exc, tuple(ours))
+
+
+def _live(exc: BaseException, text: str) -> str:
+    """What this worker prints as it fails. A diagnosis the launcher's summary will quote
+    (written to ``RANKWISE_DIAG_DIR``; no restart pending, which reports failures in a line
+    each) is printed once, there: here only its first clause and a pointer to it."""
+    folder, rank = os.environ.get("RANKWISE_DIAG_DIR"), os.environ.get("RANK", "")
+    quoted = folder and os.path.exists(os.path.join(folder, f"rank{rank}.txt"))
+    if not (_diagnosed(exc) and quoted and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+        return text
+    first = (str(exc).splitlines() or [""])[0]
+    head = first.split("): ", 1)[0] + ")" if "): " in first else first[:200]
+    return f"{type(exc).__name__}: {head}; the diagnosis is quoted in rankwise run's summary\n"
 
 
 def _record(exc: BaseException, text: str) -> None:
@@ -169,6 +234,13 @@ def finish_cleanly(code: object = 0) -> None:
     os._exit(code)
 
 
+def _ending_on(exc: BaseException) -> None:
+    """Leave ``exc`` where Python leaves an uncaught exception (``sys.last_value``): at exit,
+    rankwise then tells the other ranks "rank r raised ..." instead of "finished normally"."""
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    sys.last_exc = exc  # Python 3.12's name for the same
+
+
 def main(argv: list[str]) -> None:
     launcher = os.environ.get(LAUNCHER_PID, "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
@@ -189,13 +261,15 @@ def main(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
+            _ending_on(exc)  # sys.exit(3) is no normal end: the others are told (rw.shutdown)
             finish_cleanly(exc.code)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
+        _ending_on(exc)
         text = _user_traceback(exc)
         _record(exc, text)
-        sys.stderr.write(text)
+        sys.stderr.write(_live(exc, text))
         sys.stderr.flush()
         # 1, what Python returns for an uncaught exception; without the interpreter's teardown
         # (seconds with torch loaded on a busy machine: the other nodes' launchers wait for it)

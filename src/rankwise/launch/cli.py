@@ -1,113 +1,36 @@
 """``rankwise run`` (and the flags of ``python -m rankwise.launch``): flags -> LaunchOptions.
 
 Flag names are torchrun's, in both spellings (``--nproc-per-node`` and ``--nproc_per_node``),
-so a torchrun command line works after replacing ``torchrun`` with ``rankwise run``.
-No logic here: parse, build the frozen options, call ``launch``.
+so a torchrun command line works after replacing ``torchrun`` with ``rankwise run``. A flag
+not given is None here: ``settings.resolve`` fills it from ``rankwise.toml`` (or
+``pyproject.toml``'s ``[tool.rankwise]``, or ``--config FILE``), else from its default.
+No logic here: parse, resolve the settings, build the frozen options, call ``launch``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..cli_args import flag as _flag
 from .options import DEFAULT_RDZV_TIMEOUT_S
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The torchrun-style flags shared by ``rankwise run`` and the legacy launcher."""
+    """The torchrun-style flags shared by ``rankwise run`` and the legacy launcher, the
+    settings file, and what to run."""
+    add_launch_flags(parser)
+    add_config_flag(parser)
+    # Not in add_launch_flags: a secret is given here or by the environment, never written
+    # into a settings file (rankwise config does not take it; settings.py refuses the key).
     _flag(
         parser,
-        "nproc-per-node",
-        default="1",
-        metavar="N|auto",
-        help="workers on this node: a number, or 'auto' (one per GPU, else per CPU core)",
-    )
-    _flag(parser, "nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
-    _flag(
-        parser,
-        "node-rank",
-        type=int,
-        default=0,
-        metavar="N",
-        help="index of this node, 0..nnodes-1",
-    )
-    _flag(
-        parser,
-        "master-addr",
-        default="127.0.0.1",
-        metavar="HOST",
-        help="address of node 0 (default 127.0.0.1)",
-    )
-    _flag(
-        parser,
-        "master-port",
-        type=int,
+        "rdzv-token",
         default=None,
-        metavar="PORT",
-        help="port on node 0; one node without it: a free port is picked",
-    )
-    _add_rendezvous_arguments(parser)
-    _add_worker_arguments(parser)
-
-
-def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the nodes meet: torch's rendezvous (static by default, c10d for elastic jobs)."""
-    _flag(
-        parser,
-        "rdzv-backend",
-        default="static",
-        metavar="BACKEND",
-        help="'static' (default) or 'c10d' (elastic)",
-    )
-    _flag(
-        parser,
-        "rdzv-endpoint",
-        default="",
-        metavar="HOST:PORT",
-        help="where the nodes meet (c10d)",
-    )
-    _flag(parser, "rdzv-id", default="none", metavar="ID", help="job id shared by all nodes (c10d)")
-    _flag(
-        parser,
-        "rdzv-timeout",
-        type=int,
-        default=DEFAULT_RDZV_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"wait this long for the other nodes / the master (default {DEFAULT_RDZV_TIMEOUT_S})",
-    )
-
-
-def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """Standalone mode, restarts, output, and what to run."""
-    _flag(
-        parser,
-        "standalone",
-        action="store_true",
-        help="single node on a free local port (the default for one node without --master-port)",
-    )
-    _flag(
-        parser,
-        "max-restarts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="restart the worker group this many times after a failure (default 0)",
-    )
-    _flag(
-        parser,
-        "log-dir",
-        default=None,
-        metavar="DIR",
-        help="keep each worker's stdout/stderr files here",
-    )
-    _flag(parser, "no-prefix", action="store_true", help="do not prefix output lines with [rankN]:")
-    _flag(
-        parser,
-        "debug",
-        action="store_true",
-        help="check every torch.distributed collective across ranks before it runs "
-        "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slower, see docs/diagnose.md)",
+        metavar="SECRET",
+        help="secret every node of a c10d job shares, to sign the rendezvous state "
+        "(default: $RANKWISE_RDZV_TOKEN; one node: generated)",
     )
     _flag(
         parser,
@@ -126,32 +49,144 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def options_from_args(args: argparse.Namespace, *, pass_local_rank: bool = False):
-    """The frozen ``LaunchOptions`` for parsed flags (errors name the flag and its value)."""
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    _flag(
+        parser,
+        "config",
+        metavar="FILE",
+        help="settings file (default: ./rankwise.toml, else ./pyproject.toml's [tool.rankwise]); "
+        "flags given on the command line override it",
+    )
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags a settings file may also give (``rankwise run`` and ``rankwise config``)."""
+    _flag(
+        parser,
+        "nproc-per-node",
+        metavar="N|auto",
+        help="workers on this node: a number, or 'auto' (one per GPU, else per CPU core)",
+    )
+    _flag(parser, "nnodes", metavar="N|MIN:MAX", help="number of nodes (default 1)")
+    _flag(
+        parser,
+        "node-rank",
+        type=int,
+        metavar="N",
+        help="index of this node, 0..nnodes-1",
+    )
+    _flag(
+        parser,
+        "master-addr",
+        metavar="HOST",
+        help="address of node 0 (default 127.0.0.1)",
+    )
+    _flag(
+        parser,
+        "master-port",
+        type=int,
+        metavar="PORT",
+        help="port on node 0; one node without it: a free port is picked",
+    )
+    _add_rendezvous_arguments(parser)
+    _add_worker_arguments(parser)
+
+
+def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the nodes meet: torch's rendezvous (static by default, c10d for elastic jobs)."""
+    _flag(
+        parser,
+        "rdzv-backend",
+        metavar="BACKEND",
+        help="'static' (default) or 'c10d' (elastic)",
+    )
+    _flag(
+        parser,
+        "rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="where the nodes meet (c10d)",
+    )
+    _flag(parser, "rdzv-id", metavar="ID", help="job id shared by all nodes (c10d)")
+    _flag(
+        parser,
+        "rdzv-timeout",
+        type=int,
+        metavar="SECONDS",
+        help=f"wait this long for the other nodes / the master (default {DEFAULT_RDZV_TIMEOUT_S})",
+    )
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Standalone mode, restarts, output, and what to run."""
+    _flag(
+        parser,
+        "standalone",
+        action="store_true",
+        default=None,
+        help="single node on a free local port (the default for one node without --master-port)",
+    )
+    _flag(
+        parser,
+        "max-restarts",
+        type=int,
+        metavar="N",
+        help="restart the worker group this many times after a failure (default 0)",
+    )
+    _flag(
+        parser,
+        "log-dir",
+        metavar="DIR",
+        help="keep each worker's stdout/stderr files here",
+    )
+    _flag(parser, "no-prefix", action="store_true", default=None, help="do not prefix output lines with [rankN]:")
+    _flag(
+        parser,
+        "debug",
+        action="store_true",
+        default=None,
+        help="check every torch.distributed collective across ranks before it runs "
+        "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slower, see docs/diagnose.md)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace):
+    """The effective settings: flags given, then the settings file, then the defaults."""
+    from .settings import resolve
+
+    return resolve(vars(args), Path.cwd(), getattr(args, "config", None))
+
+
+def options_from_args(
+    args: argparse.Namespace, *, pass_local_rank: bool = False, settings=None
+):
+    """The frozen ``LaunchOptions`` for parsed flags and the settings file (errors name the
+    flag and its value)."""
     from .options import LaunchOptions, parse_nnodes, resolve_nproc
 
-    min_nodes, nnodes = parse_nnodes(args.nnodes)
+    s = (settings or settings_from_args(args)).values
+    min_nodes, nnodes = parse_nnodes(str(s["nnodes"]))
     return LaunchOptions(
         script=args.script,
         script_args=tuple(args.script_args),
         module=args.module,
-        nproc_per_node=resolve_nproc(args.nproc_per_node),
+        nproc_per_node=resolve_nproc(str(s["nproc-per-node"])),
         nnodes=nnodes,
         min_nodes=min_nodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rdzv_backend=args.rdzv_backend,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        rdzv_timeout=args.rdzv_timeout,
-        standalone=args.standalone,
-        max_restarts=args.max_restarts,
-        log_dir=args.log_dir,
-        prefix_output=not args.no_prefix,
+        node_rank=s["node-rank"],
+        master_addr=s["master-addr"],
+        master_port=s["master-port"],
+        rdzv_backend=s["rdzv-backend"],
+        rdzv_endpoint=s["rdzv-endpoint"],
+        rdzv_id=s["rdzv-id"],
+        rdzv_token=args.rdzv_token,
+        rdzv_timeout=s["rdzv-timeout"],
+        standalone=s["standalone"],
+        max_restarts=s["max-restarts"],
+        log_dir=s["log-dir"],
+        prefix_output=not s["no-prefix"],
         pass_local_rank=pass_local_rank,
         monitor_interval=args.monitor_interval,
-        debug=args.debug,
+        debug=s["debug"],
     )
 
 
@@ -160,8 +195,12 @@ def run_command(args: argparse.Namespace, *, pass_local_rank: bool = False) -> i
     from .engine import LaunchInterrupted, launch
     from .report import JobFailed
 
+    settings = settings_from_args(args)
+    said = settings.announce()
+    if said:
+        print(said, file=sys.stderr, flush=True)
     try:
-        launch(options_from_args(args, pass_local_rank=pass_local_rank))
+        launch(options_from_args(args, pass_local_rank=pass_local_rank, settings=settings))
     except (JobFailed, LaunchInterrupted) as exc:
         print(f"rankwise run: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
+from . import signed_rdzv
 from .machines import read_machines
 from .native_log import NativeStderr, workers_unfiltered
 from .options import (
@@ -36,9 +38,11 @@ from .report import (
     JobFailed,
     RankFailure,
     from_elastic,
+    read_causes,
     read_culprits,
     read_diagnoses,
     read_finished,
+    read_raised,
 )
 from .restarts import RestartLog, reporting_restarts
 
@@ -99,7 +103,8 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
         run_id=rdzv.run_id,
         role="default",
         rdzv_endpoint=rdzv.endpoint,
-        rdzv_backend=rdzv.backend,
+        # torch's c10d rendezvous, its state signed and checked (signed_rdzv.py)
+        rdzv_backend=signed_rdzv.BACKEND if rdzv.backend == "c10d" else rdzv.backend,
         rdzv_configs=_rdzv_configs(rdzv),
         local_addr=_local_addr(rdzv),
         max_restarts=opts.max_restarts,
@@ -165,6 +170,7 @@ def launch(opts: LaunchOptions) -> None:
     # torch logs each stopped worker and failure itself; our summary says the same, once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     rdzv = choose_rendezvous(opts, new_id=uuid.uuid4().hex)
+    _sign_rendezvous(opts, rdzv)
     _prepare_worker_env(opts, rdzv)
     cmd, args = worker_command(opts)
     with tempfile.TemporaryDirectory(prefix="rankwise-run-") as tmp:
@@ -193,7 +199,19 @@ def launch(opts: LaunchOptions) -> None:
         except (DistError, RendezvousError, TimeoutError, ConnectionError) as exc:
             raise _rendezvous_error(opts, rdzv, exc, _native_note(native)) from exc
         finally:
+            signed_rdzv.unregister(rdzv.run_id)
             _sweep_shared_memory()
+
+
+def _sign_rendezvous(opts: LaunchOptions, rdzv: Rendezvous) -> None:
+    """Register the signed c10d backend with this job's secret; warn where there is none."""
+    token = opts.rdzv_token or envmod.rdzv_token()
+    secret = signed_rdzv.choose_secret(rdzv.backend, opts.nnodes, token, secrets.token_bytes(32))
+    if rdzv.backend == "c10d" and secret is None:
+        warning = signed_rdzv.unsigned_warning(rdzv.endpoint)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    signed_rdzv.register(rdzv.run_id, secret)
 
 
 def _sweep_shared_memory() -> None:
@@ -218,6 +236,8 @@ def _job_failed(
         finished=read_finished(diag),
         signalled=restarts.signalled or None,
         machines=read_machines(diag),
+        raised=read_raised(diag),
+        causes=read_causes(diag),
     )
 
 

@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import env as envmod
+from .. import validate
 from ..errors import ConfigError, DistributedError
 from .options import require_function
-from .spawn import report, spawn_ranks
+from .spawn import causes_first, report, spawn_ranks
 
 
 def _interactive(fn: Callable[..., Any]) -> bool:
@@ -62,6 +63,24 @@ def _start_method(fn: Callable[..., Any]) -> str:
     return "fork"
 
 
+def _check_arguments(args: Any, kwargs: Any, timeout: Any, env: Any) -> None:
+    """``rw.launch``'s other arguments by type (validate.py), before any process starts."""
+    where = "rw.launch()"
+    validate.sequence("args", args, "a tuple of positional arguments", where=where,
+                      example="(lr,) (a one-element tuple needs its comma)")  # fmt: skip
+    if kwargs is not None:
+        validate.mapping("kwargs", kwargs, "a dict of keyword arguments", where=where,
+                         example="{'lr': 0.1}")  # fmt: skip
+    validate.timeout("timeout", timeout, where=where)
+    if env is not None:
+        validate.mapping("env", env, "a dict of environment variables", where=where,
+                         example="{'OMP_NUM_THREADS': '1'}")  # fmt: skip
+        for key, value in env.items():
+            if not (isinstance(key, str) and isinstance(value, str)):
+                validate.fail(f"env[{key!r}]", value, "a str (environment values are text)",
+                              where=where, fix=f"pass env={{{key!r}: {str(value)!r}}}.")  # fmt: skip
+
+
 def launch_function(
     fn: Callable[..., Any],
     nprocs: int = 2,
@@ -83,6 +102,7 @@ def launch_function(
             f"rw.launch(nprocs={nprocs!r}): nprocs must be a positive integer",
             fix="pass the number of processes to start, e.g. nprocs=2.",
         )
+    _check_arguments(args, kwargs, timeout, env)
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     # Each line is printed here with "[rank r] ": the rank-aware logger leaves out its own.
@@ -101,7 +121,7 @@ def launch_function(
     if not failures:
         return [values[r] for r in range(nprocs)]
     text = report("rw.launch", "timed out" if timed_out else "failed", failures, values, nprocs)
-    rank, first = next(iter(failures.items()))
+    rank, first = next(iter(causes_first(failures).items()))  # the rank that raised, if one did
     if first.exception is None:
         raise DistributedError(text, rank=rank)
     exc = first.exception

@@ -48,6 +48,9 @@ class LaunchOptions:
     """host:port of the rendezvous store (c10d)."""
     rdzv_id: str = "none"
     """Job id shared by all nodes of one job (c10d)."""
+    rdzv_token: str | None = field(default=None, repr=False)
+    """Secret shared by every node of a c10d job, which signs the rendezvous state
+    (``RANKWISE_RDZV_TOKEN`` when None; a one-node job generates its own)."""
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the other nodes or the master before giving up."""
     standalone: bool = False
@@ -245,7 +248,7 @@ def require_function(fn: object) -> None:
     if isinstance(fn, (LaunchOptions, str)):
         script = fn.script if isinstance(fn, LaunchOptions) else fn
         raise ConfigError(
-            f"rw.launch({fn!r}) runs a Python function in N processes, not a script",
+            f"rw.launch(fn={fn!r}) runs a Python function in N processes, not a script",
             fix=f"for a script use `rankwise run --nproc-per-node 2 {script}` or "
             f"rankwise.launch.launch(LaunchOptions(script={script!r}, nproc_per_node=2)); "
             "for a function pass it: rw.launch(train, nprocs=2).",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..diagnose.reach import READ_TIMEOUT_S, BoundedReads, Unreachable
+from .signed_rdzv import BACKEND
 
 
 class GuardedHandler:
@@ -54,6 +55,7 @@ class GuardedHandler:
 
 
 def guard(handler: Any, rdzv_timeout: float) -> Any:
-    """``handler`` with its store calls bounded, for the c10d backend (static's do not wait)."""
+    """``handler`` with its store calls bounded, for the c10d backends (static's do not wait)."""
     backend = getattr(handler, "get_backend", lambda: "")()
-    return GuardedHandler(handler, rdzv_timeout) if backend == "c10d" else handler
+    waits = backend in ("c10d", BACKEND)  # torch's, or the signed one rankwise registers
+    return GuardedHandler(handler, rdzv_timeout) if waits else handler

@@ -10,28 +10,31 @@ timeout is a failure carrying every rank's current stack (taken with faulthandle
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 from .. import env as envmod
-from ..console import redraws_in_place
-from .bootstrap import die_with_parent
+from ..console import printable, redraws_in_place
+from ..errors import DistributedError
+from .child import _QueueWriter, child
 from .output import RankLines
 
-_GRACE_S = 3.0
-"""How long the other ranks get to report their own error after the first one fails."""
+__all__ = ["Failure", "_QueueWriter", "causes_first", "exit_text", "report", "spawn_ranks"]
+
+_GRACE_S = 10.0
+"""How long the other ranks get to report their own error after the first one fails (their
+diagnosis names the rank that raised; under load, making it takes a few seconds). The run
+ends as soon as every rank has reported."""
 
 
 @dataclass(frozen=True)
@@ -40,117 +43,6 @@ class Failure:
 
     text: str
     exception: BaseException | None = None
-
-
-class _QueueWriter:
-    """A child's stdout/stderr: whole lines go to the parent, which prints them with the rank."""
-
-    def __init__(self, results: Any, rank: int, stream: str) -> None:
-        self.results, self.rank, self.stream = results, rank, stream
-        self.encoding = getattr(getattr(sys, stream), "encoding", None)  # tqdm: unicode blocks
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            self.results.put(("out", self.rank, self.stream, line))
-        if "\r" in self._pending:  # a bar redrawn in place: its newest state, as it stands
-            text_now = self._pending.rsplit("\r", 1)[1].rstrip()
-            self.results.put(("bar", self.rank, self.stream, text_now))
-            self._pending = ""
-        return len(text)
-
-    def flush(self) -> None:
-        if self._pending:
-            self.results.put(("out", self.rank, self.stream, self._pending))
-            self._pending = ""
-
-    def isatty(self) -> bool:
-        return False
-
-
-def _pickled_exception(exc: BaseException) -> bytes | None:
-    try:
-        data = pickle.dumps(exc)
-        pickle.loads(data)  # an exception whose __init__ needs other arguments fails here
-        return data
-    except Exception:
-        return None
-
-
-def _set_rank_env(env: dict[str, str], rank: int, world_size: int, port: int) -> None:
-    """The variables a launcher gives a worker (this child is one), read by ``rw.init``."""
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        # The parent hosts the store: every rank connects as a client (torchrun does the same).
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-
-
-def _child(
-    fn: Callable[..., Any],
-    args: tuple,
-    rank: int,
-    world_size: int,
-    backend: str | None,
-    port: int,
-    timeout: float,
-    results: Any,
-    stack_file: str,
-    env: dict[str, str],
-    init: bool,
-    stream: bool = False,
-    parent: int | None = None,
-) -> None:
-    # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
-    die_with_parent(parent)
-    _set_rank_env(env, rank, world_size, port)
-    if stream:
-        sys.stdout = _QueueWriter(results, rank, "stdout")  # type: ignore[assignment]
-        sys.stderr = _QueueWriter(results, rank, "stderr")  # type: ignore[assignment]
-    with open(stack_file, "w") as stacks:
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-        try:
-            if init:
-                from ..session import init as rw_init  # rw.init: the Session the user gets
-
-                rw_init(backend, timeout=timeout)
-            value = fn(*args)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # Plain pickle sends tensors by value; the queue's own pickler would share them
-            # through file descriptors that vanish when this process exits.
-            results.put(("result", rank, True, pickle.dumps(value)))
-        except SystemExit as exc:
-            results.put(_exited(rank, exc))
-        except BaseException as exc:
-            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            results.put(("result", rank, False, (text, _pickled_exception(exc))))
-        finally:
-            try:
-                from ..runtime import shutdown
-
-                shutdown()
-            except Exception:
-                pass
-    sys.stdout.flush()
-
-
-def _exited(rank: int, exc: SystemExit) -> tuple:
-    """``sys.exit()``/``sys.exit(0)`` is a normal end (nothing returned); another code fails."""
-    if exc.code in (None, 0):
-        return ("result", rank, True, pickle.dumps(None))
-    return ("result", rank, False, (f"SystemExit: sys.exit({exc.code!r}) in rank {rank}\n", None))
 
 
 def spawn_ranks(
@@ -175,30 +67,45 @@ def spawn_ranks(
     ctx = mp.get_context(start_method)
     me = os.getpid()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
     shown = RankLines(live=stream and redraws_in_place(sys.stdout))
     extra = {"OMP_NUM_THREADS": "1", **envmod.live_bars_env(shown.live), **(env or {})}
-    common = (backend, store.port, timeout or 1800.0, results)
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, args, r, world_size, *common, stack_files[r], extra, init, stream, me),
-            name=f"rank{r}",
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
+    common = (backend, store.port, timeout or 1800.0)
+    ranks: list[_Rank] = []
     try:
-        for p in procs:
-            p.start()
-        return _collect(procs, results, stack_files, timeout, shown)
+        for r in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=child,
+                args=(fn, args, r, world_size, *common, writer, stack_files[r], extra, init,
+                      stream, me),
+                name=f"rank{r}",
+                # Not daemonic: a rank may start processes of its own (DataLoader workers),
+                # which multiprocessing refuses to daemons. _end() still kills every rank
+                # left, and each dies with its parent (die_with_parent).
+                daemon=False,
+            )  # fmt: skip
+            ranks.append(_Rank(proc, reader))
+            proc.start()
+            writer.close()  # the child holds its own copy: the pipe closes when it ends
+        return _collect(ranks, stack_files, timeout, shown)
     finally:
         shown.end()
-        _end(procs)
+        _end([rk.proc for rk in ranks])
         del store
         tmp.cleanup()
+
+
+@dataclass
+class _Rank:
+    """The parent's view of one child: its process, its pipe, and the phase it last reported."""
+
+    proc: Any
+    reader: Any
+    phase: str = "starting its process (spawn, imports)"
+    since: float = field(default_factory=time.monotonic)
+    open: bool = True
 
 
 def _end(procs: list) -> None:
@@ -214,45 +121,53 @@ def _end(procs: list) -> None:
     shm_file.sweep_stale()
 
 
-def _collect(procs, results, stack_files, timeout: float | None, shown: RankLines):
-    world_size = len(procs)
+def _collect(ranks: list[_Rank], stack_files, timeout: float | None, shown: RankLines):
     values: dict[int, Any] = {}
     failures: dict[int, Failure] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure_at: float | None = None
-    while len(values) + len(failures) < world_size:
+    while len(values) + len(failures) < len(ranks):
         now = time.monotonic()
         if first_failure_at is not None and now > first_failure_at + _GRACE_S:
             break
         if deadline is not None and now > deadline:
-            _hang(procs, values, failures, stack_files, timeout)
+            _hang(ranks, values, failures, stack_files, timeout)
             return values, failures, True
-        try:
-            message = results.get(timeout=0.2)
-        except queue.Empty:
-            for r, p in enumerate(procs):
-                if not p.is_alive() and r not in values and r not in failures:
-                    # Give the queue a moment: a rank that finished may still be flushing.
-                    p.join(0.5)
-                    if r not in values and results.empty():
-                        why = f"process {exit_text(p.exitcode)} before reporting"
-                        failures[r] = Failure(why)
-                        first_failure_at = first_failure_at or time.monotonic()
-            continue
-        if message[0] == "out":
-            shown.line(*message[1:])
-            continue
-        if message[0] == "bar":
-            shown.bar_update(*message[1:])
-            continue
-        _, rank, ok, payload = message
-        if ok:
-            values[rank] = pickle.loads(payload)
-        else:
-            text, exc = payload
-            failures[rank] = Failure(text, None if exc is None else pickle.loads(exc))
-            first_failure_at = first_failure_at or time.monotonic()
+        readers = {rk.reader: r for r, rk in enumerate(ranks) if rk.open}
+        for reader in wait(list(readers), timeout=0.2):
+            _receive(readers[reader], ranks[readers[reader]], values, failures, shown)
+        for r, rk in enumerate(ranks):  # ended without a result (its pipe drained, or closed)
+            if r in values or r in failures or (rk.proc.is_alive() and rk.open):
+                continue
+            if rk.open and rk.reader.poll():
+                continue  # messages left to read
+            rk.proc.join(5)
+            why = f"process {exit_text(rk.proc.exitcode)} before reporting, while {rk.phase}"
+            failures[r] = Failure(why)
+        if failures and first_failure_at is None:
+            first_failure_at = time.monotonic()
     return values, failures, False
+
+
+def _receive(r: int, rk: _Rank, values: dict, failures: dict, shown: RankLines) -> None:
+    """Read one message of rank ``r``: a line, a bar, its phase, or its result."""
+    try:
+        message = rk.reader.recv()
+    except (EOFError, OSError):  # the process ended and its pipe is drained
+        rk.open = False
+        return
+    kind = message[0]
+    if kind == "out":
+        shown.line(*message[1:])
+    elif kind == "bar":
+        shown.bar_update(*message[1:])
+    elif kind == "phase":
+        rk.phase, rk.since = message[2], time.monotonic()
+    elif message[2]:
+        values[r] = pickle.loads(message[3])  # our own child, same user (no peer's data)
+    else:
+        text, exc = message[3]
+        failures[r] = Failure(text, None if exc is None else pickle.loads(exc))
 
 
 def exit_text(code: int | None) -> str:
@@ -266,29 +181,65 @@ def exit_text(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _hang(procs, values, failures, stack_files, timeout: float) -> None:
+def _hang(ranks: list[_Rank], values, failures, stack_files, timeout: float) -> None:
     signalled = []
-    for r, p in enumerate(procs):
-        if p.is_alive() and p.pid is not None:
-            os.kill(p.pid, signal.SIGUSR1)
+    for r, rk in enumerate(ranks):
+        if rk.proc.is_alive() and rk.proc.pid is not None:
+            os.kill(rk.proc.pid, signal.SIGUSR1)
             signalled.append(Path(stack_files[r]))
     # faulthandler writes from a signal handler: give every rank a moment to finish its dump.
     until = time.monotonic() + 3.0
     while time.monotonic() < until and not all(f.exists() and f.stat().st_size for f in signalled):
         time.sleep(0.05)
-    for r in range(len(procs)):
+    now = time.monotonic()
+    for r, rk in enumerate(ranks):
         if r in values or r in failures:
             continue
         stack = Path(stack_files[r]).read_text() if Path(stack_files[r]).exists() else ""
-        failures[r] = Failure(f"still running after {timeout:.0f}s (hang). Its stack:\n{stack}")
+        failures[r] = Failure(
+            f"still running after {timeout:.0f}s (hang): rank {r} was {rk.phase} (for "
+            f"{now - rk.since:.0f}s). Its stack:\n{stack}"
+        )
+
+
+def _consequence(f: Failure) -> bool:
+    """The rank failed only waiting for another: rankwise's diagnosis of a collective."""
+    if f.exception is not None:
+        return isinstance(f.exception, DistributedError)
+    return "DistributedError: " in f.text
+
+
+def _exception_line(f: Failure) -> str:
+    if f.exception is not None:
+        lines = str(f.exception).strip().splitlines()
+        return printable(f"{type(f.exception).__name__}: {lines[0]}" if lines else
+                         type(f.exception).__name__, 300)  # fmt: skip
+    lines = [ln for ln in f.text.strip().splitlines() if ln.strip()]
+    return printable(lines[-1], 300) if lines else "an error"
+
+
+def causes_first(failures: dict[int, Failure]) -> dict[int, Failure]:
+    """The failures with the ranks that raised their own exception first (the cause), then
+    the ranks that failed waiting for them, each group in the order they failed."""
+    first = {r: f for r, f in failures.items() if not _consequence(f)}
+    return {**first, **{r: f for r, f in failures.items() if r not in first}}
 
 
 def report(
     who: str, what: str, failures: dict[int, Failure], values: dict[int, Any], world_size: int
 ) -> str:
-    """Every failed rank's traceback, the first failure (usually the cause) first."""
+    """Every failed rank's traceback, the rank that raised (the cause) first, named with its
+    exception in the first line."""
+    failures = causes_first(failures)
     ranks = ", ".join(str(r) for r in failures)
-    parts = [f"{who} {what} on rank(s) {ranks} of {world_size} (first failure first)"]
+    head = f"{who} {what} on rank(s) {ranks} of {world_size}"
+    raisers = [r for r, f in failures.items() if not _consequence(f)]
+    if raisers and what == "failed":
+        waited = [r for r in failures if r not in raisers]
+        head += f": rank {raisers[0]} raised {_exception_line(failures[raisers[0]])}"
+        if waited:
+            head += f"; rank(s) {', '.join(map(str, waited))} failed waiting for it"
+    parts = [f"{head} (the cause first)"]
     for r, failure in failures.items():
         parts.append(f"--- rank {r} ---\n{failure.text.rstrip()}")
     if values:

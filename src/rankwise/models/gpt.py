@@ -60,14 +60,38 @@ class GPTConfig:
             )
 
 
+class NormalLinear(nn.Linear):
+    """``nn.Linear`` initialised as GPT-2's: weight ~ N(0, ``std``), bias zero. Its
+    ``reset_parameters()`` is that initialisation, so the model initialises itself in one
+    pass, each layer as it is built: a GPT built under ``with torch.device("meta"):`` and
+    initialised by ``rt.prepare`` (``exact_init=True``) equals one built eagerly at the same
+    seed (docs/zero.md)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, std: float) -> None:
+        self.std = std  # before nn.Linear's __init__, which calls reset_parameters()
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class NormalEmbedding(nn.Embedding):
+    """``nn.Embedding`` initialised as GPT-2's: N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention where each position sees itself and the positions before it."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.qkv = NormalLinear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, std=0.02)
+        self.proj = NormalLinear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=_residual_std(cfg))
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +107,12 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(self.proj(y), p, self.training)
 
 
+def _residual_std(cfg: GPTConfig) -> float:
+    """Residual projections are scaled down by depth so the residual stream's variance does
+    not grow with the number of blocks (GPT-2's initialisation)."""
+    return 0.02 / math.sqrt(2 * cfg.n_layer)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``. One block is the
     natural unit to shard or checkpoint (a stage-3 gather unit, an FSDP ``fully_shard``)."""
@@ -93,9 +123,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
+            NormalLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, std=0.02),
             nn.GELU(),
-            nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+            NormalLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=_residual_std(cfg)),
             nn.Dropout(cfg.dropout),
         )
 
@@ -105,31 +135,23 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer; ``forward(idx, targets=None) -> (logits, loss or None)``."""
+    """Decoder-only transformer; ``forward(idx, targets=None) -> (logits, loss or None)``.
+
+    Every layer initialises itself as it is built (``NormalLinear``, ``NormalEmbedding``,
+    torch's ``LayerNorm``), in registration order: a GPT built on the meta device is
+    initialised by ``rt.prepare`` with the same values, bit for bit under ``exact_init=True``.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wte = NormalEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = NormalEmbedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = NormalLinear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
         self.lm_head.weight = self.wte.weight  # tied: one matrix reads and writes tokens
-        self.apply(self._init_weights)
-        # Residual projections scaled down by depth so the residual stream's variance does not
-        # grow with the number of blocks (GPT-2's initialisation).
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -130,7 +130,7 @@ def broadcast_tensors(
     if not tensors:
         return
     root = dist.get_rank(group) == src
-    pending = []
+    pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
     with torch.no_grad():
         for run in _chunks(tensors):
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in run])
@@ -143,14 +143,20 @@ def broadcast_tensors(
             )
             entry.watch(dist.broadcast(flat, group=group, group_src=src, async_op=True))
             pending.append((entry, flat, run))
-        for entry, flat, run in pending:
-            entry.wait()  # a failure raises the diagnosis naming every rank's last collective
-            if not root:
-                offset = 0
-                for t in run:
-                    n = t.numel() * t.element_size()
-                    t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
-                    offset += n
+            if len(pending) > 1:  # two messages in flight: at most two chunks copied at once
+                _unpack(*pending.pop(0), root)
+        for item in pending:
+            _unpack(*item, root)
+
+
+def _unpack(entry: Any, flat: torch.Tensor, run: list[torch.Tensor], root: bool) -> None:
+    entry.wait()  # a failure raises the diagnosis naming every rank's last collective
+    if not root:
+        offset = 0
+        for t in run:
+            n = t.numel() * t.element_size()
+            t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
+            offset += n
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
+from .. import comm, runtime, validate
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..flat import FlatParams
@@ -61,6 +61,20 @@ def _check_ranks(ranks: Sequence[int] | None, world: int, rank: int) -> list[int
             rank=rank,
         )
     return ranks
+
+
+def _check_arguments(ranks: object, device: object, group: object, mesh: object) -> None:
+    """By type, before the mesh or the ranks are read (validate.py); values are checked where
+    they are used (``_check_ranks``, ``check_balance``)."""
+    where = "DistributedPipeline()"
+    if ranks is not None:
+        validate.sequence("ranks", ranks, "a list of ranks, one per stage", where=where,
+                          example="[0, 1]")  # fmt: skip
+    validate.device_name("device", device, where=where)
+    validate.process_group("data_parallel_group", group, where=where)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        validate.fail("mesh", mesh, "a rw.DeviceMesh (rt.mesh) or None", where=where,
+                      fix="pass mesh=rt.mesh (from rw.init(mesh={...})), or ranks=[...].")
 
 
 def _from_mesh(mesh, default, ranks, group, rank: int):
@@ -100,6 +114,7 @@ class DistributedPipeline(nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         mesh: DeviceMesh | None = None,
     ) -> None:
+        _check_arguments(ranks, device, data_parallel_group, mesh)
         super().__init__()
         rt = runtime.get_runtime()
         self.rank = comm.rank()
@@ -210,7 +225,8 @@ class DistributedPipeline(nn.Module):
             if self.is_first:
                 inp = micro[i]
             else:
-                head = self._link.recv_header(self._prev, f"activation {i}")
+                sender = f"stage {self.stage_index - 1} (rank {self._prev})"
+                head = self._link.recv_header(self._prev, f"activation {i}", sender, (i, count))
                 count = head.num_micro_batches
                 inp = self._link.recv(head.shape, head.dtype, self._prev, f"activation {i}")
                 inp = inp.to(self.device).requires_grad_(inp.is_floating_point())

@@ -9,10 +9,14 @@ that the receiver can always post a receive for:
 Backward gradients need no header: the gradient of an activation has its shape and dtype,
 which the receiver already knows from the forward. Every receive waits at most the runtime's
 timeout and then raises a ``DistributedError`` naming the peer, the phase and the micro-batch.
+A header is checked before anything is allocated for it (its number, the micro-batch count,
+dtype, dimensions and a size cap): a wrong one is a ``DistributedError`` naming the stage that
+sent it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +27,10 @@ from ..errors import ConfigError, DistributedError
 
 MAX_DIMS = 8
 HEADER_LEN = 4 + MAX_DIMS
+MAX_MICRO_BATCHES = 1 << 16
+"""Most micro-batches a header may announce (``chunks`` of any real pipeline is far lower)."""
+MAX_ACTIVATION_BYTES = 64 << 30
+"""Largest activation a header may announce: a receiver allocates it before it arrives."""
 DTYPES = (
     torch.float32,
     torch.float64,
@@ -57,8 +65,43 @@ def encode(header: Header, device: torch.device) -> torch.Tensor:
     return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
 
 
-def decode(t: torch.Tensor) -> Header:
+def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
+    """Why a received header cannot be the one expected ('' if it can): it comes from another
+    process, and the receiver allocates what it announces."""
+    mb, n, code, ndim, sizes = v[0], v[1], v[2], v[3], v[4:]
+    if mb != micro_batch:
+        return f"is numbered {mb}, not {micro_batch}"
+    if not 1 <= n <= MAX_MICRO_BATCHES or (count is not None and n != count):
+        expected = count if count is not None else f"1..{MAX_MICRO_BATCHES}"
+        return f"announces {n} micro-batches (expected {expected})"
+    if not 0 <= code < len(DTYPES):
+        return f"has dtype code {code} (not one of 0..{len(DTYPES) - 1})"
+    if not 0 <= ndim <= MAX_DIMS:
+        return f"has {ndim} dimensions (at most {MAX_DIMS})"
+    shape = sizes[:ndim]
+    if any(s < 0 for s in shape) or any(sizes[ndim:]):
+        return f"has shape {sizes} for {ndim} dimensions"
+    nbytes = math.prod(shape) * DTYPES[code].itemsize
+    if nbytes > MAX_ACTIVATION_BYTES:
+        return f"announces {nbytes} bytes (the limit is {MAX_ACTIVATION_BYTES})"
+    return ""
+
+
+def decode(
+    t: torch.Tensor, *, sender: str, micro_batch: int, count: int | None, rank: int
+) -> Header:
+    """The header of activation ``micro_batch`` (of ``count``, once known) from ``sender``;
+    a ``DistributedError`` naming the sender if it is not one this stage can accept."""
     v = t.tolist()
+    why = header_problem(v, micro_batch, count)
+    if why:
+        raise DistributedError(
+            f"pipeline {sender} sent an activation header for micro-batch {micro_batch} that "
+            f"{why} (header {v}); nothing was allocated or received after it",
+            fix="every stage must run the same rankwise version and the same train_step calls; "
+            "a process that sends anything else is not part of this pipeline.",
+            rank=rank,
+        )
     return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + v[3]]))
 
 
@@ -82,10 +125,14 @@ class Link:
         for part in parts:
             self._pending.append((dist.isend(part, dst=dst), part, f"{what} to rank {dst}"))
 
-    def recv_header(self, src: int, what: str) -> Header:
+    def recv_header(
+        self, src: int, what: str, sender: str, expect: tuple[int, int | None]
+    ) -> Header:
+        """The header of activation ``expect[0]`` (of ``expect[1]``, once known) from ``src``,
+        checked (``decode``); ``sender`` names that stage in errors."""
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         self._wait(dist.irecv(buf, src=src), f"{what} header from rank {src}")
-        return decode(buf)
+        return decode(buf, sender=sender, micro_batch=expect[0], count=expect[1], rank=self.rank)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..validate import sequence, shown
 
 
 def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -29,7 +30,8 @@ def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not is_sequential:
         raise ConfigError(
             f"cannot split a {type(model).__name__}: only nn.Sequential models (layers applied "
-            "one after another, each taking the previous one's output) can be split into stages",
+            "one after another, each taking the previous one's output) can be split into stages "
+            f"(got model={shown(model)})",
             fix="write the model as nn.Sequential(layer1, layer2, ...) (wrap blocks that branch "
             "or take several inputs in one module each), or place its parts on devices by hand.",
         )
@@ -43,6 +45,7 @@ def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
     """``balance`` as a list, or an error naming the value and the fix."""
+    sequence("balance", balance, "a list of layer counts, one per stage", example="[2, 2]")
     bal = list(balance)
     if len(bal) != num_stages:
         raise ConfigError(

@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..devices import resolve_device
 from ..errors import ConfigError
+from ..validate import fail
 from . import partition, schedule
 
 
@@ -43,12 +45,28 @@ def _check_chunks(chunks: int) -> int:
 
 
 def _check_devices(devices: Sequence[str | int | torch.device]) -> list[torch.device]:
-    if isinstance(devices, (str, torch.device)) or not devices:
+    if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__") or not devices:
         raise ConfigError(
             f"devices={devices!r} must be a non-empty list, one device per stage",
             fix="pass e.g. devices=['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to try it on CPU).",
         )
     return [resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
+
+
+def _check_pipe(layers: Any, devices: Any, balance: Any, chunks: Any) -> None:
+    """``Pipe``'s arguments, as ``rw.split`` would have made them."""
+    pairs = isinstance(layers, Sequence) and not isinstance(layers, str)
+    if not pairs or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], nn.Module) for p in layers
+    ):
+        fail("layers", layers, "a list of (name, module) pairs", where="rw.Pipe()",
+             fix="build the pipeline with rw.split(model, devices), which makes the pairs.")
+    stages = len(_check_devices(devices))
+    if isinstance(balance, Sequence) and len(balance) != stages:
+        fail("devices", devices, f"one device per stage of balance={list(balance)!r}",
+             where="rw.Pipe()", fix="give as many devices as balance has stages.")
+    partition.check_balance(balance, len(layers), stages)
+    _check_chunks(chunks)
 
 
 class Pipe(nn.Module):
@@ -66,6 +84,7 @@ class Pipe(nn.Module):
         balance: Sequence[int],
         chunks: int,
     ) -> None:
+        _check_pipe(layers, devices, balance, chunks)
         super().__init__()
         self.devices = list(devices)
         self.balance = list(balance)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,19 +30,29 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import precision, runtime
+from .. import precision, runtime, validate
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
 from ..env import DistEnv
-from ..errors import ConfigError
 from ..log import print0
+from ..parallel import deferred
+from ..plan import check_init_arguments
 from ..training import LoopState, TrainingLoop, full_states
 from . import first_batch, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
-from .model import check_optimizer, move_optimizer_state, prepare_model, refuse_wrapped, wrapper
+from .model import (
+    agreed_for,
+    check_optimizer,
+    move_optimizer_state,
+    prepare_model,
+    refuse_exact_in_bf16,
+    refuse_wrapped,
+    wrapper,
+)
 from .saving import SaveRecord
 from .sharded import warn_if_too_big
 
@@ -88,8 +98,13 @@ class Session(runtime.Runtime, TrainingLoop):
         global_batch_size: int | None = None,
         scheduler: Any = None,
         wrap: Any = None,
+        init: Callable[[nn.Module], Any] | None = None,
+        exact_init: bool = False,
     ) -> Any:
-        """``prepare(rt, ...)``: move, then wrap the model; split the loader.
+        """``prepare(rt, ...)``: move (or, built on the meta device, initialise), then wrap
+        the model; split the loader. ``init``: ``init(module)`` for each module with tensors of
+        its own, in registration order, instead of its ``reset_parameters()``; ``exact_init``:
+        equal to an eager CPU build at the same seed, bit for bit.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
@@ -101,6 +116,8 @@ class Session(runtime.Runtime, TrainingLoop):
             global_batch_size=global_batch_size,
             scheduler=scheduler,
             wrap=wrap,
+            init=init,
+            exact_init=exact_init,
         )
 
     def full_parameters(
@@ -114,6 +131,7 @@ class Session(runtime.Runtime, TrainingLoop):
 
         Sync point: all ranks under 'zero3'.
         """
+        validate.module("model", model, where="rt.full_parameters()")
         summon = getattr(model, "full_parameters", None)
         if callable(summon):
             return summon(writeback=writeback)
@@ -153,6 +171,17 @@ class Session(runtime.Runtime, TrainingLoop):
         saving.remember_loaded(self.saves, path)
         return result
 
+    def load_pretrained(self, model: nn.Module, path: str | Path, **kwargs: Any) -> Any:
+        """``rw.load_pretrained``: a safetensors checkpoint (file, or a folder with its index)
+        into the prepared ``model``, each rank reading only its part. Sync point: all ranks
+        when the model is prepared for several processes."""
+        return load_pretrained(model, path, **kwargs)
+
+    def save_pretrained(self, model: nn.Module, directory: str | Path, **kwargs: Any) -> Path:
+        """``rw.save_pretrained``: the whole model as safetensors (Hugging Face's layout),
+        streamed one unit at a time, written by rank 0. Sync point: all ranks."""
+        return save_pretrained(model, directory, **kwargs)
+
 
 def init(
     backend: str | None = None,
@@ -170,6 +199,7 @@ def init(
 
     Sync point: all ranks (the rendezvous), when world size > 1.
     """
+    check_init_arguments(backend, device, timeout, env)  # before anything is joined
     rt = runtime.init(
         backend,
         device=device,
@@ -195,6 +225,8 @@ def prepare(
     global_batch_size: int | None = None,
     scheduler: Any = None,
     wrap: Any = None,
+    init: Callable[[nn.Module], Any] | None = None,
+    exact_init: bool = False,
 ) -> Any:
     """Model (moved, then wrapped), optimizer (state moved), loader (split, batches moved).
 
@@ -205,25 +237,24 @@ def prepare(
     under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
     a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
     of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do
-    not use it.
+    not use it. A model built on the meta device is initialised here (``init``, ``exact_init``:
+    docs/zero.md, "Models larger than one process").
 
     Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, launched 'auto'):
     rank 0's parameters are broadcast, 'auto' agrees on the device capacity, and with a loader
     the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
     first training forward compares what the ranks read (``first_batch.py``).
     """
-    if loader is None and global_batch_size is not None:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} was given without a loader",
-            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
-        )
-    guards.refuse_loader_as_model(rt.prepared, model)
+    guards.refuse_loader_as_model(rt.prepared, model)  # before the type check: says the call
+    guards.check_arguments(model, optimizer, global_batch_size)
+    guards.refuse_batch_size_without_loader(loader, global_batch_size)
     guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
     refuse_wrapped(rt, model)
     if optimizer is not None:
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
-    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap)
+    how = deferred.plan(model, init, exact_init)  # None: not built on the meta device
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how)
     first_batch.watch(rt, wrapped)  # a loader that was not split: said at the first step
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
@@ -251,13 +282,15 @@ def _training_loader(
 
 
 def _with_precision(
-    rt: Session, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Session, model: nn.Module, optimizer: Any, wrap: Any, how: deferred.DeferredInit | None
 ) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
+    refuse_exact_in_bf16(how, policy.name)
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
-    wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap)
+    with agreed_for(rt, how):  # a meta model: every rank draws from the same random state
+        wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap, how)
     device_type = precision.model_device_type(model, rt.device)
     precision.apply_autocast(policy, wrapped, device_type)
     if optimizer is not None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from .. import validate
 from ..data import Loader
 from ..errors import ConfigError
 
@@ -48,6 +49,14 @@ _OURS = tuple(
     for m in (torch, sys.modules[__name__.split(".")[0]])
 )
 """Frames under these folders are torch's or rankwise's; the first other one is the user's."""
+
+
+def check_arguments(model: Any, optimizer: Any, global_batch_size: Any) -> None:
+    """``rt.prepare``'s arguments, by type, before anything moves (validate.py)."""
+    validate.module("model", model, where="rt.prepare()")
+    validate.optimizer("optimizer", optimizer, where="rt.prepare()")
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare()", example=64)  # fmt: skip
 
 
 def user_frame(depth: int = 1) -> tuple[FrameType | None, int]:
@@ -175,4 +184,12 @@ def warn_scheduler_not_saved(kwargs: dict[str, Any]) -> None:
             "rt.load then include it), or rt.save(..., scheduler=sched).",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def refuse_batch_size_without_loader(loader: Any, global_batch_size: int | None) -> None:
+    if loader is None and global_batch_size is not None:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} was given without a loader",
+            fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )

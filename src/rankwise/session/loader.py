@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from .. import validate
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
@@ -16,6 +17,7 @@ from ..log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy
+from ..validate import shown
 from .agree import agree_batches, uneven_line, uneven_warning
 from .guards import refuse_empty_loader, warn_at_user
 
@@ -160,7 +162,8 @@ def prepare_loader(
     ``agree`` (``rt.prepare``'s): compare the per-process batch sizes over the ranks
     (``agree.py``), and log the global batch they really make. Sync point only with ``agree``.
     """
-
+    validate.integer("global_batch_size", global_batch_size, minimum=1, optional=True,
+                     where="rt.prepare_loader()", example=64)  # fmt: skip
     if isinstance(loader, DeviceLoader):
         loader = loader.loader
     if isinstance(loader, Loader):
@@ -170,7 +173,8 @@ def prepare_loader(
         built = _rebuild(rt, loader, global_batch_size, evaluation)
     else:
         raise ConfigError(
-            f"loader={type(loader).__name__} is not a torch DataLoader nor an rw.loader",
+            f"loader={shown(loader)} ({type(loader).__name__}) is not a torch DataLoader nor "
+            "an rw.loader",
             fix="pass DataLoader(dataset, batch_size=B, shuffle=...) or rw.loader(dataset, ...).",
         )
     refuse_empty_loader(built, loader, evaluation)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
+from ..parallel import DataParallel, DistributedDataParallel, ShardedDataParallel, deferred
 from ..pipeline import DistributedPipeline, Pipe
 from ..runtime import Runtime
 from ..strategies import Strategy
@@ -58,11 +59,43 @@ def prepare_model(rt: Runtime, model: nn.Module) -> nn.Module:
 
     Sync point: all ranks under a multi-process strategy (rank 0's parameters are broadcast).
     """
-    return wrapper(rt.strategy_spec)(rt, model, None, None)[0]
+    how = deferred.plan(model, None, False)
+    with agreed_for(rt, how):
+        return wrapper(rt.strategy_spec)(rt, model, None, None, how)[0]
 
 
-Wrap = Callable[[Runtime, nn.Module, Any, Any], tuple[nn.Module, Any]]
-"""``fn(rt, model, optimizer, wrap)``: ``wrap`` is zero3's unit policy (ignored by the others)."""
+Wrap = Callable[[Runtime, nn.Module, Any, Any, Any], tuple[nn.Module, Any]]
+"""``fn(rt, model, optimizer, wrap, how)``: ``wrap`` is zero3's unit policy (ignored by the
+others); ``how``: a ``deferred.DeferredInit`` for a model built on the meta device, else None."""
+
+
+def agreed_for(rt: Runtime, how: deferred.DeferredInit | None) -> Any:
+    """Every rank of the job draws a meta model's values from one random state (tensor
+    peers cut their pieces from the same full tensors). Sync point: all ranks, for a meta
+    model (one small collective)."""
+    if how is None:
+        return contextlib.nullcontext()
+    return deferred.agreed(how.exact, how.build_device(rt.device), rt.device)
+
+
+def refuse_exact_in_bf16(how: deferred.DeferredInit | None, policy: str) -> None:
+    if how is not None and how.exact and policy == "bf16-true":
+        raise ConfigError(
+            "exact_init=True under precision='bf16-true': the model is cast to bf16 before it "
+            "is built, so its values would be drawn in bf16, not drawn in fp32 and rounded "
+            "as an eager build's are",
+            fix="leave exact_init out under 'bf16-true', or use a mixed policy "
+            "('bf16-mixed' keeps fp32 parameters).",
+        )
+
+
+def _materialized(rt: Runtime, model: nn.Module, optimizer: Any, how: Any) -> None:
+    """A meta model made whole on ``rt.device`` (module by module), before it is wrapped."""
+    if how is None:
+        return
+    deferred.materialize(model, how, rt.device)
+    if optimizer is not None:
+        deferred.refresh_optimizer(optimizer)
 
 
 def wrapper(spec: Strategy) -> Wrap:
@@ -80,17 +113,19 @@ def _moved(rt: Runtime, model: nn.Module) -> bool:
 
 
 def bare(
-    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None, how: Any = None
 ) -> tuple[nn.Module, Any]:
     """'single': the model itself, on ``rt.device``. No sync point."""
+    _materialized(rt, model, optimizer, how)
     _moved(rt, model)
     return model, optimizer
 
 
 def data_parallel(
-    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None, how: Any = None
 ) -> tuple[nn.Module, Any]:
     """'dp': ``rw.DataParallel`` over ``rt.devices`` (the first is the master). No sync point."""
+    _materialized(rt, model, optimizer, how)
     if _spans_devices(model):
         raise ConfigError(
             "strategy='dp' cannot wrap a model split over several devices: DataParallel "
@@ -115,10 +150,11 @@ def data_replicas(rt: Runtime) -> int:
 
 
 def distributed(
-    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None
+    rt: Runtime, model: nn.Module, optimizer: Any, wrap: Any = None, how: Any = None
 ) -> tuple[nn.Module, Any]:
     """'ddp': ``rw.DistributedDataParallel`` over ``data_group(rt)``. Sync point: all ranks
     (rank 0's state is broadcast)."""
+    _materialized(rt, model, optimizer, how)
     spans = _moved(rt, model)
     one_accelerator = rt.device.type != "cpu" and not spans
     ids = [rt.device] if one_accelerator else None

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, validate
 from ..checkpoint import files
 from ..checkpoint.state_dict import registered_inner, unwrap_model
 from ..errors import DistributedError
@@ -65,6 +65,7 @@ def remember_loaded(record: SaveRecord, path: str | os.PathLike) -> None:
 
 def before_save(rt: Any, path: str | os.PathLike, kwargs: dict[str, Any]) -> None:
     """Refuse drifted replicas, then warn about a reused folder. Sync point: all ranks."""
+    validate.path("path", path, where="rt.save()")  # before the folder is looked at
     refuse_drifted(rt, kwargs.get("model"))
     warn_reused_folder(rt.saves, path, kwargs.get("step"))
 

@@ -18,17 +18,23 @@ from .model import data_group, data_replicas
 
 if TYPE_CHECKING:
     from ..parallel import ShardedDataParallel
+    from ..parallel.deferred import DeferredInit
     from ..runtime import Runtime
 
 
 def prepare_sharded(
-    rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Any = None
+    rt: Runtime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    wrap: Any = None,
+    how: DeferredInit | None = None,
 ) -> tuple[ShardedDataParallel, torch.optim.Optimizer]:
     """Move ``model`` to ``rt.device`` and wrap it; return it with its sharded optimizer.
 
     The optimizer the user built (any parameter groups) is pointed at this rank's shards: that
     same object steps, so schedulers built on it keep driving it. ``wrap``: stage 3's unit
-    policy (``parallel/zero/wrap.py``).
+    policy (``parallel/zero/wrap.py``). ``how``: a model built on the meta device is
+    initialised by the engine, unit by unit, each rank keeping its shards only.
 
     Sync point: all ranks (the engine broadcasts rank 0's parameters).
     """
@@ -42,10 +48,12 @@ def prepare_sharded(
             "model.parameters() as usual).",
             rank=rt.rank,
         )
-    model.to(rt.device)  # pitfall 1: move first, then wrap
+    built = {} if how is None else {"init": how.init, "exact_init": how.exact}
+    if how is None:
+        model.to(rt.device)  # pitfall 1: move first, then wrap
     engine = ShardedDataParallel(
         model, optimizer, stage=rt.strategy_spec.zero_stage, wrap=wrap,
-        process_group=data_group(rt),
+        process_group=data_group(rt), device=rt.device, **built,
     )  # fmt: skip
     return engine, engine.optimizer
 

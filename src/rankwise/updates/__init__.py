@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import validate
 from ..errors import ConfigError
 from .asynchronous import AsyncUpdates, asynchronous
 from .base import UpdateRule
@@ -46,6 +47,8 @@ def wrap(
 
     Sync point: all ranks.
     """
+    validate.module("model", model, where="rw.updates.wrap()")
+    validate.optimizer("optimizer", optimizer, optional=False, where="rw.updates.wrap()")
     keyword, name = _rule_argument(rule, strategy)
     if name == "sync":
         return synchronous(model, optimizer, **options)

@@ -45,6 +45,7 @@ class AsyncUpdates(UpdateRule):
         server_rank: int = 0,
         dedicated_server: bool = False,
         timeout: float | None = None,
+        stall_timeout: float = 8.0,
     ) -> None:
         StalenessGate((), staleness)  # validates the bound on every rank, before any traffic
         super().__init__(model, optimizer)
@@ -60,6 +61,10 @@ class AsyncUpdates(UpdateRule):
                 fix="pass e.g. timeout=300 (the longest a worker may go without a step), "
                 "or leave it unset to use the runtime's.",
             )
+        _check_seconds("stall_timeout", stall_timeout, "pass e.g. stall_timeout=8 (how long "
+                       "a reply may wait for its worker to receive it before that worker is "
+                       "dropped), or leave it unset.")  # fmt: skip
+        self.stall_timeout = float(stall_timeout)
         self.staleness: list[int] = []
         """Staleness of each of this worker's gradients when the server applied it, in order."""
         self._version = 0
@@ -93,6 +98,7 @@ class AsyncUpdates(UpdateRule):
             bound=self.staleness_bound,
             rank=self.rank,
             timeout=self.timeout,
+            stall_timeout=self.stall_timeout,
         )
         self._server.start()
         if local is not None:
@@ -240,13 +246,15 @@ def asynchronous(
     server_rank: int = 0,
     dedicated_server: bool = False,
     timeout: float | None = None,
+    stall_timeout: float = 8.0,
 ) -> AsyncUpdates:
     """Wrap ``optimizer``: gradients go to a parameter server that applies them as they arrive.
 
     ``staleness=s`` bounds how many updates late a gradient may be applied (0: synchronous,
     None: no bound). The server runs in threads of ``server_rank``, which trains too unless
     ``dedicated_server=True``. ``timeout`` (s, default the runtime's) bounds every wait.
-    Sync point: all ranks (here and at ``close()``).
+    ``stall_timeout`` (s): a worker whose reply waits that long for it to receive is dropped,
+    and the others train on. Sync point: all ranks (here and at ``close()``).
     """
     return AsyncUpdates(
         model,
@@ -255,6 +263,7 @@ def asynchronous(
         server_rank=server_rank,
         dedicated_server=dedicated_server,
         timeout=timeout,
+        stall_timeout=stall_timeout,
     )
 
 
@@ -265,6 +274,11 @@ def _stopped_error(stop: Message, rank: int) -> DistributedError:
         "next step so that nothing hangs.",
         rank=rank,
     )
+
+
+def _check_seconds(name: str, value: object, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ConfigError(f"async: {name}={value!r} must be a positive number of seconds", fix=fix)
 
 
 def _check_placement(server_rank: int, dedicated: bool, world: int) -> None:

@@ -69,6 +69,12 @@ class StalenessGate:
         self._computing.pop(worker, None)
         return self._release()
 
+    def drop(self, worker: int) -> list[Applied]:
+        """``worker`` is gone (it stopped receiving): its held gradient is discarded, and it no
+        longer holds the server back."""
+        self._pending.pop(worker, None)
+        return self.leave(worker)
+
     @property
     def pending(self) -> list[int]:
         """Workers whose gradient waits for the slowest worker."""

@@ -29,7 +29,6 @@ and its server thread (the server cannot send to its own rank over Gloo).
 from __future__ import annotations
 
 import queue
-import unicodedata
 from datetime import timedelta
 from enum import IntEnum
 from typing import NamedTuple
@@ -37,6 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..console import printable
 from ..errors import DistributedError
 
 TEXT_BYTES = 512
@@ -101,19 +101,6 @@ def _encode_text(text: str) -> tuple[torch.Tensor, int]:
 def _decode_text(buf: torch.Tensor, length: int) -> str:
     raw = bytes(buf[: max(0, min(length, TEXT_BYTES))].tolist()).decode("utf-8", "replace")
     return printable(raw)
-
-
-def printable(text: str) -> str:
-    """``text`` with control and format characters escaped (``\\x1b``, ``\\u202e``): a peer's
-    ABORT/STOP text is echoed in every rank's error and log, where a terminal escape could
-    rewrite the screen and a bidi control could reorder what the reader sees."""
-    return "".join(
-        ch if unicodedata.category(ch) not in _UNSAFE else ch.encode("unicode_escape").decode()
-        for ch in text
-    )
-
-
-_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs"})
 
 
 _HEADER_BYTES = 32  # 4 x int64; also keeps the body aligned for any dtype

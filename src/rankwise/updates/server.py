@@ -14,10 +14,17 @@ Timeouts measure the silence of whoever is being waited for, never a legitimate 
 - a worker held back by the staleness bound, or waiting at ``close()`` for slower workers to
   finish, receives a WAIT heartbeat every ``timeout / 4``, so its own timeout measures the
   server's silence, and a long wait for a live, slow worker is not an error.
+
+A worker waits for its reply as soon as it has sent its request, so a reply that cannot be
+delivered for ``stall_timeout`` seconds (8 by default, looked for twice a second: dropped within
+10 s; much less than ``timeout``) means that worker stopped receiving (stopped with SIGSTOP, held in a debugger, not a rankwise worker): it
+is *dropped*, and the others train on without it. If it comes back, its next request is
+answered with STOP.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -30,6 +37,8 @@ from ..flat import FlatParams
 from .gate import Applied, StalenessGate
 from .protocol import TO_SERVER, Kind, Message, ProtocolError, WireChannel, text_message
 from .senders import Sender
+
+_log = logging.getLogger("rankwise.updates")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class ServerStats:
     """Staleness -> number of gradients applied with it."""
     gradients_by_worker: dict[int, int] = field(default_factory=dict)
     """Worker rank -> number of its gradients applied."""
+    dropped: dict[int, str] = field(default_factory=dict)
+    """Worker rank -> why it was dropped (it stopped receiving; the others trained on)."""
 
     @property
     def max_staleness(self) -> int:
@@ -66,6 +77,7 @@ class ParameterServer:
         bound: int | None,
         rank: int,
         timeout: float,
+        stall_timeout: float = 8.0,
     ) -> None:
         self._flat = FlatParams(params)
         self._opt = optimizer
@@ -78,7 +90,8 @@ class ParameterServer:
         self.local_replies: queue.Queue[Message] = queue.Queue()
         self._go = {r: queue.Queue() for r in self._workers if r != local_worker}
         self._senders: dict[int, Sender] = {}
-        self._deaf: set[int] = set()  # workers reported for not receiving their replies
+        self._deaf: set[int] = set()  # workers whose reply could not be delivered (dropped)
+        self._dropped: dict[int, str] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._waiting: dict[int, Kind] = {}  # worker -> request still without a reply
         self._done: set[int] = set()
@@ -90,7 +103,9 @@ class ParameterServer:
         self._updates = 0
         self._threads: list[threading.Thread] = []
         self._timeout = timeout
+        self._stall = stall_timeout
         self._heartbeat = timeout / 4
+        self._check_every = max(0.05, min(0.5, stall_timeout / 4))  # how often deafness is looked for
         self._local_since = time.monotonic()  # when the local worker last got a reply
         # Rank 0's training thread hands CUDA gradients to the loop and reads the parameters it
         # sends back: both threads queue their kernels on the stream current here (the training
@@ -135,6 +150,7 @@ class ParameterServer:
                 gradients=sum(self._hist.values()),
                 staleness_histogram=dict(sorted(self._hist.items())),
                 gradients_by_worker=dict(sorted(self._by_worker.items())),
+                dropped=dict(sorted(self._dropped.items())),
             )
 
     # ---- threads -----------------------------------------------------------------------------
@@ -158,16 +174,22 @@ class ParameterServer:
         if self._stream is not None:
             torch.cuda.set_stream(self._stream)  # this thread's own setting; it ends with it
         next_beat = time.monotonic() + self._heartbeat
+        next_check = time.monotonic() + self._check_every
         while len(self._finished) < len(self._workers):
+            wait = min(next_beat, next_check) - time.monotonic()
             try:
-                msg = self.inbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+                msg = self.inbox.get(timeout=max(0.0, wait))
             except queue.Empty:
                 msg = None
             try:
                 if msg is not None:
                     self._handle(msg)
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self._heartbeat
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + self._check_every
+                    self._check_deaf(now)
+                if now >= next_beat:
+                    next_beat = now + self._heartbeat
                     self._beat()
             except Exception as exc:
                 if self._failure is None:
@@ -193,22 +215,10 @@ class ParameterServer:
         self.inbox.put(text_message(Kind.LOST, w, f"lost contact with worker rank {w} ({why})"))
 
     def _beat(self) -> None:
-        """Tell waiting workers the server is alive; notice a silent local worker, and a
-        remote one that stopped receiving its replies."""
+        """Tell waiting workers the server is alive; notice a silent local worker."""
         for w in sorted(self._waiting):
             if w == self._local or self._senders[w].pending == 0:
                 self._send(w, Message(Kind.WAIT, w, self._gate.version))
-        now = time.monotonic()
-        for w, sender in self._senders.items():
-            stalled = sender.stalled_for(now)
-            if stalled > self._timeout and w not in self._deaf:
-                self._deaf.add(w)
-                text = (
-                    f"worker rank {w} stopped receiving: its reply has waited {stalled:.0f}s "
-                    f"(timeout {self._timeout:.0f}s); it is stopped, held in a debugger, or "
-                    "not a rankwise worker"
-                )
-                self.inbox.put(text_message(Kind.LOST, w, text))
         local = self._local
         silent = time.monotonic() - self._local_since
         busy = local is not None and local not in self._waiting and local not in self._finished
@@ -219,9 +229,42 @@ class ParameterServer:
             )
             self.inbox.put(text_message(Kind.LOST, local, text))
 
+    def _check_deaf(self, now: float) -> None:
+        """Drop a remote worker whose reply has waited ``stall_timeout`` s for it to receive."""
+        for w, sender in self._senders.items():
+            stalled = sender.stalled_for(now)
+            if stalled > self._stall and w not in self._deaf and w not in self._finished:
+                self._deaf.add(w)
+                self._drop(
+                    w,
+                    f"worker rank {w} stopped receiving: its reply has waited {stalled:.0f}s "
+                    f"(stall_timeout {self._stall:g}s); it is stopped, held in a debugger, or "
+                    "not a rankwise worker",
+                )
+
+    def _drop(self, w: int, why: str) -> None:
+        """Train on without ``w``: it no longer holds the others back, its held gradient is
+        discarded, and a request it sends later is answered with STOP."""
+        self._dropped[w] = why
+        self._finished.add(w)
+        self._waiting.pop(w, None)
+        self._grads.pop(w, None)
+        others = ", ".join(str(r) for r in self._workers if r not in self._dropped)
+        _log.warning("rankwise parameter server: dropped %s; training goes on with rank(s) %s",
+                     why, others or "none")  # fmt: skip
+        self._apply(self._gate.drop(w))
+        if self._done and self._done | set(self._dropped) == set(self._workers):
+            self._finish()
+
     # ---- the protocol ------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
         w, kind = msg.rank, msg.kind
+        if w in self._dropped:
+            if kind in (Kind.PULL, Kind.PUSH, Kind.DONE):  # it came back: tell it it is out
+                self._waiting[w] = kind
+                self._reply(w, text_message(Kind.STOP, w, f"{self._dropped[w]}; it was dropped "
+                                            "and the others trained on without it"))  # fmt: skip
+            return
         if kind == Kind.PUSH and msg.version > self._gate.version:
             bad = ProtocolError(w, "version", msg.version, f"at most {self._gate.version}")
             msg, kind = text_message(Kind.BAD, w, bad.message), Kind.BAD
@@ -261,7 +304,7 @@ class ParameterServer:
             self._done.add(w)
             self._waiting[w] = kind
             self._apply(self._gate.leave(w))
-            if self._done == set(self._workers):
+            if self._done | set(self._dropped) == set(self._workers):
                 self._finish()
 
     def _apply(self, batch: list[Applied]) -> None:
@@ -313,7 +356,7 @@ class ParameterServer:
         that cannot be reached, or stops receiving, comes back as LOST and ends the run."""
         if w == self._local:
             self.local_replies.put(msg)
-        elif w not in self._deaf:
+        else:  # to a dropped worker too: queued behind its stuck reply, sent if it comes back
             self._senders[w].put(msg)
         return True
 

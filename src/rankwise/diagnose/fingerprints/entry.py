@@ -63,7 +63,7 @@ class Entry:
                 td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
                 finished = work.wait(td)
         except Exception as exc:
-            raise failure(self, exc) from exc
+            raise failure(self, exc) from None  # the message quotes the backend error
         if finished is False:
             raise failure(self, TimeoutError(f"timed out after {timeout}s"))
         if completed(work):  # gloo: always; NCCL: wait() only ordered the current stream
@@ -96,7 +96,8 @@ def kept(err: DistributedError) -> DistributedError:
 def failure(entry: Entry, exc: BaseException, *, mark: bool = True) -> DistributedError:
     """The diagnosis of ``entry`` failing with ``exc`` (gathered over the side channel).
 
-    Raise it: ``raise failure(entry, exc) from exc``. Waits at most a few heartbeats.
+    Raise it: ``raise failure(entry, exc) from None`` (its message quotes the backend error,
+    which stays in ``__context__``). Waits at most a few heartbeats.
     ``mark=False``: the collective has not failed yet, it is overdue (the watchdog's report).
     """
     if isinstance(exc, DistributedError):

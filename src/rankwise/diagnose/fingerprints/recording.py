@@ -133,7 +133,7 @@ class collective:
         elif isinstance(exc, (RuntimeError, TimeoutError)) and not isinstance(
             exc, DistributedError
         ):
-            raise failure(self.entry, exc) from exc
+            raise failure(self.entry, exc) from None  # the message quotes the backend error
         return False
 
 

@@ -4,6 +4,7 @@ and reports collectives that outlive the timeout on backends that never raise (N
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ... import runtime
-from .. import gather, raw, sidechannel, stall
+from ...console import printable
+from .. import gather, raw, report, sidechannel, stall
 from .entry import completed, failure
 from .state import STATE, Group
 
@@ -61,6 +63,7 @@ def _start_world(world: Any) -> None:
     if not STATE.hooks_registered:
         atexit.register(STATE.reset)
         runtime.on_shutdown(STATE.reset)  # the watchdog talks to the store the group drops
+        atexit.register(_announce_if_raised)  # runs first (atexit is last in, first out)
         STATE.hooks_registered = True
     try:
         store = c10d._get_default_store()
@@ -104,7 +107,10 @@ def _overdue() -> None:
     wd = STATE.watchdog
     if wd is not None and STATE.world is not None:
         world = STATE.world.size()
-        raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(), stall.after_s())
+        found = raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(),
+                          stall.after_s())  # fmt: skip
+        if found is not None and found.deadlocked:
+            _end_deadlocked(wd.rank, found.text)
     limit = STATE.timeout_s() - 2 * STATE.interval()
     now = time.time()
     for g in list(STATE.groups.values()):
@@ -117,13 +123,47 @@ def _overdue() -> None:
                 gather.log_overdue(failure(e, TimeoutError(note), mark=False))
 
 
+_ENDED: dict[str, bool] = {"raised": False}
+"""Set once this process announced an exception: a later ``rw.shutdown`` must not say
+"finished normally" over it (``spawn`` shuts down after reporting the error)."""
+
+
+def _end_deadlocked(rank: int, text: str | None) -> None:
+    """Every rank is blocked in a raw torch.distributed call that can never return (``raw``):
+    leave the report for the launcher and end this rank now, not at the timeout. The main
+    thread is inside the backend's C++ wait, where no Python exception can reach it: the
+    process ends from here, its output flushed."""
+    if text is not None:
+        body, _, fix = text.partition("\nFix: ")
+        body = body.removeprefix(f"rankwise: [rank {rank}] ")
+        cause = report.Cause("mismatch", "", fix, [])
+        gather.write_diag_file(rank, body, fix, cause=cause)
+    print(
+        f"rankwise: [rank {rank}] ending this rank (exit code 1): the ranks are blocked in "
+        "torch.distributed calls that can never complete (see the stall report).",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(1)
+
+
 def announce_finished() -> None:
-    """This rank ends normally (``runtime.shutdown``, also at a clean exit): say so in the store.
+    """This rank ends (``runtime.shutdown``, also at a clean exit): say so in the store.
 
     A rank still waiting in a collective this one never issued then reads "rank 1 had already
-    finished normally" instead of "never reported" (gather.collect_views). One store write;
-    never raises (the store may be gone already).
+    finished normally" instead of "never reported" (gather.collect_views). But a shutdown
+    reached while an exception propagates (``try: ... finally: rw.shutdown()``) is no normal
+    end: that announces the exception instead. One store write; never raises (the store may be
+    gone already).
     """
+    if _ENDED["raised"]:
+        return
+    active = sys.exc_info()[1]
+    if active is not None and not _clean_exit(active):
+        announce_raised(active)
+        return
     try:
         channel = STATE.channel or sidechannel.Channel(c10d._get_default_store())
         site = sidechannel.user_site(sys._getframe(1), SKIP)
@@ -136,6 +176,59 @@ def announce_finished() -> None:
         channel.set_bounded(sidechannel.key_finished(dist.get_rank()), json.dumps(done), 2.0)
     except Exception:  # diagnosis never breaks a clean exit
         pass
+
+
+def _announce_if_raised() -> None:
+    """At exit after an uncaught exception (Python, and ``rankwise run``'s bootstrap, leave it
+    in ``sys.last_value``), on any backend: tell the others which exception ended this rank."""
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if failed is not None:
+        announce_raised(failed)
+
+
+def _clean_exit(exc: BaseException) -> bool:
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+
+
+def announce_raised(exc: BaseException) -> None:
+    """This rank ends on ``exc``: publish its type and message (escaped, at most 500
+    characters) and the user's line it came from, so that the ranks left waiting say
+    "rank 0 raised ValueError: ..." instead of blaming each other. Never raises."""
+    if _clean_exit(exc) or _ENDED["raised"]:
+        return
+    _ENDED["raised"] = True
+    try:
+        if not dist.is_initialized():
+            return
+        channel = STATE.channel or sidechannel.Channel(c10d._get_default_store())
+        site = _raising_site(exc)
+        note = {
+            "t": time.time(),
+            "error": printable(_exception_text(exc), 500),
+            "site": [site.file, site.line, site.func] if site else None,
+        }
+        channel.set(sidechannel.key_raised(dist.get_rank()), json.dumps(note))
+    except Exception:  # diagnosis never makes a failure worse
+        pass
+
+
+def _exception_text(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: sys.exit({exc.code!r})"
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+
+
+def _raising_site(exc: BaseException) -> sidechannel.Site | None:
+    """The last user line of the exception's traceback (where it came from, in user code)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not sidechannel.internal(code.co_filename, SKIP):
+            found = sidechannel.Site(code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return found
 
 
 # Registered at import (comm imports the fingerprints): a rank that issued no collective, whose

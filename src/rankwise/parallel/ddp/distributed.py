@@ -36,14 +36,13 @@ from ..agreement import (
     verify_same_model,
 )
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from . import compression as comp
-from . import passes, shared_reduce
+from . import hierarchical, passes, shared_reduce
 from .comm_hooks import HookFn, check_hook
 from .devices import check_devices, group_size_and_rank
 from .join import DDPJoinHook, sync_flag
 from .logging_data import DDPLogger, clock
 from .no_sync import gradient_sync_off
-from .options import buffer_sync, group_from_mesh, refuse_unsupported
+from .options import buffer_sync, check_args, group_from_mesh, refuse_unsupported
 from .reducer import Reducer
 from .sparse import sparse_flags
 
@@ -56,7 +55,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
     ``rankwise.parallel.ddp.compression``). ``shared_memory_reduce``: ranks on one machine over
     Gloo average large CPU buckets through shared memory (``rankwise.parallel.ddp.shared_reduce``);
-    None uses it whenever every rank can, False never, True insists. At world size 1 (no
+    None uses it whenever every rank can, False never, True insists. ``hierarchical_reduce``:
+    a job over several nodes sums inside each node through shared memory and only then across
+    the network (``rankwise.parallel.ddp.hierarchical``); None whenever the job spans nodes
+    and can, False never, True insists. At world size 1 (no
     process group, not launched) the wrapper communicates nothing and behaves like the bare
     module.
 
@@ -89,18 +91,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         *,
         compression: str | torch.dtype | None = None,
         shared_memory_reduce: bool | None = None,
+        hierarchical_reduce: bool | None = None,
     ) -> None:
+        check_args(module, device_ids, output_device, dim, process_group, bucket_cap_mb, compression)
         super().__init__()
         Joinable.__init__(self)
         unsupported = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
         refuse_unsupported(*unsupported, bucket_cap_mb_list, check_reduction)
-        self.module = module
+        self.module, self.dim = module, dim
         self.process_group = process_group = group_from_mesh(process_group, device_mesh)
         self.world_size, self.rank = group_size_and_rank(process_group)
         checked = check_devices(module, device_ids, output_device, self.rank)
         self.device_ids, self.output_device = checked
-        comp.wire_dtype(compression)  # a bad compression name is refused before any collective
-        self.dim = dim
         self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.broadcast_buffers, sync_at_init = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
@@ -112,7 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = self._forward_sync = True
         if self.world_size > 1 and init_sync:
             self._agree(sync_at_init)
-        self._build_reducer(shared_memory_reduce)
+        self._build_reducer(shared_memory_reduce, hierarchical_reduce)
         self._without_module_prefix()
 
     def _without_module_prefix(self) -> None:
@@ -130,7 +132,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffers = buffers if with_buffers else []
         broadcast_tensors(state + buffers, self.process_group)
 
-    def _build_reducer(self, shared_memory_reduce: bool | None = False) -> None:
+    def _build_reducer(
+        self, shared_memory_reduce: bool | None = False, hierarchical_reduce: bool | None = False
+    ) -> None:
         names, params = trainable_parameters(self.module, self.rank)
         ignore = _ignored(self.module)  # torch's _set_params_and_buffers_to_ignore_for_model
         names, params = [n for n in names if n not in ignore], [
@@ -144,7 +148,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 [params[i] for i in dense], self.bucket_cap_mb, solo_bytes=bucketing.SOLO_BYTES
             )
         ]
-        shared = self._shared_buckets(buckets, shared_memory_reduce)
+        shared = self._shared_buckets(buckets, shared_memory_reduce, hierarchical_reduce)
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
@@ -173,18 +177,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         ]
         self._logger.construction(self, params, sizes, self._requested_view)
 
-    def _shared_buckets(self, buckets: list, shared_memory_reduce: bool | None) -> Any:
-        """The shared-memory file for ``buckets``, or None (Gloo's all-reduce). Collective:
-        only from ``__init__``, where every rank is (not when one rank unpickles)."""
-        if self.compression is not None and shared_memory_reduce:
-            raise ConfigError(
-                f"shared_memory_reduce=True with compression={self.compression!r}: compressed "
-                "buckets go through the process group's all-reduce",
-                fix="drop one of them: shared memory already avoids the copy compression saves.",
-            )
-        if self.world_size > 1 and self.compression is None:
-            return shared_reduce.attach(buckets, self.process_group, shared_memory_reduce)
-        return None
+    def _shared_buckets(
+        self, buckets: list, shared_memory_reduce: bool | None, hierarchical_reduce: bool | None
+    ) -> Any:
+        """The shared-memory buckets (hierarchical across nodes, else one machine's), or None
+        (Gloo's all-reduce). Collective: only from ``__init__``, where every rank is (not when
+        one rank unpickles)."""
+        for name, value in (("shared_memory_reduce", shared_memory_reduce),
+                            ("hierarchical_reduce", hierarchical_reduce)):  # fmt: skip
+            if self.compression is not None and value:
+                raise ConfigError(
+                    f"{name}=True with compression={self.compression!r}: compressed buckets "
+                    "go through the process group's all-reduce",
+                    fix="drop one of them: shared memory already avoids the copy compression "
+                    "saves.",
+                )
+        if self.world_size == 1 or self.compression is not None:
+            return None
+        group, shared = self.process_group, shared_memory_reduce
+        found = hierarchical.attach(buckets, group, hierarchical_reduce, shared)
+        return found if found is not None else shared_reduce.attach(buckets, group, shared)
 
     def _log_pass(self) -> None:
         order = [i for b in self.reducer.buckets for i in b.indices] + self.reducer._sparse

@@ -16,7 +16,31 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ... import validate
 from ...errors import ConfigError, ModelError
+from .compression import wire_dtype
+
+
+def check_args(
+    module: Any, device_ids: Any, output_device: Any, dim: Any, process_group: Any,
+    bucket_cap_mb: Any, compression: Any,
+) -> None:
+    """The arguments torch's constructor would trip over later (an ``AttributeError`` from
+    inside, a device string parsed deep in C++), refused first as ``ConfigError``s naming
+    them (a ``ValueError``, the class torch raises for a bad ``device_ids``)."""
+    where = "DistributedDataParallel()"
+    validate.module("module", module, where=where)
+    if device_ids is not None:
+        validate.sequence("device_ids", device_ids, "a list of devices or None", where=where,
+                          example="[local_rank]")  # fmt: skip
+        for i, d in enumerate(device_ids):
+            validate.device_name(f"device_ids[{i}]", d, where=where)
+    validate.device_name("output_device", output_device, where=where)
+    validate.integer("dim", dim, where=where)
+    validate.process_group("process_group", process_group, where=where)
+    validate.number("bucket_cap_mb", bucket_cap_mb, positive=True, optional=True, where=where,
+                    example=25)  # fmt: skip
+    wire_dtype(compression)  # a bad compression name is refused before any collective
 
 
 def refuse_unsupported(

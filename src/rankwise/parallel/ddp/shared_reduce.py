@@ -219,7 +219,7 @@ def attach(
     why it cannot be). Sync point: all ranks of ``group`` (unless the answer is plain locally).
     """
     group = group if group is not None else dist.group.WORLD
-    why_not = _locally_impossible(buckets, group) if enabled is not False else "disabled"
+    why_not = locally_impossible(buckets, group) if enabled is not False else "disabled"
     if why_not is not None:
         if enabled:
             raise ConfigError(
@@ -227,7 +227,7 @@ def attach(
                 fix="leave shared_memory_reduce unset: it is used whenever it can be.",
             )
         return None
-    layout, slot_bytes = _layout(buckets)
+    layout, slot_bytes = slot_layout(buckets)
     if not layout:
         return None  # every bucket is small: the same answer on every rank, no need to agree
     ranks = dist.get_process_group_ranks(group)
@@ -247,7 +247,7 @@ def attach(
     return SharedBuckets(arena, layout, slot_bytes, me, group)
 
 
-def _locally_impossible(buckets: Sequence[Bucket], group: dist.ProcessGroup) -> str | None:
+def locally_impossible(buckets: Sequence[Bucket], group: dist.ProcessGroup) -> str | None:
     """Why this rank can tell by itself that shared memory is out (same on every rank)."""
     if group.size() < 2 or not buckets:
         return "there is no other rank to reduce with"
@@ -267,7 +267,7 @@ def worth_sharing(buckets: Sequence[Bucket]) -> bool:
     return any(b.nbytes >= MIN_BYTES for b in buckets)
 
 
-def _layout(buckets: Sequence[Bucket]) -> tuple[dict[int, tuple[Bucket, int]], int]:
+def slot_layout(buckets: Sequence[Bucket]) -> tuple[dict[int, tuple[Bucket, int]], int]:
     """{bucket index: (bucket, byte offset in a slot)} for the buckets worth sharing, and the
     slot's size (offsets and size cache-line aligned)."""
     layout, end = {}, 0

@@ -24,6 +24,7 @@ from torch import nn
 from ...checkpoint.state_dict import add_module_prefix, strip_module_prefix
 from ...devices import DeviceLike, accelerator, resolve_device
 from ...errors import ConfigError
+from ...validate import choice, fail, shown
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_with_sizes
@@ -52,6 +53,14 @@ def resolve_device_ids(
             "device_ids=[] lists no device", fix="pass e.g. device_ids=[0, 1] or ['cpu', 'cpu']"
         )
     return devices
+
+
+def _check_loss_arguments(loss_fn: Any, loss_reduction: Any) -> None:
+    """By type, before anything is built: a ``loss_reduction`` without ``loss_fn`` too."""
+    if loss_fn is not None and not callable(loss_fn):
+        fail("loss_fn", loss_fn, "a function (output, target) -> loss, or None",
+             where="DataParallel()", fix="pass e.g. loss_fn=nn.CrossEntropyLoss().")  # fmt: skip
+    choice("loss_reduction", loss_reduction, _REDUCTIONS, optional=True, where="DataParallel()")
 
 
 def _loss_reduction(loss_fn: Callable[..., Any], given: str | None) -> str:
@@ -125,9 +134,11 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(
-                f"DataParallel(module=...) got a {type(module).__name__}, not a torch.nn.Module",
+                f"DataParallel(module={shown(module)}) got a {type(module).__name__}, not a "
+                "torch.nn.Module",
                 fix="pass the model itself: DataParallel(model, device_ids=...)",
             )
+        _check_loss_arguments(loss_fn, loss_reduction)
         self.module = module
         self.device_ids = resolve_device_ids(device_ids, module)
         self.output_device = (

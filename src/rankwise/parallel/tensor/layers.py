@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import validate
 from .collectives import (
     copy_to_parallel,
     gather_from_parallel,
@@ -55,6 +56,14 @@ def _slice_param(p: nn.Parameter, dim: int, chunks: int, group: Group, memo: Mem
     return out
 
 
+def _check_layer(name: str, layer: object, kind: type, group: object, where: str) -> None:
+    """The layer to split is an ``nn.<kind>`` and ``group`` a process group (or None)."""
+    if not isinstance(layer, kind):
+        validate.fail(name, layer, f"a torch.nn.{kind.__name__}", where=where,
+                      fix=f"pass the nn.{kind.__name__} to split, e.g. {where[:-2]}(model.proj).")
+    validate.process_group("group", group, where=where)
+
+
 class _TensorParallel(nn.Module):
     """What the three layers share: the group and the split of each parameter."""
 
@@ -65,6 +74,17 @@ class _TensorParallel(nn.Module):
     def tp_splits(self) -> dict[str, tuple[int, int]]:
         """Parameter name -> (dim, chunks) of its split; the others are whole on every rank."""
         return dict(self._splits)
+
+    def _keep_source(self, module: nn.Module) -> None:
+        """Made from a meta module: keep it (unregistered) until ``rt.prepare`` builds it
+        whole, one module at a time, and cuts this rank's pieces (``parallel/deferred``)."""
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            self.__dict__["_full_module"] = module
+
+    def cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full parameter ``name`` (a new tensor)."""
+        dim, chunks = self._splits[name]
+        return shard(full, dim, self.tp_rank, self.tp_size, chunks)
 
 
 class ColumnParallelLinear(_TensorParallel):
@@ -82,6 +102,8 @@ class ColumnParallelLinear(_TensorParallel):
         self, linear: nn.Linear, group: Group = None, *, chunks: int = 1,
         gather_output: bool = False, sequence_parallel: bool = False, memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("linear", linear, nn.Linear, group, "ColumnParallelLinear()")
+        validate.integer("chunks", chunks, minimum=1, where="ColumnParallelLinear()")
         super().__init__()
         self._set_group(group)
         self.chunks, self.gather_output, self.sequence_parallel = (
@@ -99,6 +121,7 @@ class ColumnParallelLinear(_TensorParallel):
         self.bias = (
             None if linear.bias is None else _slice_param(linear.bias, 0, chunks, group, memo)
         )
+        self._keep_source(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -128,6 +151,7 @@ class RowParallelLinear(_TensorParallel):
         self, linear: nn.Linear, group: Group = None, *, input_is_parallel: bool = True,
         sequence_parallel: bool = False, memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("linear", linear, nn.Linear, group, "RowParallelLinear()")
         super().__init__()
         self._set_group(group)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -137,6 +161,7 @@ class RowParallelLinear(_TensorParallel):
         self._splits: dict[str, tuple[int, int]] = {"weight": (1, 1)}
         self.weight = _slice_param(linear.weight, 1, 1, group, memo)
         self.bias = linear.bias  # whole on every rank, added after the sum
+        self._keep_source(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -165,6 +190,7 @@ class VocabParallelEmbedding(_TensorParallel):
         self, embedding: nn.Embedding, group: Group = None, *, sequence_parallel: bool = False,
         memo: Memo | None = None,
     ) -> None:  # fmt: skip
+        _check_layer("embedding", embedding, nn.Embedding, group, "VocabParallelEmbedding()")
         super().__init__()
         from ...errors import ConfigError
 
@@ -184,6 +210,7 @@ class VocabParallelEmbedding(_TensorParallel):
         self.vocab_start = self.tp_rank * self.num_embeddings
         self._splits: dict[str, tuple[int, int]] = {"weight": (0, 1)}
         self.weight = _slice_param(embedding.weight, 0, 1, group, memo)
+        self._keep_source(embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

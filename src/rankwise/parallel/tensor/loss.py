@@ -20,11 +20,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ... import validate
 from ...errors import ConfigError
 from .collectives import reduce_from_parallel
 from .shards import Group, group_rank, group_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
+
+
+def _check_arguments(logits: object, target: object, group: object, ignore_index: object) -> None:
+    where = "rw.vocab_parallel_cross_entropy()"
+    validate.tensor("logits", logits, where=where)
+    validate.tensor("target", target, where=where, dtypes="int")
+    if logits.dim() != target.dim() + 1:
+        raise ConfigError(
+            f"{where}: logits of shape {tuple(logits.shape)} and target of shape "
+            f"{tuple(target.shape)}: logits need one more dimension (this rank's classes)",
+            fix="pass logits [..., V / tensor size] and target [...] (class indices).",
+        )
+    validate.process_group("group", group, where=where)
+    validate.integer("ignore_index", ignore_index, where=where, example=-100)
 
 
 def vocab_parallel_cross_entropy(
@@ -41,6 +56,7 @@ def vocab_parallel_cross_entropy(
     ``reduction``: 'mean' (over targets that are not ``ignore_index``), 'sum' or 'none'.
     Every rank returns the same loss. Sync point: the ranks of ``group`` (3 all-reduces).
     """
+    _check_arguments(logits, target, group, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ConfigError(
             f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'",

@@ -21,7 +21,10 @@ that stores it (``self.n_head``, ``self.n_embd``) gets it divided by a ``Divide`
 Styles are applied in the plan's order; a pattern that matches nothing is an error (a typo
 would otherwise leave a layer whole and silently replicated). Weights shared by two modules
 (tied embedding and head) stay shared. No communication: every rank slices its own part
-from the same full weights, so build (or load) the model identically on every rank first.
+from the same full weights, so build (or load) the model identically on every rank first — or
+build it under ``torch.device("meta")``: each layer then keeps the meta module it was cut
+from, and ``rt.prepare`` initialises that module whole and cuts this rank's piece
+(``parallel/deferred``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from ... import validate
 from ...errors import ConfigError
 from .layers import ColumnParallelLinear, Memo, RowParallelLinear, VocabParallelEmbedding
 from .shards import Group, group_size
@@ -144,6 +148,10 @@ def tensor_parallel(
     place; returns ``model``. ``group``: the tensor dimension's group (``mesh.group("tensor")``);
     None: every rank. No sync point (each rank slices its own part).
     """
+    validate.module("model", model, where="rw.tensor_parallel()")
+    validate.mapping("plan", plan, "a dict of module names to styles", where="rw.tensor_parallel()",
+                     example="{'blocks.*.attn.qkv': Column(chunks=3), 'blocks.*.attn.proj': 'row'}")
+    validate.process_group("group", group, where="rw.tensor_parallel()")
     if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reducer"):
         raise ConfigError(
             f"tensor_parallel got a {type(model).__name__}: split the bare model first",

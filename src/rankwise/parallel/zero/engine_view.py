@@ -24,9 +24,14 @@ class ShardedEngine(Protocol):
     module: nn.Module
     stage: int
     rank: int
+    world_size: int
+    process_group: Any
+    names: list[str]
     params: list[nn.Parameter]
     units: list[FlatUnit]
     stage3: Any
+    hierarchical_reduce: bool | None
+    """Node-first collectives across nodes: None when the job spans nodes (``hier_comm``)."""
     """The stage-3 hooks, or None under stages 1 and 2."""
     _active: bool
     _full: bool

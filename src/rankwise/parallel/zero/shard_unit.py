@@ -40,31 +40,88 @@ class FlatUnit:
         rank: int,
         group: dist.ProcessGroup | None,
         gather_group: dist.ProcessGroup | None,
+        device: torch.device | None = None,
+        broadcast: bool = False,
     ) -> None:
         self.spec, self.params, self.number, self.stage = spec, params, number, stage
         self.group, self.gather_group = group, gather_group
         self.communicates = spec.world_size > 1
         first = params[0]
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype = first.dtype
+        self.device = device if first.is_meta and device is not None else first.device
         self.lo, self.hi = spec.shard_range(rank)
-        full = torch.zeros(spec.padded, dtype=self.dtype, device=self.device)
+        self._gather_entry: fingerprints.Entry | None = None
+        self.grad_full: torch.Tensor | None = None
+        self._reduce_entry: fingerprints.Entry | None = None
+        self._reduce_out: torch.Tensor | None = None
+        self.lane = self.gather_lane = None  # hier_comm lanes when the job spans nodes (build)
+        self.unfilled = set(range(len(params)))
+        """Parameters still on the meta device (``fill`` gives them their values)."""
+        if first.is_meta:
+            self._start_empty()
+        else:
+            self._pack(broadcast)
+
+    def _pack(self, broadcast: bool) -> None:
+        """An eagerly built unit: its parameters laid end to end (each one's old storage freed
+        as it moves), rank 0's values broadcast, this rank's shard kept."""
+        full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for p, off, n in zip(params, spec.offsets, spec.numels, strict=True):
+            for k, p in enumerate(self.params):
+                off, n = self.spec.offsets[k], self.spec.numels[k]
                 full[off : off + n].copy_(p.detach().reshape(-1))
                 p.data = full[off : off + n].view(p.shape)
+        self.unfilled.clear()
+        if broadcast and self.communicates:  # one unit at a time: no second copy of the model
+            entry = fingerprints.record("broadcast", full, label=f"rank 0's unit {self.number}",
+                                        group=self.group, extra="src=0")  # fmt: skip
+            entry.watch(dist.broadcast(full, group=self.group, group_src=0, async_op=True))
+            entry.wait()
         self.full = full
         self._nbytes = full.untyped_storage().nbytes()
         self.gathered = True
-        if stage < 3:
+        if self.stage < 3:
             self.shard = nn.Parameter(full[self.lo : self.hi])
         else:  # freed at once: building unit by unit, the model never exists twice
             self.shard = nn.Parameter(full[self.lo : self.hi].clone())
             full.untyped_storage().resize_(0)
             self.gathered = False
-        self._gather_entry: fingerprints.Entry | None = None
-        self.grad_full: torch.Tensor | None = None
-        self._reduce_entry: fingerprints.Entry | None = None
-        self._reduce_out: torch.Tensor | None = None
+
+    def _start_empty(self) -> None:
+        """A unit of a meta-built model: zeros waiting for ``fill`` (stage 3: only the shard;
+        the full buffer has no memory until gathered)."""
+        like = {"dtype": self.dtype, "device": self.device}
+        if self.stage < 3:
+            self.full = torch.zeros(self.spec.padded, **like)
+            self.shard = nn.Parameter(self.full[self.lo : self.hi])
+        else:
+            self.shard = nn.Parameter(torch.zeros(self.spec.shard_numel, **like))
+            self.full = torch.empty(self.spec.padded, **like)  # never written: not resident
+        spec = self.spec
+        # Views made while the storage has its size (a view of an empty storage is refused).
+        self._views = [self.full[off : off + n].view(p.shape)
+                       for p, off, n in zip(self.params, spec.offsets, spec.numels, strict=True)]  # fmt: skip
+        if self.stage == 3:
+            self.full.untyped_storage().resize_(0)
+        self._nbytes = self.spec.padded * self.full.element_size()
+        self.gathered = self.stage < 3
+
+    def fill(self, k: int, value: torch.Tensor) -> None:
+        """Parameter ``k`` has its initial value (``value``, the parameter itself, on any
+        device): keep this rank's part of it and make the parameter a view of ``full``."""
+        off, n = self.spec.offsets[k], self.spec.numels[k]
+        flat = value.detach().reshape(-1)
+        with torch.no_grad():
+            if self.stage < 3:
+                self.full[off : off + n].copy_(flat)
+            else:
+                a, b = max(off, self.lo), min(off + n, self.hi)
+                if a < b:
+                    self.shard[a - self.lo : b - self.lo].copy_(flat[a - off : b - off])
+        self.params[k].data = self._views[k]
+        self.unfilled.discard(k)
+        if not self.unfilled:
+            del self._views
 
     # -- parameters (stage 3 frees and re-gathers them) ---------------------------------------
 
@@ -88,7 +145,8 @@ class FlatUnit:
             "all_gather", self.shard, label=f"parameters of unit {self.number}",
             group=self.gather_group,
         )  # fmt: skip
-        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group)
+        work = shard_comm.all_gather(self.full, self.shard.detach(), self.gather_group,
+                                     self.gather_lane)  # fmt: skip
         self._gather_entry = entry
         entry.watch(work)
 
@@ -105,7 +163,8 @@ class FlatUnit:
             "all_gather", self.shard, label=f"updated parameters of unit {self.number}",
             group=self.group,
         )  # fmt: skip
-        entry.watch(shard_comm.all_gather(self.full, self.full[self.lo : self.hi], self.group))
+        mine = self.full[self.lo : self.hi]
+        entry.watch(shard_comm.all_gather(self.full, mine, self.group, self.lane))
         return entry
 
     # -- gradients ----------------------------------------------------------------------------
@@ -126,14 +185,14 @@ class FlatUnit:
             return
         if self.stage == 1:
             op, out = "all_reduce", None
-            work = lambda: dist.all_reduce(self.grad_full, group=self.group, async_op=True)  # noqa: E731
+            work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
         else:
             op = "reduce_scatter"
-            if shard_comm.in_place(self.group):  # the sum lands in this rank's own chunk
+            if shard_comm.in_place(self.group) or self.lane:  # the sum lands in its own chunk
                 out = self.grad_full[self.lo : self.hi]
             else:
                 out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
-            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group)  # noqa: E731
+            work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group, self.lane)  # noqa: E731
         entry = fingerprints.record(
             op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
             extra="sum",

@@ -32,18 +32,18 @@ from torch import nn
 from torch.autograd import Variable
 
 from ...errors import ConfigError
+from .. import deferred
 from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
-from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..ddp.devices import group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
 from ..ddp.sparse import refuse_sparse
-from . import sharded_optim
+from . import build, sharded_optim
+from .arguments import check_arguments
 from .engine_view import OptimizerFactory
 from .grad_norm import clip_shards_
-from .layout import layout, module_units, split_by_group
-from .shard_unit import FlatUnit
 from .stage3 import Stage3Hooks, _grad_outputs
-from .wrap import WrapPolicy, resolve
+from .wrap import WrapPolicy
 
 _IN_FLIGHT = 2
 """Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""
@@ -68,6 +68,15 @@ class ShardedDataParallel(nn.Module):
     gathered as one unit (``wrap.py``: by default each repeated block of a ``ModuleList``, e.g.
     a transformer layer), ``unit_numel`` the size from which any other module is its own unit.
 
+    A ``module`` built under ``with torch.device("meta"):`` is initialised here, module by
+    module, each rank keeping only its part (``parallel/deferred``): by ``init(module)`` or
+    each module's ``reset_parameters()``; ``exact_init`` reproduces an eager CPU build at the
+    same seed; ``device``: where it is built (default the CPU). The user's own methods and
+    public attributes (``generate``, ``config``, ``save_pretrained``) are reachable on the
+    engine: they run on the wrapped module, whose hooks gather what they need.
+    ``hierarchical_reduce``: a job over several nodes reduces and gathers node first
+    (``hier_comm``); None whenever the job spans nodes, False never, True insists.
+
     After a synchronised backward the averaged gradient lives in the optimizer's shards, not in
     the model parameters' ``.grad`` (stage 1 keeps the full ``.grad`` as well); clip with
     :meth:`clip_grad_norm_`, which computes the global norm over all shards.
@@ -87,27 +96,33 @@ class ShardedDataParallel(nn.Module):
         unit_numel: int = DEFAULT_UNIT_NUMEL,
         broadcast_buffers: bool = True,
         wrap: WrapPolicy = None,
+        init: deferred.Init | None = None,
+        exact_init: bool = False,
+        device: torch.device | str | None = None,
+        hierarchical_reduce: bool | None = None,
     ) -> None:
         super().__init__()
-        if stage not in (1, 2, 3):
-            raise ConfigError(
-                f"stage={stage!r} is not a ZeRO stage",
-                fix="pass stage=1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters).",
-            )
+        check_arguments(module, optimizer, stage, process_group=process_group,
+                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, wrap=wrap)  # fmt: skip
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
+        self.hierarchical_reduce = hierarchical_reduce  # read by build (hier_comm.lanes)
         self.require_backward_grad_sync = True
         self._forward_sync = True
         refuse_sparse(module, self.rank, "ShardedDataParallel (ZeRO)")
+        how = deferred.plan(module, init, exact_init)
+        target = torch.device(device if device is not None else "cpu")
         if self.world_size > 1:
             verify_same_model(module, process_group, self.rank)
-            everything = [t.detach() for t in module.parameters()]
-            broadcast_tensors(everything + [b.detach() for b in module.buffers()], process_group)
         self.names, self.params = trainable_parameters(module, self.rank)
-        _check_one_dtype(self.names, self.params, self.rank)
+        build.check_one_dtype(self.names, self.params, self.rank)
         self.group_params, group_of = sharded_optim.optimizer_groups(self, optimizer)
-        self._build_units(bucket_cap_mb, unit_numel, wrap, group_of)
+        build.build_units(self, bucket_cap_mb, unit_numel, wrap, group_of, target, how is None)
+        if how is None:
+            build.broadcast_the_rest(self)
+        else:
+            build.fill_from_meta(self, how, target)
         self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer)
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -115,61 +130,6 @@ class ShardedDataParallel(nn.Module):
         ]
         self.stage3 = Stage3Hooks(self, self._unit_modules) if stage == 3 else None
         self._reset()
-
-    def _build_units(
-        self, bucket_cap_mb: float, unit_numel: int, wrap: WrapPolicy, group_of: list[int | None]
-    ) -> None:
-        numels = [p.numel() for p in self.params]
-        if self.stage < 3:
-            buckets = assign_buckets(self.params, bucket_cap_mb)
-            pairs: list[tuple[Any, list[int]]] = [(None, list(b.indices)) for b in buckets]
-        else:
-            policy = resolve(wrap, self._root)
-            pairs = module_units(self._root, self.params, unit_numel, policy)
-            pairs = [(m, g) for m, g in pairs if g]
-        pieces = split_by_group(pairs, group_of)
-        modules = [m for m, _, _ in pieces]
-        groups = [g for _, g, _ in pieces]
-        self.unit_group = [k for _, _, k in pieces]
-        """The optimizer parameter group of each unit's shard (None: not in the optimizer)."""
-        gather_group = self._gather_group()
-        specs = layout(numels, groups, self.world_size)
-        self.units = [
-            FlatUnit(
-                spec,
-                [self.params[i] for i in spec.indices],
-                number=n,
-                stage=self.stage,
-                rank=self.rank,
-                group=self.process_group,
-                gather_group=gather_group,
-            )
-            for n, spec in enumerate(specs)
-        ]
-        self._unit_modules = modules
-        self._where = [(0, 0)] * len(self.params)
-        for u, unit in enumerate(self.units):
-            for k, i in enumerate(unit.spec.indices):
-                self._where[i] = (u, k)
-        # Reductions are issued strictly in this order on every rank: buckets complete in
-        # bucket order; stage 3 units complete in reverse forward order, the root's last.
-        n = len(self.units)
-        roots = [u for u in range(n) if modules[u] is self._root]
-        inner = [u for u in range(n - 1, -1, -1) if modules[u] is not self._root]
-        self._order = list(range(n)) if self.stage < 3 else inner + roots
-
-    def _gather_group(self) -> Any:
-        """Stage 3 gathers parameters on a group of their own: gathers (hook order) and gradient
-        reductions (unit order) are each ordered alike on every rank, their interleaving is not.
-        Agreed among this group's ranks alone (``use_local_synchronization``): a mesh's data
-        groups each make one, and a world-wide new_group would pair them and hang.
-        Sync point: the ranks of ``process_group`` (stage 3)."""
-        if self.stage < 3 or self.world_size == 1:
-            return self.process_group
-        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-        return dist.new_group(
-            ranks, backend=dist.get_backend(self.process_group), use_local_synchronization=True
-        )
 
     # -- the backward pass --------------------------------------------------------------------
 
@@ -275,13 +235,26 @@ class ShardedDataParallel(nn.Module):
             raise ConfigError(
                 "model.module of a stage-3 (zero3) model: its parameters are sharded over the "
                 "ranks, so the bare module's own tensors are empty outside its forward and "
-                "backward (calling it, generate() or module.state_dict() would read them)",
-                fix="gather them for the block: `with rt.full_parameters(model): "
-                "model.module.generate(...)` (Sync point: all ranks); for the weights, "
-                "model.state_dict() is the full, consolidated state.",
+                "backward",
+                fix="call the model's own methods on the model itself (model.generate(...), "
+                "model.config, model.save_pretrained(...) gather what they use), or gather "
+                "every unit for a block: `with rt.full_parameters(model): model.module...` "
+                "(Sync point: all ranks); model.state_dict() is the full state.",
                 rank=self.rank,
             )
         return self._root
+
+    def __getattr__(self, name: str) -> Any:
+        # The user's own methods and public attributes (model.generate, model.config,
+        # save_pretrained), as FSDP2's fully_shard keeps them: they run on the wrapped module,
+        # whose stage-3 hooks gather each unit as it computes. Private names stay ours.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if name.startswith("_") or inner is None:
+                raise
+            return getattr(inner, name)
 
     @contextlib.contextmanager
     def full_parameters(self, writeback: bool = True) -> Iterator[nn.Module]:
@@ -310,10 +283,7 @@ class ShardedDataParallel(nn.Module):
             if buffers and self.require_backward_grad_sync:
                 with torch.no_grad():
                     broadcast_tensors(buffers, self.process_group)
-        if self.stage3 is None:
-            out = self._root(*inputs, **kwargs)
-        else:
-            out = self.stage3.run_root(self._root, inputs, kwargs)
+        out = self._root(*inputs, **kwargs)  # stage 3: the root's hooks gather, then free
         if grad_on:
             tensors = _grad_outputs(out)
             if tensors:
@@ -383,18 +353,3 @@ class ShardedDataParallel(nn.Module):
             rank=self.rank,
         )
 
-
-def _check_one_dtype(names: list[str], params: list[nn.Parameter], rank: int) -> None:
-    kinds = {(p.dtype, p.device) for p in params}
-    if len(kinds) > 1:
-        first = {}
-        for n, p in zip(names, params, strict=True):
-            first.setdefault((p.dtype, p.device), n)
-        shown = ", ".join(f"{n} ({d}, {dev})" for (d, dev), n in first.items())
-        raise ConfigError(
-            f"the trainable parameters mix dtypes/devices: {shown}; one flat shard layout "
-            "holds one dtype on one device",
-            fix="cast the model to one dtype (model.float()) and move it to one device before "
-            "wrapping; use autocast for mixed precision.",
-            rank=rank,
-        )

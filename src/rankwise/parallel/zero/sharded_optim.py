@@ -339,18 +339,10 @@ def load_consolidated_optimizer_state(
 
 
 def full_model_state(engine: ShardedEngine) -> dict[str, Any]:
-    """Sync point: all ranks (stage 3 gathers every unit, copies, frees again)."""
-    if engine.stage < 3:
-        return strip_prefixes(engine._root.state_dict())
-    for unit in engine.units:
-        unit.gather()
-    for unit in engine.units:
-        unit.wait_gathered()
-    try:
-        state = engine._root.state_dict()
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    finally:
-        engine.stage3.free_all()
+    """The bare module's full state. Sync point: all ranks (stage 3: the root's state-dict
+    hook gathers each unit in turn and copies it, ``stage3.Stage3Hooks._full_state``)."""
+    state = engine._root.state_dict()
+    return state if engine.stage == 3 else strip_prefixes(state)
 
 
 def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> Any:

@@ -57,17 +57,43 @@ class Stage3Hooks:
         for s, (mod, _) in enumerate(by_module.values()):
             mod.register_forward_pre_hook(functools.partial(pre, s))
             mod.register_forward_hook(functools.partial(post, s))
+        # The root's hooks too, so that the user's own methods calling the model (generate,
+        # called through the engine or on the bare module) gather the root's units.
+        root.register_forward_pre_hook(torch.compiler.disable(self._root_pre))
+        root.register_forward_hook(torch.compiler.disable(self._root_post))
+        root.register_state_dict_post_hook(functools.partial(Stage3Hooks._full_state, self))
         self.free_all()
 
-    def run_root(self, module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
         self._gather(self.roots)
-        out = module(*inputs, **kwargs)
-        if self.recording:
+
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.recording and not self.engine._full:
             self.recording = False
             self.position = {s: i for i, s in reversed(list(enumerate(self.order)))}
         if not (torch.is_grad_enabled() and _grad_outputs(out)):
-            self.free_all()  # no backward will follow (evaluation)
-        return out
+            self.free_all()  # no backward will follow (evaluation, generate)
+
+    def _full_state(self, module: nn.Module, state: dict, prefix: str, metadata: Any) -> None:
+        """The root's ``state_dict()`` holds full values on every rank, as one process's:
+        each unit gathered in turn, its parameters copied (a tied one copied once, so its
+        keys still share a tensor), freed again. Sync point: all ranks."""
+        keys: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state:
+                keys.setdefault(id(p), []).append(prefix + name)
+        for u, unit in enumerate(self.units):
+            mine = [p for p in unit.params if id(p) in keys]
+            if not mine:
+                continue
+            was = unit.gathered
+            self._gather([u])
+            for p in mine:
+                copy = p.detach().clone()
+                for key in keys[id(p)]:
+                    state[key] = copy
+            if not was:
+                unit.free()
 
     def _gather(self, units: list[int]) -> None:
         for u in units:
