@@ -7,6 +7,9 @@ nodes reach only each other (and their own loopback): no route leads anywhere el
 
 - ``shape(node, rate=..., delay=..., loss=...)``: tc on both ends of the node's link (a token
   bucket for the rate alone; netem for delay and loss, where the kernel has it).
+- ``Cluster(..., private_shm='2g')``: every command on a node gets a /dev/shm of its own (a
+  mount namespace with a private tmpfs): two machines share no memory, and without it the
+  ranks of different "nodes" could map each other's shared-memory files.
 - ``partition(*nodes)``: those nodes' ports move to a second bridge: they still reach each
   other, the rest do not, and nobody is told (the cable stays plugged in, as when a switch or
   a firewall drops the traffic): packets vanish, TCP retransmits. ``heal()`` moves them back.
@@ -136,9 +139,14 @@ class Cluster:
     with the same subnet never see each other.
     """
 
-    def __init__(self, nodes: int = 2, *, subnet: str = "10.231.77") -> None:
+    def __init__(
+        self, nodes: int = 2, *, subnet: str = "10.231.77", private_shm: str | None = None
+    ) -> None:
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes={nodes}: expected 1..200")
+        self.private_shm = private_shm
+        """A size ('2g'): every command runs with a /dev/shm of its own (a mount namespace
+        with a private tmpfs), as on machines that share no memory; None: the machine's."""
         self.tag = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.switch = f"{self.tag}-sw"
         self.subnet = subnet
@@ -215,8 +223,14 @@ class Cluster:
     # -- running things on a node ---------------------------------------------------------------
 
     def prefix(self, node: Node | int) -> list[str]:
-        """The argv prefix that runs a command on ``node``."""
-        return ["ip", "netns", "exec", self.node(node).netns]
+        """The argv prefix that runs a command on ``node`` (with ``private_shm``: in a mount
+        namespace of its own, a fresh tmpfs on /dev/shm)."""
+        netns = ["ip", "netns", "exec", self.node(node).netns]
+        if self.private_shm is None:
+            return netns
+        mount = f'mount -t tmpfs -o size={self.private_shm} tmpfs /dev/shm && exec "$@"'
+        return [*netns, "unshare", "-m", "--propagation", "private", "sh", "-c", mount,
+                "node-shm"]  # fmt: skip
 
     def node(self, node: Node | int) -> Node:
         return self.nodes[node] if isinstance(node, int) else node
@@ -255,11 +269,13 @@ class Cluster:
         rate: str | None = None,
         delay: str | None = None,
         loss: str | None = None,
+        burst: str = "64kb",
     ) -> None:
         """Shape ``node``'s link both ways: ``rate='1gbit'``, ``delay='0.5ms'``, ``loss='1%'``.
 
-        A rate alone is a token bucket (tbf, in every kernel); delay or loss need netem
-        (``Unavailable`` names the missing kernel module where it is not built).
+        A rate alone is a token bucket (tbf, in every kernel; ``burst``: its bucket, at least
+        rate / HZ for the rate to be reached); delay or loss need netem (``Unavailable`` names
+        the missing kernel module where it is not built).
         """
         n = self.node(node)
         if delay or loss:
@@ -267,9 +283,9 @@ class Cluster:
             if reason:
                 raise Unavailable(reason)
             spec = ["netem"] + (["delay", delay] if delay else []) + (["loss", loss] if loss else [])
-            spec += ["rate", rate] if rate else []
+            spec += (["rate", rate] if rate else []) + ["limit", "100000"]
         elif rate:
-            spec = ["tbf", "rate", rate, "burst", "64kb", "latency", "100ms"]
+            spec = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
         else:
             raise ValueError("shape() needs rate, delay or loss")
         for ns, dev in ((n.netns, n.ifname), (self.switch, f"p{n.index}")):

@@ -17,22 +17,25 @@ import pytest
 from cluster import faults
 from cluster.required import require_cluster
 
-SCENARIOS = {  # run two at a time, in this order, from the start of the module
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+SCENARIOS = {  # run three at a time, in this order, from the start of the module
     "killed": (faults.node_killed, {"victim": 1}),
-    "killed_mid_save": (faults.node_killed, {"victim": 0, "during_save": True, "nproc": 1}),
-    "cut": (faults.partitioned, {"stall_s": 4, "timeout": 15}),
-    "cut_c10d": (faults.partitioned, {"stall_s": 4, "timeout": 15, "rdzv": "c10d"}),
+    # c10d: its agents also talk to the store while the job runs (the cut-off side must end);
+    # a static job's cut is benchmarks/faults.py's link_cut row.
+    "cut": (faults.partitioned, {"stall_s": 4, "timeout": 15, "rdzv": "c10d"}),
     "healed": (faults.healed, {"cut_s": 6, "timeout": 40}),
+    "killed_mid_save": (faults.node_killed, {"victim": 0, "during_save": True, "nproc": 1}),
     "replaced": (faults.node_replaced, {}),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every scenario starts at once (two at a time: most of a fault's time is waiting for
+    """Every scenario starts at once (three at a time: most of a fault's time is waiting for
     it), each on its own cluster; each test waits for its own."""
     require_cluster()
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cluster-fault")
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="cluster-fault")
     futures = {
         name: pool.submit(fn, tmp_path_factory.mktemp(name), **kwargs)
         for name, (fn, kwargs) in SCENARIOS.items()
@@ -66,26 +69,17 @@ def test_the_writers_node_killed_mid_save_loses_no_checkpoint(runs):
 def test_a_cut_link_is_reported_naming_the_node_and_both_sides_end(runs):
     r = runs["cut"]()
     assert not r["hung"], r
-    assert r["codes"] == [1, 1], r
+    assert r["codes"] == [1, 1], r  # the cut-off agent's store calls gave up (rdzv_guard)
     # Node 0 names the silent node early; node 1 names the store it cannot reach.
     assert r["seconds"] is not None and "stall: rank(s) 1 (node 1) stopped responding" in r["stall"]
     assert r["summaries"][0].startswith("rankwise run: node 1 (rank 1) stopped responding"), r
-    cut_off = r["summaries"][1]
-    assert "the job's store at 10.231.77.1:29500 (on the master's machine) did not answer" in cut_off
-    assert "this node (node 1) is cut off from the master's machine" in cut_off
+    cut_off = r["summaries"][1]  # c10d gave it rank 1: its headline says so
+    assert "the job's store at 10.231.77.1:" in cut_off and "(on the master's machine)" in cut_off
+    assert "did not answer them: this node (node 1) is cut off" in cut_off, cut_off
+    assert "(world size 2, node 1)" in cut_off
     assert "Fix: check the network between this node and 10.231.77.1" in cut_off
     assert r["end_s"] < 15 + 60  # the timeout, the store's read limit, the exit: no hang
     assert not r["lost"]
-
-
-def test_a_cut_link_ends_a_c10d_job_on_both_sides_too(runs):
-    r = runs["cut_c10d"]()
-    assert not r["hung"] and r["codes"] == [1, 1], r  # the agents' store calls gave up
-    assert r["summaries"][0].startswith("rankwise run: node 1 (rank 1) stopped responding"), r
-    cut_off = r["summaries"][1]  # c10d gave it rank 1: its headline says so
-    assert "did not answer them: this node (node 1) is cut off" in cut_off, cut_off
-    assert "(world size 2, node 1)" in cut_off
-    assert r["end_s"] < 15 + 60
 
 
 def test_a_link_healed_before_the_timeout_goes_on_without_divergence(runs):

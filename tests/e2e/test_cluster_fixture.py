@@ -15,6 +15,8 @@ import pytest
 
 from cluster import netns
 
+pytestmark = pytest.mark.cluster
+
 # A TCP server on a node: accepts connections, answers b"pong" to each, until killed.
 SERVER = """
 import socket, sys

@@ -20,6 +20,8 @@ from cluster import Cluster, faults, jobs
 from cluster.required import require_cluster
 from cluster.slurm import Slurm
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).parent / "scripts" / "cluster_train.py"
 SHIM = "import runpy, sys\nsys.argv = [{script!r}, *{args!r}]\nrunpy.run_path({script!r}, run_name='__main__')\n"
