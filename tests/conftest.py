@@ -27,13 +27,26 @@ def _fresh_runtime():
     rankwise.shutdown()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The fast tier (``-m fast``, README's second command): tests/fast_tier.py."""
+    import fast_tier
+
+    config.pluginmanager.register(fast_tier, "fast_tier")
+    fast_tier.start(config)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip on machines without CUDA, so a marker alone is enough.
+    Tests listed in tests/fast_tier.py are marked ``fast`` (before ``-m`` selects).
 
     ``benchmarks/gpu_check.sh`` selects them all with ``-m gpu`` on a GPU machine.
     """
     import torch
 
+    import fast_tier
+
+    fast_tier.mark(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu: needs CUDA (run benchmarks/gpu_check.sh)")
