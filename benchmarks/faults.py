@@ -45,6 +45,9 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   truth (``misblamed``: a headline that does not name the rank that raised, or blames one
   that did not fail; ``noisy``: Gloo's noise, caret lines, more than one Fix; ``opened``: a
   file a peer named was opened), and how soon a raw deadlock or a deaf worker ends.
+- ``node_killed``, ``node_killed_mid_save``, ``link_cut``, ``link_healed``, ``node_replaced``
+  (benchmarks/_faults_cluster.py, root only, run when named in ``--only``): several machines as
+  network namespaces; a node killed, the link cut or healed, a node replaced.
 
 Prints one JSON row per fault: trials, runs that lost data or hung (and, where they apply,
 executed payloads, shared-memory files left, errors that did not name the cause), and the
@@ -225,12 +228,13 @@ def _row(fault: str, results: list[dict], **extra) -> dict:
     secs = [r["seconds"] for r in results if r["seconds"] is not None]
     counted = {
         key: sum(int(r[key]) for r in results)
-        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write", "torch_silent")
+        for key in ("executed", "shm_left", "unnamed", "partial", "mid_write", "diverged",
+                    "torch_silent")
         if any(key in r for r in results)
     }
     worst = {  # facts some rows measure besides their seconds: the worst trial's
         f"{key}_max": round(max(r[key] for r in results if r.get(key) is not None), 2)
-        for key in ("stop_s", "end_after_report_s", "save_s", "file_mb")
+        for key in ("stop_s", "end_after_report_s", "save_s", "file_mb", "end_s")
         if any(r.get(key) is not None for r in results)
     }
     return {
@@ -287,13 +291,18 @@ def main() -> None:
         **security.plan(ENV, _tmp, args.kills),  # directory_bit, word_swap, rendezvous_forgery
         **reports.plan(ENV, stall, _tmp, args.kills),
     }
+    if args.only and set(args.only) & CLUSTER_ROWS:  # several machines: root only, minutes
+        import _faults_cluster
+
+        plan.update(_faults_cluster.plan(args.kills, stall, _tmp))
     rows = []
     for fault, run in plan.items():
         if args.only and fault not in args.only:
             continue
         began = time.monotonic()
         results = run()
-        extra = {"stall_report_s": stall} if fault in ("hang", "sigstop_rank", "raw_mismatch") else {}
+        stalls = ("hang", "sigstop_rank", "raw_mismatch", "link_cut")
+        extra = {"stall_report_s": stall} if fault in stalls else {}
         extra.update(reports.counts(results))
         rows.append(_row(fault, results, wall_s=round(time.monotonic() - began, 1), **extra))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -302,6 +311,9 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text + "\n")
 
+
+CLUSTER_ROWS = {"node_killed", "node_killed_mid_save", "link_cut", "link_healed", "node_replaced"}
+"""benchmarks/_faults_cluster.py's rows: asked for by name (``--only``), as they need root."""
 
 _TMP: list[tempfile.TemporaryDirectory] = []
 

@@ -1,169 +1,159 @@
-"""The GPipe bubble, measured: time per batch vs chunks for ``rw.split``, against theory.
+"""Pipelines, measured: every schedule across processes beside ``torch.distributed.pipelining``,
+and ``rw.split``'s GPipe bubble in one process.
 
-Two set-ups, each against the unsplit ``nn.Sequential`` (torch's own forward) in the same run,
-with repeats interleaved (unsplit, m=1, m=2, ... then again) so that load on the shared machine
-hits every variant alike:
+    flock /tmp/rankwise-bench.lock python benchmarks/pipeline.py --out benchmarks/results/pipeline.json
+    python benchmarks/pipeline.py --quick          # a smoke test: tiny sizes, 1 repeat
 
-- ``compute``: p stages of a few Linear+ReLU layers each, one intra-op thread per stage
-  (torch ops release the GIL, so the stage threads compute on separate cores). Only meaningful
-  with at least p free cores.
-- ``simulated``: p stages whose layer sleeps for a fixed time per sample, like a thread that
-  waits on an accelerator: shows the schedule's own overhead and bubble without CPU contention.
+``schedules`` (``_pipeline_schedules.py``): at 2 and 4 stages (Gloo, CPU, one process per
+stage, one thread each), a GPT of ``--layers`` blocks, ``--micro`` micro-batches: step time,
+bubble (idle fraction of each stage) and peak activation memory per stage, ours
+(``rw.DistributedPipeline``) beside torch's schedule of the same name on the same stages, same
+run, alternating. ``simulated``: the same with layers that sleep instead of computing (the
+schedules' bubble without the stages competing for CPU cores). ``targets`` checks the figures
+against the issue's targets. ``split`` (``_pipeline_split.py``): ``rw.split``'s threads,
+unsplit vs chunks.
 
-For each chunk count m it reports the median time per batch (forward, and forward+backward for
-``compute``), the bubble measured from the recorded schedule (1 - busy / (p x span)), the
-GPipe bubble (p-1)/(m+p-1), and the ideal time unsplit x (m+p-1)/(m p).
-
-    flock /tmp/rankwise-bench.lock python benchmarks/pipeline.py --out pipeline.json
+The machine may be shared: times are noisy (the JSON says how many cores there were);
+activation memory is exact (bytes autograd saves, counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import threading
-import time
+import os
+import sys
+from pathlib import Path
 
 import torch
-from torch import nn
 
-import rankwise as rw
-from rankwise.pipeline import bubble_fraction, measured_bubble
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _pipeline_schedules import SIM_LAYERS, bench_rank, merge_ranks
+from _pipeline_split import Sleep, compute_model, parallel_efficiency, run_setup
+from _pipeline_table import table, targets_lines
+from _report import emit
 
-class Sleep(nn.Module):
-    """A stand-in for device compute: sleeps ``per_sample`` seconds per sample (GIL released)."""
-
-    def __init__(self, per_sample: float) -> None:
-        super().__init__()
-        self.per_sample = per_sample
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.per_sample * x.shape[0])
-        return x
+from rankwise.testing import run_distributed
 
 
-def compute_model(stages: int, layers: int, width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(stages * layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
 
 
-def _time(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
+def targets(rows_by_p: dict[str, list[dict]], memory: bool = True) -> dict[str, bool | None]:
+    """The issue's targets, from the rows (None when the row was not run; the memory ones
+    only where the model is real)."""
+
+    def row(p: str, name: str, v: int, m: int) -> dict | None:
+        return next((r for r in rows_by_p.get(p, []) if r["schedule"] == name
+                     and r["stages_per_rank"] == v and r["m"] == m), None)  # fmt: skip
+
+    def bubble_ms(r: dict) -> float:  # mean idle time per stage
+        b = r["rankwise"]["bubble_per_stage"]
+        return r["rankwise"]["step_ms"] * sum(b) / len(b)
+
+    all_rows = [r for rows in rows_by_p.values() for r in rows]
+    out: dict[str, bool | None] = {
+        "step_time_at_most_torch": all(r["step_ours_over_torch"] <= 1.0 for r in all_rows),
+        "activation_peak_at_most_torch": all(
+            max(r["rankwise"]["activation_peak_mb_per_stage"])
+            <= max(r["torch"]["activation_peak_mb_per_stage"]) * 1.001 for r in all_rows),
+    }  # fmt: skip
+    if not memory:
+        del out["activation_peak_at_most_torch"]
+    for p in rows_by_p if memory else ():
+        one, gp = row(p, "1f1b", 1, 16), row(p, "gpipe", 1, 16)
+        out[f"p{p}_1f1b_peak_m16_at_most_half_gpipe"] = None if not (one and gp) else (
+            max(one["rankwise"]["activation_peak_mb_per_stage"])
+            <= 0.5 * max(gp["rankwise"]["activation_peak_mb_per_stage"]))  # fmt: skip
+    for m in (4, 8, 16):
+        inter, one = row("4", "interleaved_1f1b", 2, m), row("4", "1f1b", 1, m)
+        out[f"p4_m{m}_interleaved_bubble_at_most_0.6_1f1b"] = (
+            None if not (inter and one) else bubble_ms(inter) <= 0.6 * bubble_ms(one))
     return out
 
 
-def parallel_efficiency(width: int, repeats: int = 10) -> float:
-    """Two threads of matmuls vs one: 2.0 means two cores' worth of compute for two stages.
-
-    Below ~1.5 this machine cannot run two CPU stages side by side at full speed, and no
-    schedule can make a CPU-compute pipeline faster than the unsplit model here.
-    """
-    a = torch.randn(width, width)
-
-    def work() -> None:
-        for _ in range(repeats):
-            a @ a
-
-    alone = min(_time(work, 3))
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return 2 * alone / (time.perf_counter() - start)
+def schedules_section(args: argparse.Namespace, compute: str) -> dict:
+    cfg = {"vocab_size": args.vocab, "block_size": args.seq, "n_layer": args.layers,
+           "n_head": 4, "n_embd": args.width}  # fmt: skip
+    rows = {}
+    for p in _ints(args.stages):
+        job = (cfg, args.batch, _ints(args.micro), args.repeats, compute, args.stage_ms)
+        per_rank = run_distributed(bench_rank, p, args=job, timeout=args.timeout)
+        rows[str(p)] = merge_ranks(per_rank)
+    model = cfg if compute == "gpt" else {"layers": SIM_LAYERS, "stage_ms": args.stage_ms}
+    return {"compute": compute, "model": model, "batch": args.batch, "rows": rows,
+            "targets": targets(rows, memory=compute == "gpt")}  # fmt: skip
 
 
-def run_setup(name, model, stages, chunk_list, batch, repeats, rounds, backward):
-    """Interleaved timings of the unsplit model and of the split one at each chunk count."""
-    x = torch.randn(batch, model[0].in_features if hasattr(model[0], "in_features") else 1)
-    balance = [len(model) // stages] * stages
-    pipes = {m: rw.split(model, ["cpu"] * stages, balance, chunks=m) for m in chunk_list}
-
-    def step(module):
-        def go():
-            y = module(x)
-            if backward:
-                y.sum().backward()
-
-        return go
-
-    # The split modules share the layers with `model`, so all variants compute the same thing.
-    times = {"unsplit": [], **{m: [] for m in chunk_list}}
-    bubbles = {m: [] for m in chunk_list}
-    busy = {m: [] for m in chunk_list}
-    step(model)()  # warm-up
-    for _ in range(rounds):
-        times["unsplit"] += _time(step(model), repeats)
-        for m, pipe in pipes.items():
-            times[m] += _time(step(pipe), repeats)
-            bubbles[m].append(measured_bubble(pipe.last_schedule))
-            busy[m].append(sum(e.end - e.start for e in pipe.last_schedule))
-    base = statistics.median(times["unsplit"])
-    rows = []
-    for m in chunk_list:
-        t = statistics.median(times[m])
-        rows.append({
-            "chunks": m,
-            "time_per_batch_s": t,
-            "speedup_vs_unsplit": base / t,
-            "measured_forward_bubble": statistics.median(bubbles[m]),
-            # > 1 (forward-only runs): the stages computed slower side by side than alone
-            # (CPU contention, smaller matmuls), a cost the bubble formula does not include.
-            "stage_busy_s": statistics.median(busy[m]),
-            "gpipe_bubble": bubble_fraction(m, stages),
-            "ideal_time_s": base * (m + stages - 1) / (m * stages),
-        })  # fmt: skip
-    return {"setup": name, "stages": stages, "batch": batch, "backward": backward,
-            "unsplit_time_per_batch_s": base, "rows": rows}  # fmt: skip
+def split_section(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)  # one core per stage thread: what the stages parallelise
+    chunk_list = _ints(args.chunks)
+    results = []
+    model = compute_model(args.compute_stages, args.layers_per_stage, args.split_width)
+    for backward in (False, True):
+        results.append(run_setup("compute", model, args.compute_stages, chunk_list,
+                                 args.split_batch, args.repeats, args.rounds, backward))  # fmt: skip
+    sim = torch.nn.Sequential(*[Sleep(args.sim_stage_ms / 1000 / args.split_batch)
+                                for _ in range(args.sim_stages)])  # fmt: skip
+    results.append(run_setup("simulated", sim, args.sim_stages, chunk_list, args.split_batch,
+                             args.repeats, args.rounds, False))  # fmt: skip
+    return {"two_thread_matmul_speedup": parallel_efficiency(args.split_width), "results": results}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", default="1,2,4,8,16")
-    ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--section", choices=["schedules", "simulated", "split", "all"],
+                    default="all")  # fmt: skip
+    ap.add_argument("--stage-ms", type=float, default=40.0,
+                    help="simulated: one stage's forward of the whole batch")  # fmt: skip
+    ap.add_argument("--stages", default="2,4", help="schedules: pipeline sizes")
+    ap.add_argument("--micro", default="4,8,16", help="schedules: micro-batches per batch")
+    ap.add_argument("--layers", type=int, default=8, help="schedules: GPT blocks")
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--chunks", default="1,2,4,8,16", help="split: chunk counts")
+    ap.add_argument("--split-batch", type=int, default=1024)
+    ap.add_argument("--split-width", type=int, default=1024)
     ap.add_argument("--layers-per-stage", type=int, default=3)
     ap.add_argument("--compute-stages", type=int, default=2)
     ap.add_argument("--sim-stages", type=int, default=4)
     ap.add_argument("--sim-stage-ms", type=float, default=40.0, help="per stage, whole batch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="JSON",
+                    help="print the Markdown table of a results file, run nothing")  # fmt: skip
     args = ap.parse_args()
-    torch.set_num_threads(1)  # one core per stage thread: what the stages parallelise
-    chunk_list = [int(c) for c in args.chunks.split(",")]
-    results = []
-    model = compute_model(args.compute_stages, args.layers_per_stage, args.width)
-    for backward in (False, True):
-        results.append(run_setup("compute", model, args.compute_stages, chunk_list,
-                                 args.batch, args.repeats, args.rounds, backward))  # fmt: skip
-    per_sample = args.sim_stage_ms / 1000 / args.batch
-    sim = nn.Sequential(*[Sleep(per_sample) for _ in range(args.sim_stages)])
-    results.append(run_setup("simulated", sim, args.sim_stages, chunk_list, args.batch,
-                             args.repeats, args.rounds, False))  # fmt: skip
-    report = {
-        "benchmark": "pipeline",
-        "torch": torch.__version__,
-        "cpu_threads_per_stage": 1,
-        "two_thread_matmul_speedup": parallel_efficiency(args.width),
-        "args": vars(args),
-        "results": results,
-    }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    if args.table:
+        _print_tables(json.loads(Path(args.table).read_text()))
+        return
+    if args.quick:
+        args.width, args.seq, args.vocab, args.batch, args.repeats, args.rounds = 32, 16, 64, 16, 1, 1
+        args.split_batch, args.split_width, args.chunks = 64, 64, "1,4"
+    report = {"benchmark": "pipeline", "torch": torch.__version__, "cpus": os.cpu_count(),
+              "args": vars(args)}  # fmt: skip
+    if args.section in ("schedules", "all"):
+        report["schedules"] = schedules_section(args, "gpt")
+    if args.section in ("simulated", "all"):
+        report["simulated"] = schedules_section(args, "simulated")
+    if args.section in ("split", "all"):
+        report["split"] = split_section(args)
+    emit(report, args.out)
+    _print_tables(report)
+
+
+def _print_tables(report: dict) -> None:
+    """The schedules beside torch's, as Markdown (after the JSON, on stderr)."""
+    for key in ("schedules", "simulated"):
+        if key in report:
+            print(f"\n{key}:\n{table(report[key])}\n{targets_lines(report[key])}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rankwise {args.command}: error: {exc}", file=sys.stderr, flush=True)
             return 2 if isinstance(exc, ConfigError) else 1
 
-    return run_main(call)
+    code = run_main(call)
+    if argv is None and args.command == "run":  # the process is the launcher: leave now
+        from .launch.bootstrap import finish_cleanly
+
+        finish_cleanly(code)  # atexit and flushed files, not the seconds of torch's teardown
+    return code
 
 
 if __name__ == "__main__":

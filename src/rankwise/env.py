@@ -294,6 +294,12 @@ def default_gloo_interface(name: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
 
 
+def default_fresh_store_per_round() -> None:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torch's agent (unless the user chose): each
+    c10d rendezvous round gets its own store, hosted by the new rank 0 (docs/launcher.md)."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def default_omp_threads(threads: int) -> None:
     """``OMP_NUM_THREADS`` for the workers this process starts, unless the user chose."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

@@ -63,6 +63,22 @@ def interface_towards(host: str) -> str | None:
     return None
 
 
+def missed_by_hostname(host: str) -> bool:
+    """True when ``host`` is an address of one of this machine's interfaces, but not one that
+    this machine's hostname resolves to (torch's test for "this is the store's host" then
+    says no: an address on a second interface, or a hostname that resolves to 127.0.0.1)."""
+    try:
+        address = socket.gethostbyname(host)
+        if ipaddress.ip_address(address).is_loopback:
+            return False
+        named = set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        return False
+    if address in named:
+        return False
+    return any(interface_address(name) == address for _, name in socket.if_nameindex())
+
+
 def point_gloo_at(host: str) -> None:
     """Set ``GLOO_SOCKET_IFNAME`` to the interface that reaches ``host`` (rank 0's machine),
     unless the user chose one or ``host`` is this machine (then any interface works)."""

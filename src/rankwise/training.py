@@ -33,7 +33,8 @@ from .errors import ConfigError
 from .log_metrics import MetricsLogger
 from .parallel.tensor.grad_norm import NormParts
 from .parallel.tensor.state import FullOptimState, FullState, has_split_layers
-from .pipeline import DistributedPipeline
+from .pipeline import norm as pipeline_norm
+from .pipeline.state import pipeline_checkpoint_states, pipeline_in
 from .precision import AgreedGradScaler, Precision, ScaledOptimizer, make_scaler
 
 if TYPE_CHECKING:
@@ -130,11 +131,13 @@ class TrainingLoop:
         validate.number("norm_type", norm_type, numeric_text=True, where=where, example=2.0)
         self._unscale_for(model)
         if callable(getattr(model, "clip_grad_norm_", None)):
+            pipeline_norm.refuse_sharded_pipeline(model)
             return model.clip_grad_norm_(max_norm, norm_type)
         params = [p for p in model.parameters() if p.grad is not None]
         parts = NormParts(model)
-        if parts.groups or _is_pipeline(model):
-            total = _model_parallel_norm(model, params, parts, float(norm_type))
+        if parts.groups or pipeline_norm.is_pipeline(model):
+            counted = pipeline_norm.counted(model, params)  # a tied weight once
+            total = _model_parallel_norm(model, counted, parts, float(norm_type))
         else:
             grads = [p.grad for p in params]
             total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
@@ -331,10 +334,6 @@ def _reduction(reduction: str, scale_loss: bool | None) -> str:
     return older
 
 
-def _is_pipeline(model: nn.Module) -> bool:
-    return isinstance(model, DistributedPipeline)
-
-
 def _model_parallel_norm(
     model: nn.Module, params: list[nn.Parameter], parts: NormParts, norm_type: float
 ) -> torch.Tensor:
@@ -351,8 +350,8 @@ def _model_parallel_norm(
     local = parts.local(((parts.part_of(p), p.grad) for p in params), norm_type, device)
     powered = parts.total(local, norm_type)
     inf = math.isinf(norm_type)
-    if _is_pipeline(model):
-        copies = comm.world_size() // len(model.ranks)
+    if pipeline_norm.is_pipeline(model):
+        copies = comm.world_size() // pipeline_norm.pipeline_size(model)
         powered = comm.all_reduce(powered, "max") if inf else comm.all_reduce(powered, "sum") / copies
     return (powered if inf else powered ** (1.0 / norm_type)).to(dtype)
 
@@ -364,6 +363,8 @@ def full_states(kwargs: dict[str, Any]) -> dict[str, Any]:
     model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
     if not isinstance(model, nn.Module) or isinstance(model, FullState):
         return kwargs  # nothing split (a wrong type is named by save/load_checkpoint)
+    if pipeline_in(model) is not None:
+        return pipeline_checkpoint_states(kwargs, model, optimizer, has_split_layers(model))
     if not has_split_layers(model):
         return kwargs
     out = dict(kwargs, model=FullState(model))

@@ -62,26 +62,35 @@ def _clipped(rt, tensor) -> tuple[float, dict]:
     return norm.item(), {k: v.numpy() for k, v in tp.full_state_dict(pipe).items()}
 
 
-def _rank():
-    rt = rw.init(mesh={"pipeline": 2, "tensor": 2}, timeout=300)
-    tensor = rt.mesh.group("tensor")
+def _trained(tensor, schedule: str = "1f1b", v: int = 1):
     torch.manual_seed(0)
     model = rw.tensor_parallel(sequential_gpt(CFG), SEQUENTIAL_PLAN, group=tensor)
-    pipe = rw.DistributedPipeline(model, balance=[2, 2], chunks=CHUNKS)  # ranks from rt.mesh
+    balance = [2, 2] if v == 1 else [1, 1, 1, 1]
+    # The stages are the mesh's pipeline group (rt.mesh): no ranks= needed.
+    pipe = rw.DistributedPipeline(model, balance=balance, chunks=CHUNKS, schedule=schedule,
+                                  stages_per_rank=v)  # fmt: skip
     opt = _adamw(pipe.parameters())
     losses = []
     for x, y in _batches():
         loss = pipe.train_step(x, y, lambda out, t: rw.vocab_parallel_cross_entropy(out, t, tensor))
         opt.step()
         opt.zero_grad()
-        losses.append(None if loss is None else loss.item())
-    state = {k: v.numpy() for k, v in tp.full_state_dict(pipe).items()}
-    out = {"ranks": pipe.ranks, "stage": pipe.stage_index, "state": state, "losses": losses}
-    return out | {"clip": _clipped(rt, tensor)}
+        losses.append(loss.item())
+    state = {k: t.numpy() for k, t in tp.full_state_dict(pipe).items()}
+    return {"ranks": pipe.ranks, "stage": pipe.stage_index, "state": state, "losses": losses}
+
+
+def _rank():
+    rt = rw.init(mesh={"pipeline": 2, "tensor": 2}, timeout=300)
+    tensor = rt.mesh.group("tensor")
+    out = _trained(tensor)
+    others = {f"{s}/{v}": _trained(tensor, s, v)["state"]
+              for s, v in (("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2))}
+    return out | {"clip": _clipped(rt, tensor), "schedules": others}
 
 
 @pytest.mark.slow  # 4 ranks
-def test_gpt_on_a_pipeline_2_by_tensor_2_mesh_equals_one_process():
+def test_gpt_on_a_pipeline_2_by_tensor_2_mesh_equals_one_process_under_every_schedule():
     results = run_distributed(_rank, 4, timeout=300, init=False)
     want = _oracle()
     assert [(r["ranks"], r["stage"]) for r in results] == [
@@ -94,7 +103,12 @@ def test_gpt_on_a_pipeline_2_by_tensor_2_mesh_equals_one_process():
         worst = max((torch.as_tensor(v) - want[k]).abs().max().item()
                     for k, v in r["state"].items())  # fmt: skip
         assert worst <= TOL, f"rank {rank} (stage {r['stage']}): max |delta| {worst:.3g}"
-    assert results[2]["losses"] == results[3]["losses"] and None not in results[2]["losses"]
+    assert results[2]["losses"] == results[3]["losses"] == results[0]["losses"]
+    for rank, r in enumerate(results):  # the tensor-parallel layers under the other schedules
+        for key, state in r["schedules"].items():
+            worst = max((torch.as_tensor(v) - want[k]).abs().max().item()
+                        for k, v in state.items())  # fmt: skip
+            assert worst <= TOL, f"{key}, rank {rank}: max |delta| {worst:.3g}"
     clip_norm, clip_want = _clip_oracle()
     assert clip_norm > 2 * MAX_NORM  # the step is clipped
     for rank, r in enumerate(results):

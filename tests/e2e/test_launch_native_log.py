@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster.netns import ip
+
 from .test_launch import REPORT_ENV, finish, start
-from .test_netns import _ip
 
 UNROUTED = "192.0.2.1"
 
@@ -28,13 +29,13 @@ def isolated_netns():
     name = f"rw{uuid.uuid4().hex[:6]}n"
     try:
         for step in (("netns", "add", name), ("-n", name, "link", "set", "lo", "up")):
-            done = _ip(*step)
+            done = ip(*step, check=False)
             if done.returncode != 0:
                 pytest.skip(f"cannot build a network namespace here: ip {' '.join(step)}: "
                             f"{done.stderr.strip()}")  # fmt: skip
         yield name
     finally:
-        _ip("netns", "del", name)
+        ip("netns", "del", name, check=False)
 
 
 def test_unreachable_master_prints_our_message_and_keeps_the_frames(isolated_netns, tmp_path):

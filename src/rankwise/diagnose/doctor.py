@@ -198,7 +198,18 @@ def _gloo_binding(master: str, name: str, environ: Mapping[str, str]) -> list[Fi
     except OSError:
         own = None
     if own is not None and not netif.is_loopback(own):
-        return []
+        if own == netif.interface_address(name) or netif.source_address_towards(own) != own:
+            return []  # its address is on that interface (or not on this machine at all)
+        return [
+            Finding(
+                check="network",
+                status="warn",
+                message=f"Gloo would bind to {own}: hostname {host!r} resolves to an address "
+                f"of this machine that is not on {name}, the interface that reaches {master}",
+                fix=f"export GLOO_SOCKET_IFNAME={name} (rw.init sets it for you; torchrun "
+                "does not).",
+            )
+        ]
     return [
         Finding(
             check="network",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import env as envmod
 from ..errors import DistributedError
-from . import peer, report
+from . import nodes, peer, report
 from .report import RankView, Record, Site
 from .sidechannel import Channel, key_last, key_ring
 
@@ -53,6 +53,7 @@ class _Peer:
     latest: Record | None
     finished: bool = False
     raised: str | None = None
+    node: int | None = None
 
 
 def _read(channel: Channel, group: str, rank: int) -> _Peer:
@@ -67,17 +68,18 @@ def _read(channel: Channel, group: str, rank: int) -> _Peer:
         latest = wired[0]
     frame = state["frame"] if state else None
     beat = state["t"] if state else None
+    node = (state or {}).get("node")  # its machine: a node whose ranks all went silent is named
     raised = channel.raised(rank)
     if raised is not None:  # it ended on an exception: where it came from, and what
-        return _Peer(beat, raised["site"], latest, False, raised["error"])
+        return _Peer(beat, raised["site"], latest, False, raised["error"], node)
     done = channel.finished(rank)
     if done is not None:  # it ended normally: where it called rw.shutdown, if it did
         frame = done["site"]
-    return _Peer(beat, frame, latest, done is not None)
+    return _Peer(beat, frame, latest, done is not None, node=node)
 
 
 def collect_views(
-    g: Any, mine: Record, channel: Channel, interval: float, settle: bool
+    g: Any, mine: Record, channel: Channel, interval: float, settle: bool, node: int | None = None
 ) -> list[RankView]:
     """Every rank's view. A rank counts as alive when its heartbeat advances (``settle``: wait
     up to 2.5 heartbeats for that) or, after a timeout, when its heartbeat is recent."""
@@ -101,17 +103,18 @@ def collect_views(
                 alive.add(r)
             elif cur.finished or cur.raised:  # settled: it ended, no heartbeat will come
                 done.add(r)
-        if len(alive | done) == len(others) or time.monotonic() >= deadline:
+        cut_off = getattr(channel, "missed", None)  # no answer from the store: stop asking
+        if len(alive | done) == len(others) or time.monotonic() >= deadline or cut_off:
             break
         time.sleep(interval / 4)
-    views = [RankView(me, mine, True)]
+    views = [RankView(me, mine, True, node=node)]
     for r in others:
         cur = latest[r]
         state = True if r in alive else (None if cur.beat is None and cur.latest is None else False)
         silent = None if cur.beat is None else max(0.0, time.time() - cur.beat)
         finished = r not in alive and cur.finished
         raised = cur.raised if r not in alive else None
-        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, raised))
+        views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, raised, cur.node))
     return views
 
 
@@ -139,17 +142,28 @@ def failure_error(
         entry.state, entry.error = "failed", first
         if watchdog is not None:
             watchdog.beat(channel)  # tell the others at once that this rank is alive and failing
-    views = collect_views(g, entry.record(), channel, interval, settle="timed out" not in cause)
+    node = getattr(watchdog, "node", None)
+    views = collect_views(
+        g, entry.record(), channel, interval, settle="timed out" not in cause, node=node
+    )
     verb = "failed" if mark else "is still pending"
     cause = cause if mark else first
     msg, fix = report.failure_report(g.global_rank, entry.record(), views, cause, elapsed, verb)
+    missed, gone = getattr(channel, "missed", None), getattr(channel, "gone", None)
+    found = report.decide(entry.record(), views)
+    if missed or gone:  # cut off from the store, or its host died: the others are unknown
+        head = f"{entry.op} #{entry.seq} {verb} on rank {g.global_rank} after {elapsed:.1f}s"
+        says = nodes.unreachable_sentence(missed) if missed else nodes.gone_sentence(gone)
+        msg = f"{head} ({cause}). {says}"
+        fix = nodes.unreachable_fix(missed) if missed else nodes.gone_fix(gone)
+        found = None
     if mark and cause != "a peer closed its connection":  # else it adds only an address
         msg = f"{msg}\n(backend error on rank {g.global_rank}: {first})"
     finished = [v.rank for v in views if v.finished]
     raised = {v.rank: v.raised for v in views if v.raised}
     culprits = report.culprits(views, entry.seq)
-    found = report.decide(entry.record(), views)
-    write_diag_file(g.global_rank, msg, fix, culprits, finished, raised, found)
+    write_diag_file(g.global_rank, msg, fix, culprits, finished, raised, found,
+                    lost=nodes.lost_nodes(views), unreachable=missed, gone=gone, node=node)  # fmt: skip
     return DistributedError(msg, fix=fix, rank=g.global_rank)
 
 
@@ -194,10 +208,14 @@ def write_diag_file(
     finished: list[int] | None = None,
     raised: dict[int, str] | None = None,
     cause: report.Cause | None = None,
+    **machines: Any,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
     and ``rank<r>.json`` naming the ranks to blame, those that had finished normally and
-    those that raised, with their exception, and the cause found (the launcher's headline)."""
+    those that raised, with their exception, and the cause found (the launcher's headline);
+    ``machines``: ``lost`` (``{node: ranks}`` that all stopped responding), ``unreachable``
+    (the store's 'host:port' when it did not answer), ``gone`` (... when it closed the
+    connection) and ``node`` (this rank's node)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -211,6 +229,10 @@ def write_diag_file(
                 "finished": finished or [],
                 "raised": {str(r): e for r, e in (raised or {}).items()},
                 "cause": None if cause is None else {"tag": cause.tag, "ranks": cause.ranks},
+                "lost": {str(n): r for n, r in (machines.get("lost") or {}).items()},
+                "unreachable": machines.get("unreachable"),
+                "gone": machines.get("gone"),
+                "node": machines.get("node"),
             }
             json.dump(facts, f)
     except OSError:

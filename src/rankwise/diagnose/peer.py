@@ -140,7 +140,7 @@ def exit_note(value: Any) -> dict[str, Any] | None:
 def heartbeat(value: Any) -> dict[str, Any] | None:
     """A peer's heartbeat (``sidechannel.Watchdog.beat``), every field checked: ``t``,
     ``frame`` (a Site or None), ``raw`` ([op, file, line, func, since] or None) and ``groups``
-    (group name -> its latest records). None when it is not a heartbeat at all."""
+    (group name -> its latest records) and ``node`` (an int or None). None when it is not a heartbeat at all."""
     if not isinstance(value, dict):
         return None
     t = number(value.get("t"))
@@ -149,11 +149,13 @@ def heartbeat(value: Any) -> dict[str, Any] | None:
     groups = value.get("groups")
     groups = groups if isinstance(groups, dict) else {}
     named = {name: records(entries) for name, entries in groups.items() if isinstance(name, str)}
+    node = value.get("node")  # the peer's node (machine) index: a whole node lost is named
     return {
         "t": t,
         "frame": site(value.get("frame")),
         "raw": _raw(value.get("raw")),
         "groups": named,
+        "node": node if isinstance(node, int) and not isinstance(node, bool) else None,
     }
 
 

@@ -59,6 +59,8 @@ class RankView:
     """It ended normally (``rw.shutdown`` or a clean exit): it will issue no more collectives."""
     raised: str | None = None
     """It ended on an exception: 'ValueError: bad batch' (escaped, shortened)."""
+    node: int | None = None
+    """Its node (machine) index, from its heartbeat; None when unknown."""
 
 
 LOCAL_FILES: set[str] = set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from . import nodes
 from .causes import (
     FIX_BATCH,
     FIX_BEHIND,
@@ -149,6 +150,10 @@ def decide(failed: Record, views: list[RankView]) -> Cause:
     dead = [v.rank for v in views if v.alive is False and not v.finished]
     finished = [v.rank for v in views if v.finished]
     behind = [v.rank for v in views if v.alive and (v.latest is None or v.latest.seq < want)]
+    lost = nodes.lost_nodes(views)
+    if lost:  # a whole machine went silent: name it
+        ranks = sorted(r for rs in lost.values() for r in rs)
+        return Cause("lost", nodes.lost_sentence(lost), nodes.lost_fix(lost), ranks)
     if dead:
         return Cause("dead", "", f"rank(s) {_ranks(dead)} stopped: " + FIX_DEAD, dead)
     if finished:
@@ -198,6 +203,9 @@ def stall_report(me: int, pending: Record, views: list[RankView], waited: float,
         ahead = any(v.latest is not None and v.latest.seq >= pending.seq
                     for v in views if v.rank in missing)  # fmt: skip
         verb = "stopped before completing" if ahead else "have not reached"
+        lost = nodes.lost_nodes(views)
+        if lost and sorted(r for ranks in lost.values() for r in ranks) == missing:
+            verb = f"({', '.join(f'node {n}' for n in sorted(lost))}) stopped responding during"
         head = (
             f"stall: rank(s) {_ranks(missing)} {verb} {pending.op} #{pending.seq}, "
             f"which rank(s) {_ranks(waiting)} have been waiting in for {waited:.0f}s. "

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import peer, raw, report
+from . import peer, raw, reach, report
 from .frames import internal
 from .peer import SEP
 from .records import Site
@@ -75,18 +75,39 @@ class Channel:
     def __init__(self, store: Any) -> None:
         self.store = store
         self.ok = store is not None
+        # Reads give up after reach.READ_TIMEOUT_S: a node cut off from the store's host.
+        self.reads = reach.BoundedReads(store)
+        self.missed: str | None = None
+        """The store's 'host:port' when the latest read got no answer (cleared by one that did)."""
+        self.gone: str | None = None
+        """The store's 'host:port' once it closed or refused the connection (its host died)."""
 
     def _off(self, exc: BaseException) -> None:
         if self.ok:
             _log.warning("rankwise diagnosis side channel disabled: %s", exc)
         self.ok = False
+        if reach.closed(exc):
+            self.gone = self.reads.where
 
     def set(self, key: str, value: str) -> None:
-        if not self.ok:
+        # A read to this store is stuck (no answer: cut off), and holds the client's lock.
+        if not self.ok or self.reads.unreachable:
             return
         try:
             self.store.set(key, value)
         except Exception as exc:  # the store host is gone: diagnose with local facts only
+            self._off(exc)
+
+    def set_bounded(self, key: str, value: str, timeout: float) -> None:
+        """``set`` that gives up after ``timeout`` s (at exit: a store cut off by the network
+        must not hold the process)."""
+        if not self.ok or self.reads.unreachable:
+            return
+        try:
+            self.reads.call(self.store.set, key, value, timeout=timeout)
+        except reach.Unreachable:
+            self.missed = self.reads.where
+        except Exception as exc:
             self._off(exc)
 
     def get(self, key: str) -> str | None:
@@ -94,12 +115,20 @@ class Channel:
         if not self.ok:
             return None
         try:
-            if not self.store.check([key]):
-                return None
-            return self.store.get(key).decode("utf-8", "replace")
+            value = self.reads.call(self._read, key)
+        except reach.Unreachable:
+            self.missed = self.reads.where
+            return None
         except Exception as exc:
             self._off(exc)
             return None
+        self.missed = None
+        return value
+
+    def _read(self, key: str) -> str | None:
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode("utf-8", "replace")
 
     def finished(self, rank: int) -> dict[str, Any] | None:
         """What ``rank`` published when it ended normally; None while it has not."""
@@ -148,8 +177,10 @@ class Watchdog(threading.Thread):
         overdue: Callable[[], None],
         skip: tuple[str, ...],
         keep_going: Callable[[], bool],
+        node: int | None = None,
     ) -> None:
         super().__init__(name="rankwise-diagnose", daemon=True)
+        self.node = node  # this rank's node (machine) index, so peers can name a lost node
         self.channel, self.rank, self.interval = channel, rank, interval
         self.own = channel
         self.snapshot, self.overdue, self.skip = snapshot, overdue, skip
@@ -175,6 +206,7 @@ class Watchdog(threading.Thread):
             "t": time.time(),
             "host": self.host,
             "pid": self.pid,
+            "node": self.node,
             "frame": [frame.file, frame.line, frame.func] if frame else None,
             "raw": self.raw_now,
             **snapshot,

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .. import env as envmod
-from . import gather, report
+from . import gather, nodes, report
 
 _config: dict[str, float | None] = {"after_s": None}
 
@@ -58,11 +58,17 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
         if e is None or now - e.t0 < limit or getattr(g, "stall_reported", 0) >= e.seq:
             continue
         g.stall_reported = e.seq
-        views = gather.collect_views(g, e.record(), watchdog.own, interval, settle=False)
+        node = getattr(watchdog, "node", None)
+        views = gather.collect_views(g, e.record(), watchdog.own, interval, False, node)
         msg, fix = report.stall_report(g.global_rank, e.record(), views, now - e.t0, timeout)
         missing = report.culprits(views, e.seq)
         waiting = [v.rank for v in views if v.rank not in missing]
-        if waiting and g.global_rank != min(waiting):
+        missed = getattr(watchdog.own, "missed", None)
+        if missed:  # this node is cut off: say so from here (the others are unknown)
+            msg = (f"stall: rank {g.global_rank} has been waiting in {report.describe(e.record())} "
+                   f"for {now - e.t0:.0f}s. {nodes.unreachable_sentence(missed)}")  # fmt: skip
+            fix = nodes.unreachable_fix(missed)
+        elif waiting and g.global_rank != min(waiting):
             continue  # one report per stall, from the lowest waiting rank
         text = (
             f"rankwise: [rank {g.global_rank}] {msg}\nFix: {fix}\n"

@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        return run_command(args, pass_local_rank=not args.use_env)
+        code = run_command(args, pass_local_rank=not args.use_env)
     except RankwiseError as exc:
         print(f"rankwise.launch: error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ConfigError) else 1
+        code = 2 if isinstance(exc, ConfigError) else 1
+    if argv is None:  # the process is the launcher: leave without torch's teardown
+        from .bootstrap import finish_cleanly
+
+        finish_cleanly(code)
+    return code
 
 
 if __name__ == "__main__":

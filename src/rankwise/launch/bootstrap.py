@@ -271,7 +271,9 @@ def main(argv: list[str]) -> None:
         _record(exc, text)
         sys.stderr.write(_live(exc, text))
         sys.stderr.flush()
-        finish_cleanly(1)  # what Python itself returns for an uncaught exception
+        # 1, what Python returns for an uncaught exception; without the interpreter's teardown
+        # (seconds with torch loaded on a busy machine: the other nodes' launchers wait for it)
+        finish_cleanly(1)
     _warn_if_alone(watch)
     finish_cleanly()
 

@@ -23,6 +23,7 @@ from .. import env as envmod
 from .. import netif
 from ..errors import DistributedError
 from . import signed_rdzv
+from .machines import read_machines
 from .native_log import NativeStderr, workers_unfiltered
 from .options import (
     RANK_PREFIX,
@@ -81,7 +82,13 @@ def _prepare_worker_env(opts: LaunchOptions, rdzv: Rendezvous) -> None:
     if opts.debug:  # torch checks op, shapes and dtypes of every collective (docs/diagnose.md)
         envmod.set_collective_debug()
     # Workers on other hosts must be able to connect back to the master.
-    netif.point_gloo_at(rdzv.endpoint.rsplit(":", 1)[0].strip("[]"))
+    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
+    netif.point_gloo_at(host)
+    if rdzv.backend == "c10d" and not netif.is_loopback(host):
+        # torch's agents share one TCPStore across rendezvous rounds, and an agent that joins a
+        # later round (a replacement node) waits forever for the store's address, which the
+        # first round's host writes only once: a fresh store per round, hosted by rank 0.
+        envmod.default_fresh_store_per_round()
 
 
 def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
@@ -98,13 +105,38 @@ def _config(opts: LaunchOptions, rdzv: Rendezvous, log_dir: str):
         rdzv_endpoint=rdzv.endpoint,
         # torch's c10d rendezvous, its state signed and checked (signed_rdzv.py)
         rdzv_backend=signed_rdzv.BACKEND if rdzv.backend == "c10d" else rdzv.backend,
-        rdzv_configs=dict(rdzv.config),
+        rdzv_configs=_rdzv_configs(rdzv),
+        local_addr=_local_addr(rdzv),
         max_restarts=opts.max_restarts,
         monitor_interval=opts.monitor_interval,
         start_method="spawn",
         log_line_prefix_template=RANK_PREFIX if tee_to_files(opts) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
     )
+
+
+def _rdzv_configs(rdzv: Rendezvous) -> dict[str, object]:
+    """torch decides which node hosts the c10d store by comparing the endpoint with this
+    machine's hostname and the addresses it resolves to, and misses an endpoint on another
+    interface (a cluster network beside the hostname's, or a hostname that resolves to
+    127.0.0.1): then no node hosts it and every node waits for the whole --rdzv-timeout.
+    Such an endpoint is hosted here."""
+    config = dict(rdzv.config)
+    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
+    if rdzv.backend == "c10d" and "is_host" not in config and netif.missed_by_hostname(host):
+        config["is_host"] = True
+    return config
+
+
+def _local_addr(rdzv: Rendezvous) -> str | None:
+    """The address the other nodes reach this one at, under c10d: the one this machine uses
+    towards the endpoint. Left to torch, it is the hostname's fully qualified name, which is
+    'localhost' wherever the hostname resolves to 127.0.0.1 (containers, namespaces): the
+    store's host then told the other nodes' workers to meet at 'localhost'."""
+    host = rdzv.endpoint.rsplit(":", 1)[0].strip("[]")
+    if rdzv.backend != "c10d" or netif.is_loopback(host):
+        return None
+    return netif.source_address_towards(host)
 
 
 def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
@@ -151,7 +183,8 @@ def launch(opts: LaunchOptions) -> None:
         # c10's C++ log lines and stack frames go to a file, named below (native_log.py).
         native = NativeStderr(opts.log_dir)
         try:
-            with native, workers_unfiltered(native), console(opts), reporting_restarts(restarts):
+            reporting = reporting_restarts(restarts, opts.rdzv_timeout)
+            with native, workers_unfiltered(native), console(opts), reporting:
                 elastic_launch(config, cmd)(*args)
             if restarts.summary():
                 restarts.emit(restarts.summary())
@@ -159,7 +192,7 @@ def launch(opts: LaunchOptions) -> None:
         except ChildFailedError as exc:
             _tell_native_log(native)
             log_dir = config.logs_specs.root_log_dir
-            raise _job_failed(opts, exc, log_dir, diag, restarts.signalled) from None
+            raise _job_failed(opts, exc, log_dir, diag, restarts) from None
         except SignalException as exc:
             _tell_native_log(native)
             raise LaunchInterrupted(exc.sigval, opts.nproc_per_node) from None
@@ -190,16 +223,19 @@ def _sweep_shared_memory() -> None:
 
 
 def _job_failed(
-    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, signalled: set[int]
+    opts: LaunchOptions, exc: Exception, log_dir: str, diag: str, restarts: RestartLog
 ) -> JobFailed:
+    # The rendezvous's own numbers: c10d gives the node its rank; an elastic job may be smaller.
+    node = opts.node_rank if restarts.node_rank is None else restarts.node_rank
     return JobFailed(
         [_with_stderr(f, log_dir) for f in from_elastic(exc.failures)],
-        world_size=opts.world_size,
-        node_rank=opts.node_rank,
+        world_size=restarts.world_size or opts.world_size,
+        node_rank=node,
         diagnoses=read_diagnoses(diag),
         culprits=read_culprits(diag),
         finished=read_finished(diag),
-        signalled=signalled or None,
+        signalled=restarts.signalled or None,
+        machines=read_machines(diag),
         raised=read_raised(diag),
         causes=read_causes(diag),
     )
@@ -240,6 +276,14 @@ def _with_stderr(f: RankFailure, log_dir: str) -> RankFailure:
     return dataclasses.replace(f, stderr_tail=tail)
 
 
+def _this_node(opts: LaunchOptions, rdzv: Rendezvous) -> str:
+    """'node 1 of 2' (static: the node gave its rank), or 'this node' (c10d assigns ranks)."""
+    if rdzv.backend == "static":
+        return f"node {opts.node_rank} of {opts.nnodes}"
+    nodes = opts.nnodes if opts.min_nodes is None else f"{opts.min_nodes} to {opts.nnodes}"
+    return f"this node (one of {nodes})"
+
+
 def _rendezvous_error(
     opts: LaunchOptions, rdzv: Rendezvous, exc: Exception, note: str = ""
 ) -> DistributedError:
@@ -265,7 +309,7 @@ def _rendezvous_error(
             "(or --rdzv-endpoint/--rdzv-id), or raise --rdzv-timeout."
         )
     return DistributedError(
-        f"node {opts.node_rank} of {opts.nnodes} could not complete the {where} "
+        f"{_this_node(opts, rdzv)} could not complete the {where} "
         f"within --rdzv-timeout={opts.rdzv_timeout}s ({type(exc).__name__}: {first}){note}",
         fix=fix,
     )

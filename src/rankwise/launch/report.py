@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..console import printable
 from ..errors import DistributedError
 from .diagnoses import read_causes, read_culprits, read_diagnoses, read_finished, read_raised
+from .machines import Machines
 
 __all__ = [
     "JobFailed", "RankFailure", "blame", "from_elastic", "raisers", "read_causes",
@@ -67,6 +68,7 @@ class JobFailed(DistributedError):
         culprits: dict[int, list[int]] | None = None,
         finished: list[int] | None = None,
         signalled: set[int] | None = None,
+        machines: Machines | None = None,
         raised: dict[int, str] | None = None,
         causes: dict[int, tuple[str, list[int]]] | None = None,
     ) -> None:
@@ -84,12 +86,22 @@ class JobFailed(DistributedError):
         self.blamed = [] if self.raisers or self._specific() else blamed
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
+        self.machines = machines or Machines()
+        """Nodes whose ranks all stopped responding; the store this node could not reach."""
         text, diagnosis_fix = summarize(
             failures, world_size=world_size, node_rank=node_rank, diagnoses=diagnoses,
             blamed=self.blamed, finished=self.finished, signalled=signalled,
             raisers=self.raisers, cause=self.cause,
         )  # fmt: skip
-        super().__init__(text, fix=self._fix(diagnosis_fix))
+        failed = [f.rank for f in split_stopped(failures, signalled)[0]]
+        machine_line = None if self.raisers else self.machines.headline(
+            self.blamed, failed, world_size, node_rank
+        )
+        fix = None
+        if machine_line:  # a node went silent, or the master's machine is out of reach
+            text = machine_line + text[text.index("\n") :] if "\n" in text else machine_line
+            fix = self.machines.fix(self.blamed, node_rank)
+        super().__init__(text, fix=fix or self._fix(diagnosis_fix))
 
     def _fix(self, diagnosis_fix: str | None) -> str:
         """One fix: for the rank that raised, else the diagnosis', else by who failed how."""

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from .rdzv_guard import guard
 from .report import RankFailure, from_elastic, split_stopped
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
@@ -66,6 +67,10 @@ class RestartLog:
     signalled: set[int] = field(default_factory=set)
     """Local ranks the agent itself stopped (still running when it closed the group): they did
     not fail, the launcher ended them because another did."""
+    node_rank: int | None = None
+    """This node's rank in the latest rendezvous round (c10d assigns it; static: --node-rank)."""
+    world_size: int | None = None
+    """The job's world size in the latest round (an elastic job may run with fewer nodes)."""
     _pending: bool = False
 
     def watch(self, pcontext: object) -> None:
@@ -116,11 +121,19 @@ class RestartLog:
         )
 
 
-def _agent_class(base: type, log: RestartLog) -> type:
+def _agent_class(base: type, log: RestartLog, rdzv_timeout: float) -> type:
     class ReportingAgent(base):
+        def __init__(self, spec, *args, **kwargs):
+            # launch_agent closes the rendezvous through the same spec: guarded there too.
+            spec.rdzv_handler = guard(spec.rdzv_handler, rdzv_timeout)
+            super().__init__(spec, *args, **kwargs)
+
         def _start_workers(self, worker_group):
             started = super()._start_workers(worker_group)
             log.watch(getattr(self, "_pcontext", None))
+            log.node_rank = worker_group.group_rank
+            workers = worker_group.workers
+            log.world_size = workers[0].world_size if workers else None
             return started
 
         def _monitor_workers(self, worker_group):
@@ -137,12 +150,13 @@ def _agent_class(base: type, log: RestartLog) -> type:
 
 
 @contextlib.contextmanager
-def reporting_restarts(log: RestartLog) -> Iterator[RestartLog]:
-    """While inside, ``elastic_launch`` runs an agent that reports to ``log``."""
+def reporting_restarts(log: RestartLog, rdzv_timeout: float = 300) -> Iterator[RestartLog]:
+    """While inside, ``elastic_launch`` runs an agent that reports to ``log`` (and whose c10d
+    rendezvous calls give up when the store stops answering: ``rdzv_guard``)."""
     from torch.distributed.launcher import api
 
     original = api.LocalElasticAgent
-    api.LocalElasticAgent = _agent_class(original, log)
+    api.LocalElasticAgent = _agent_class(original, log, rdzv_timeout)
     try:
         yield log
     finally:

@@ -1,12 +1,13 @@
-"""``DistributedPipeline``: the stages of one model in different processes, trained with GPipe.
+"""``DistributedPipeline``: the stages of one model in different processes, trained on a
+schedule.
 
-Every rank builds the same ``nn.Sequential`` and keeps only its own consecutive layers, on its
-own device. A training step is GPipe's: all micro-batches forward (rank ``k`` receives an
-activation from rank ``k-1``, runs its layers, sends the result to ``k+1``; the last stage
-computes the loss), then all micro-batches backward in reverse (gradients go upstream the same
-way). Sends are asynchronous, so rank 0 computes micro-batch 2 while rank 1 computes
-micro-batch 1. The gradients left in ``.grad`` are those of the loss of the whole batch, so
-``optimizer.step()`` after ``train_step`` trains the model exactly as one process would.
+Every rank builds the same ``nn.Sequential`` and keeps only its own layers, on its own device.
+``schedule=`` says in which order each rank runs the forward and backward passes of the
+micro-batches (``schedules.py``: ``"1f1b"``, the default, ``"gpipe"``, ``"interleaved_1f1b"``
+with ``stages_per_rank`` virtual stages per rank, ``"zero_bubble"``); one executor runs them
+all (``executor.py``), moving activations and gradients with point-to-point sends. The
+gradients left in ``.grad`` are those of the loss of the whole batch, so ``optimizer.step()``
+after ``train_step`` trains the model exactly as one process would.
 
 Data parallel on top: give ``data_parallel_group`` (from ``dist.new_group``), the ranks that
 hold the SAME stage in different pipeline replicas; after the backward the stage's gradients
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,10 @@ from ..errors import ConfigError
 from ..flat import FlatParams
 from ..mesh import DeviceMesh
 from ..parallel.ddp.no_sync import gradient_sync_off
-from . import p2p, partition
+from . import p2p, partition, schedules, step
+from .executor import Executor, StepResult
 from .pipe import _check_chunks
+from .weight_pass import WeightPass
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -95,8 +98,12 @@ def _from_mesh(mesh, default, ranks, group, rank: int):
 
 
 class DistributedPipeline(nn.Module):
-    """This rank's stage of a sequential model pipelined over ``ranks``.
+    """This rank's stage(s) of a sequential model pipelined over ``ranks``.
 
+    ``schedule``: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"`` or
+    ``"zero_bubble"``; ``stages_per_rank``: virtual stages per rank (interleaving: the model
+    is cut into ``len(ranks) x stages_per_rank`` stages, rank ``k`` holds stages ``k``,
+    ``k + len(ranks)``, ...; ``balance`` then has one entry per stage).
     Parameters keep the full model's names (``state_dict`` keys are a subset of the unsplit
     model's), so each rank can save its part and the parts merge into a full checkpoint.
     Call ``rw.init()`` first. Sync point: every method below is one for the pipeline's ranks.
@@ -113,6 +120,8 @@ class DistributedPipeline(nn.Module):
         data_parallel_group: dist.ProcessGroup | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         mesh: DeviceMesh | None = None,
+        schedule: str = "1f1b",
+        stages_per_rank: int | None = None,
     ) -> None:
         _check_arguments(ranks, device, data_parallel_group, mesh)
         super().__init__()
@@ -122,30 +131,37 @@ class DistributedPipeline(nn.Module):
             mesh, rt.mesh, ranks, data_parallel_group, self.rank
         )
         self.ranks = _check_ranks(ranks, comm.world_size(), self.rank)
-        layers = partition.layers_of(model)
-        if balance is None:
-            self.balance = partition.balance_by_params(model, len(self.ranks))
-        else:
-            self.balance = partition.check_balance(balance, len(layers), len(self.ranks))
         self.chunks = _check_chunks(chunks)
-        if loss_reduction not in ("mean", "sum"):
-            raise ConfigError(
-                f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'",
-                fix="say how loss_fn reduces over samples ('mean' is torch's default).",
-            )
-        self.loss_reduction = loss_reduction
+        self.schedule_name = schedule
+        self.stages_per_rank = schedules.make(schedule, len(self.ranks), 1, stages_per_rank).stages_per_rank
+        self.loss_reduction = _check_reduction(loss_reduction)
         self.stage_index = self.ranks.index(self.rank)
         self.device = resolve_device(device if device else rt.device, "device")
-        start = sum(self.balance[: self.stage_index])
-        mine = OrderedDict(layers[start : start + self.balance[self.stage_index]])
-        for name, layer in mine.items():
-            self.add_module(name, layer.to(self.device))
-        self.__dict__["stage"] = nn.Sequential(mine)  # the same layers, not registered twice
+        self._place(model, balance)
         self.data_parallel_group = data_parallel_group
         self.require_backward_grad_sync = True
         """False inside ``no_sync()``: ``train_step`` leaves the gradients un-averaged."""
         nccl = rt.backend is not None and "nccl" in rt.backend
         self._link = p2p.Link(self.device if nccl else torch.device("cpu"), rt.timeout, self.rank)
+        self._weight_pass: WeightPass | None = None
+        self.last_step: StepResult | None = None
+        """What the last ``train_step`` ran on this rank (actions with times, waits)."""
+
+    def _place(self, model: nn.Module, balance: Sequence[int] | None) -> None:
+        layers = partition.layers_of(model)
+        num_stages = len(self.ranks) * self.stages_per_rank
+        if balance is None:
+            self.balance = partition.balance_by_params(model, num_stages)
+        else:
+            self.balance = partition.check_balance(balance, len(layers), num_stages)
+        starts = [sum(self.balance[:s]) for s in range(num_stages)]
+        self.stage_modules: dict[int, nn.Sequential] = {}
+        for s in range(self.stage_index, num_stages, len(self.ranks)):
+            mine = OrderedDict(layers[starts[s] : starts[s] + self.balance[s]])
+            for name, layer in mine.items():
+                self.add_module(name, layer.to(self.device))
+            self.stage_modules[s] = nn.Sequential(mine)
+        self.__dict__["stage"] = self.stage_modules[self.stage_index]  # not registered twice
 
     @property
     def is_first(self) -> bool:
@@ -157,32 +173,20 @@ class DistributedPipeline(nn.Module):
 
     def train_step(
         self, x: torch.Tensor | None, target: torch.Tensor | None, loss_fn: LossFn
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Forward and backward of one batch; gradients of the batch loss accumulate in ``.grad``.
 
         ``x`` is read on the first stage and ``target`` on the last (others may pass None).
-        Returns the batch loss (detached) on the last stage, None elsewhere. Does not step or
-        zero the optimizer. Sync point: the pipeline's ranks (and ``data_parallel_group``).
+        Returns the batch loss (detached) on every stage: the last stage sends it to the
+        others, so any rank can log or print it. Does not step or zero the optimizer.
+        Sync point: the pipeline's ranks (and ``data_parallel_group``).
         """
-        inputs, outputs, losses = self._forward_phase(x, target, loss_fn)
-        sizes = [out.shape[0] for out in outputs]
-        for i in reversed(range(len(outputs))):
-            if self.is_last:
-                scale = sizes[i] / sum(sizes) if self.loss_reduction == "mean" else 1.0
-                (losses[i] * scale).backward()
-            else:
-                out = outputs[i]
-                grad = self._link.recv(out.shape, out.dtype, self._next, f"gradient {i}")
-                out.backward(grad.to(self.device))
-            if not self.is_first:
-                self._link.send(inputs[i].grad, self._prev, f"gradient {i}", None)
-        self._link.flush()
+        result, weights = self._run(x, target, loss_fn, forward_only=False)
+        step.land_grads(self.parameters(), result.grads)
         if self.require_backward_grad_sync:
             self._average_gradients()
-        if not self.is_last:
-            return None
-        weights = [s / sum(sizes) if self.loss_reduction == "mean" else 1.0 for s in sizes]
-        return sum(w * loss.detach() for w, loss in zip(weights, losses, strict=True))
+        loss = step.batch_loss(result.losses, weights) if self.is_last else None
+        return step.share_loss(self._link, self.ranks, self.stage_index, loss)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally: ``train_step`` inside does not average them over
@@ -195,18 +199,39 @@ class DistributedPipeline(nn.Module):
 
         Sync point: the pipeline's ranks.
         """
-        _, outputs, _ = self._forward_phase(x, None, None)
-        return torch.cat(outputs, dim=0) if self.is_last else None
+        result, _ = self._run(x, None, None, forward_only=True)
+        if not self.is_last:
+            return None
+        return torch.cat([result.outputs[i] for i in sorted(result.outputs)], dim=0)
 
-    @property
-    def _prev(self) -> int:
-        return self.ranks[self.stage_index - 1]
+    def _run(self, x, target, loss_fn, forward_only: bool) -> tuple[StepResult, list[float]]:
+        if self.is_first:
+            micro = step.micro_batches(self._first_input(x), self.chunks)
+            count, prefetched = len(micro), {}
+        else:
+            micro = []
+            count, prefetched = step.first_activation(self._link, self.ranks, self.stage_index)
+        sched = step.schedule_for(self.schedule_name, len(self.ranks), count, self.stages_per_rank)
+        targets: list[Any] = []
+        if self.is_last and not forward_only:
+            targets = step.micro_batches(self._target(target), count)
+        weights = step.loss_weights([t.shape[0] for t in targets], self.loss_reduction)
+        stages = _SequentialStages(self, micro, targets, loss_fn)
+        executor = Executor(
+            sched, self.stage_index, stages,
+            step.ProcessTransport(self._link, self.ranks, sched.micro_batches),
+            seed=lambda i: weights[i], weight_pass=self._weights_for(sched), prefetched=prefetched,
+        )  # fmt: skip
+        result = executor.run(forward_only=forward_only)
+        self.last_step = result
+        return result, weights
 
-    @property
-    def _next(self) -> int:
-        return self.ranks[self.stage_index + 1]
+    def _weights_for(self, sched: schedules.Schedule) -> WeightPass | None:
+        if sched.split_backward and self._weight_pass is None:
+            self._weight_pass = WeightPass(self.modules())
+        return self._weight_pass if sched.split_backward else None
 
-    def _micro_batches(self, x: torch.Tensor | None) -> list[torch.Tensor]:
+    def _first_input(self, x: Any) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise ConfigError(
                 f"the first pipeline stage (rank {self.rank}) needs the input batch, got "
@@ -214,36 +239,9 @@ class DistributedPipeline(nn.Module):
                 fix="pass the batch tensor as x to train_step/forward on the first stage.",
                 rank=self.rank,
             )
-        x = x.to(self.device)
-        return [mb for mb in torch.tensor_split(x, self.chunks, dim=0) if mb.shape[0] > 0] or [x]
+        return x.to(self.device)
 
-    def _forward_phase(self, x, target, loss_fn):
-        micro = self._micro_batches(x) if self.is_first else []
-        count = len(micro) if self.is_first else None
-        inputs, outputs, losses, offset, i = [], [], [], 0, 0
-        while count is None or i < count:
-            if self.is_first:
-                inp = micro[i]
-            else:
-                sender = f"stage {self.stage_index - 1} (rank {self._prev})"
-                head = self._link.recv_header(self._prev, f"activation {i}", sender, (i, count))
-                count = head.num_micro_batches
-                inp = self._link.recv(head.shape, head.dtype, self._prev, f"activation {i}")
-                inp = inp.to(self.device).requires_grad_(inp.is_floating_point())
-            out = self.stage(inp)
-            if self.is_last and loss_fn is not None:
-                losses.append(self._loss(loss_fn, out, target, offset))
-                offset += out.shape[0]
-            elif not self.is_last:
-                head = p2p.Header(i, count, out.dtype, tuple(out.shape))
-                self._link.send(out, self._next, f"activation {i}", head)
-            inputs.append(inp)
-            outputs.append(out)
-            i += 1
-        self._link.flush()
-        return inputs, outputs, losses
-
-    def _loss(self, loss_fn: LossFn, out, target, offset: int) -> torch.Tensor:
+    def _target(self, target: Any) -> torch.Tensor:
         if not isinstance(target, torch.Tensor):
             raise ConfigError(
                 f"the last pipeline stage (rank {self.rank}) computes the loss and needs the "
@@ -251,7 +249,7 @@ class DistributedPipeline(nn.Module):
                 fix="pass the targets as target to train_step on the last stage.",
                 rank=self.rank,
             )
-        return loss_fn(out, target[offset : offset + out.shape[0]].to(out.device))
+        return target.to(self.device)
 
     def _average_gradients(self) -> None:
         """Mean of this stage's gradients over ``data_parallel_group``, in one flat buffer.
@@ -275,5 +273,39 @@ class DistributedPipeline(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"stage={self.stage_index} of {len(self.ranks)}, ranks={self.ranks}, "
-            f"balance={self.balance}, chunks={self.chunks}, device={self.device}"
+            f"balance={self.balance}, chunks={self.chunks}, schedule={self.schedule_name!r}, "
+            f"stages_per_rank={self.stages_per_rank}, device={self.device}"
         )
+
+
+class _SequentialStages:
+    """The executor's view of a ``DistributedPipeline`` rank: its layers per stage, the
+    micro-batches (first stage), the targets and the loss function (last stage)."""
+
+    def __init__(self, pipe: DistributedPipeline, micro: list, targets: list, loss_fn) -> None:
+        self.pipe, self.micro, self.targets, self.loss_fn = pipe, micro, targets, loss_fn
+        self._params = {
+            s: [p for p in mod.parameters() if p.requires_grad]
+            for s, mod in pipe.stage_modules.items()
+        }
+
+    def run(self, stage: int, micro_batch: int, x: Any) -> Any:
+        return self.pipe.stage_modules[stage](x.to(self.pipe.device))
+
+    def first_input(self, micro_batch: int) -> Any:
+        return self.micro[micro_batch]
+
+    def loss(self, micro_batch: int, output: Any) -> torch.Tensor:
+        return self.loss_fn(output, self.targets[micro_batch].to(output.device))
+
+    def parameters_of(self, stage: int) -> list[nn.Parameter]:
+        return self._params[stage]
+
+
+def _check_reduction(loss_reduction: str) -> str:
+    if loss_reduction not in ("mean", "sum"):
+        raise ConfigError(
+            f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'",
+            fix="say how loss_fn reduces over samples ('mean' is torch's default).",
+        )
+    return loss_reduction

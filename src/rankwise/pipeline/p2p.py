@@ -105,45 +105,140 @@ def decode(
     return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + v[3]]))
 
 
-class Link:
-    """Point-to-point traffic of one stage with its neighbours, with timeouts on every receive.
+@dataclass(frozen=True)
+class Expected:
+    """What the next activation from a peer must be: ``micro_batch`` of ``count`` (None until
+    known), sent by ``sender`` (a stage and its rank, named in errors)."""
 
-    Sends are asynchronous (``isend``) so a stage computes its next micro-batch while the last
-    one is on the wire; ``flush()`` waits for them at the end of each phase.
+    sender: str
+    micro_batch: int
+    count: int | None = None
+
+
+class _Early:
+    """A receive posted ahead of need: an activation's header (``head`` None until it is in,
+    checked against ``expected``) or a tensor of known shape."""
+
+    def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
+                 expected: Expected | None = None) -> None:  # fmt: skip
+        self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
+        self.expected = expected
+
+
+class Link:
+    """Point-to-point traffic of one stage with the other stages, with timeouts on receives.
+
+    Sends are queued and posted at the start of the next action, together with its receive
+    when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
+    two ranks must be posted as one group, or each can wait for the other), so a stage
+    computes its next micro-batch while the last one is on the wire. A completed send is
+    dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
+
+    Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
+    tensor of an activation whose header is in is received as soon as it is (``progress``),
+    so data moves while this rank computes. On NCCL a receive posted ahead would hold up this
+    rank's sends to that peer (one stream per pair): receives wait until needed there.
     """
 
     def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
         self.comm_device = comm_device
         self.timeout = timeout
         self.rank = rank
+        self.ahead = comm_device.type == "cpu"
+        self._queued: list[tuple[dist.P2POp, str]] = []
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._early: dict[int, _Early] = {}
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
         """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
         parts = [] if header is None else [encode(header, self.comm_device)]
         parts.append(tensor.detach().to(self.comm_device).contiguous())
         for part in parts:
-            self._pending.append((dist.isend(part, dst=dst), part, f"{what} to rank {dst}"))
+            self._queued.append((dist.P2POp(dist.isend, part, dst), f"{what} to rank {dst}"))
 
-    def recv_header(
-        self, src: int, what: str, sender: str, expect: tuple[int, int | None]
-    ) -> Header:
-        """The header of activation ``expect[0]`` (of ``expect[1]``, once known) from ``src``,
-        checked (``decode``); ``sender`` names that stage in errors."""
-        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
-        self._wait(dist.irecv(buf, src=src), f"{what} header from rank {src}")
-        return decode(buf, sender=sender, micro_batch=expect[0], count=expect[1], rank=self.rank)
+    def post(self) -> None:
+        """Post the queued sends now (before a computation that receives nothing)."""
+        self._start([])
+
+    def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None) -> None:
+        """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
+        or (None) the header of the activation ``expected``. Over Gloo only."""
+        if not self.ahead or src in self._early:
+            return
+        shape, dtype = ((HEADER_LEN,), torch.int64) if like is None else (like.shape, like.dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        work = self._start([buf], src)
+        self._early[src] = _Early(work, buf, None, like is not None, expected)
+
+    def progress(self) -> None:
+        """Post the tensor receive of every activation whose header has arrived (checked
+        first: a header that is refused is dropped, nothing is allocated for it)."""
+        for src, early in list(self._early.items()):
+            if not early.tensor and early.work.is_completed():
+                del self._early[src]
+                self._wait(early.work, f"activation header from rank {src}")
+                head = self._decode(early.buf, early.expected, src)
+                buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
+                self._early[src] = _Early(self._start([buf], src), buf, head, True)
+
+    def receive_activation(
+        self, src: int, what: str, expected: Expected
+    ) -> tuple[Header, torch.Tensor]:
+        """An activation from rank ``src``: its header (checked against ``expected``), then
+        the tensor it announces. The one receive path for tensors whose shape the receiver
+        does not know."""
+        early = self._early.pop(src, None)
+        if early is not None and early.head is not None:  # header and tensor both posted
+            self.post()  # what this rank owes its peers goes out before it waits
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.head, early.buf
+        if early is None:
+            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
+            work = self._start([buf], src)
+        else:
+            work, buf = early.work, early.buf
+            self.post()
+        self._wait(work, f"{what} header from rank {src}")
+        head = self._decode(buf, expected, src)
+        return head, self.recv(head.shape, head.dtype, src, what)
+
+    def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
+        expected = expected or Expected(f"rank {src}", int(buf[0]))
+        return decode(buf, sender=expected.sender, micro_batch=expected.micro_batch,
+                      count=expected.count, rank=self.rank)  # fmt: skip
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of
+        the activation this rank sent)."""
+        early = self._early.pop(src, None)
+        if early is not None:
+            self.post()
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.buf
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        self._wait(dist.irecv(buf, src=src), f"{what} from rank {src}")
+        self._wait(self._start([buf], src), f"{what} from rank {src}")
         return buf
 
     def flush(self) -> None:
-        """Wait for every queued send. Sync point: the receiving neighbours."""
+        """Wait for every send. Sync point: the receiving stages."""
+        self.post()
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
+
+    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
+        """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
+        return the receive's work."""
+        if len(self._pending) > 8:
+            self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+        ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        for (op, what), work in zip(self._queued, works, strict=False):
+            self._pending.append((work, op.tensor, what))
+        self._queued = []
+        return works[-1] if recv_bufs else None
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -156,7 +251,7 @@ class Link:
     def _error(self, what: str, cause: str) -> DistributedError:
         return DistributedError(
             f"pipeline {what} failed after at most {self.timeout.total_seconds():.0f}s ({cause})",
-            fix="every rank of the pipeline must call train_step with the same chunks and the "
-            "same number of steps; look for a rank that died or skipped a step.",
+            fix="every rank of the pipeline must call train_step with the same chunks, schedule "
+            "and number of steps; look for a rank that died or skipped a step.",
             rank=self.rank,
         )

@@ -30,8 +30,10 @@ from torch import nn
 
 from ..devices import resolve_device
 from ..errors import ConfigError
-from ..validate import fail
-from . import partition, schedule
+from ..validate import choice, fail, integer
+from . import partition, schedule, schedules, step
+from .threads import run_in_threads
+from .weight_pass import WeightPass
 
 
 def _check_chunks(chunks: int) -> int:
@@ -53,17 +55,19 @@ def _check_devices(devices: Sequence[str | int | torch.device]) -> list[torch.de
     return [resolve_device(d, f"devices[{k}]") for k, d in enumerate(devices)]
 
 
-def _check_pipe(layers: Any, devices: Any, balance: Any, chunks: Any) -> None:
+def _check_pipe(layers: Any, devices: Any, balance: Any, chunks: Any, per_device: Any) -> None:
     """``Pipe``'s arguments, as ``rw.split`` would have made them."""
+    integer("stages_per_rank", per_device, minimum=1, where="rw.Pipe()", example=2)
     pairs = isinstance(layers, Sequence) and not isinstance(layers, str)
     if not pairs or not all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], nn.Module) for p in layers
     ):
         fail("layers", layers, "a list of (name, module) pairs", where="rw.Pipe()",
              fix="build the pipeline with rw.split(model, devices), which makes the pairs.")
-    stages = len(_check_devices(devices))
+    stages = len(_check_devices(devices)) * per_device
     if isinstance(balance, Sequence) and len(balance) != stages:
-        fail("devices", devices, f"one device per stage of balance={list(balance)!r}",
+        per = "stage" if per_device == 1 else f"{per_device} stages"
+        fail("devices", devices, f"one device per {per} of balance={list(balance)!r}",
              where="rw.Pipe()", fix="give as many devices as balance has stages.")
     partition.check_balance(balance, len(layers), stages)
     _check_chunks(chunks)
@@ -72,9 +76,11 @@ def _check_pipe(layers: Any, devices: Any, balance: Any, chunks: Any) -> None:
 class Pipe(nn.Module):
     """A sequential model split into stages on devices, run as a GPipe pipeline.
 
-    Build it with ``rw.split``. Attributes: ``devices`` (one per stage), ``balance`` (layers per
-    stage), ``chunks``, ``partitions`` (one ``nn.Sequential`` per stage) and ``last_schedule``
-    (the ``ScheduleEvent``s of the last forward). Sync point: none (one process).
+    Build it with ``rw.split``. Attributes: ``devices`` (one per position), ``balance`` (layers
+    per stage), ``chunks``, ``partitions`` (one ``nn.Sequential`` per stage; stage ``s`` on
+    ``devices[s % len(devices)]``), ``last_schedule`` (the ``ScheduleEvent``s of the last
+    forward). ``train_step`` runs a whole step on ``schedule`` (``schedules.py``) instead of
+    the GPipe forward + autograd's backward. Sync point: none (one process).
     """
 
     def __init__(
@@ -83,15 +89,22 @@ class Pipe(nn.Module):
         devices: Sequence[torch.device],
         balance: Sequence[int],
         chunks: int,
+        schedule_name: str = "1f1b",
+        stages_per_rank: int = 1,
     ) -> None:
-        _check_pipe(layers, devices, balance, chunks)
+        choice("schedule_name", schedule_name, schedules.SCHEDULES, where="rw.Pipe()")
+        _check_pipe(layers, devices, balance, chunks, stages_per_rank)
         super().__init__()
         self.devices = list(devices)
         self.balance = list(balance)
         self.chunks = chunks
+        self.schedule_name, self.stages_per_rank = schedule_name, stages_per_rank
+        self.stage_devices = [self.devices[s % len(self.devices)] for s in range(len(self.balance))]
         self.last_schedule: list[schedule.ScheduleEvent] = []
+        self.last_step: list = []
+        """What each position ran in the last ``train_step`` (``executor.StepResult``)."""
         partitions, start = [], 0
-        for dev, size in zip(self.devices, self.balance, strict=True):
+        for dev, size in zip(self.stage_devices, self.balance, strict=True):
             named = OrderedDict(layers[start : start + size])
             for name, layer in named.items():
                 self.add_module(name, layer.to(dev))  # original names: state_dict keys unchanged
@@ -115,12 +128,13 @@ class Pipe(nn.Module):
         if len(micro) == 1 or len(stages) == 1:
             outputs, events = schedule.run_sequential(stages, micro)
         else:
-            outputs, events = schedule.run_pipelined(stages, micro, self._thread_setup(x))
+            setup = self._thread_setup(x, self.stage_devices)
+            outputs, events = schedule.run_pipelined(stages, micro, setup)
         self.last_schedule = sorted(events, key=lambda e: (e.start, e.stage))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
     def _stage_fn(self, j: int) -> schedule.StageFn:
-        device, layers = self.devices[j], self.partitions[j]
+        device, layers = self.stage_devices[j], self.partitions[j]
 
         def run(i: int, x: torch.Tensor) -> torch.Tensor:
             try:
@@ -139,7 +153,35 @@ class Pipe(nn.Module):
 
         return run
 
-    def _thread_setup(self, x: torch.Tensor) -> Callable[[int], contextlib.ExitStack]:
+    def train_step(
+        self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of one batch on ``schedule``, one thread per device; the
+        gradients of the batch loss (``loss_fn`` a mean over samples) accumulate in ``.grad``.
+        Returns the batch loss (detached)."""
+        micro = step.micro_batches(x, self.chunks)
+        targets = step.micro_batches(target, len(micro))
+        weights = step.loss_weights([t.shape[0] for t in targets], "mean")
+        sched = step.schedule_for(self.schedule_name, len(self.devices), len(micro),
+                                  self.stages_per_rank)  # fmt: skip
+        positions = [_PipeStages(self, j, micro, targets, loss_fn) for j in range(len(self.devices))]
+        passes = [WeightPass(_modules_of(self, j)) if sched.split_backward else None
+                  for j in range(len(self.devices))]  # fmt: skip
+        try:
+            self.last_step = run_in_threads(sched, positions, lambda i: weights[i], passes,
+                                            self._thread_setup(x, self.devices))  # fmt: skip
+        finally:
+            for wp in passes:
+                if wp is not None:
+                    wp.remove()
+        for result in self.last_step:
+            step.land_grads(self.parameters(), result.grads)
+        losses = self.last_step[-1].losses
+        return step.batch_loss(losses, weights)
+
+    def _thread_setup(
+        self, x: torch.Tensor, devices: list[torch.device]
+    ) -> Callable[[int], contextlib.ExitStack]:
         """The caller's thread-local state, re-entered in each stage thread.
 
         Grad mode, autocast, the current device and the current CUDA stream belong to a thread.
@@ -149,7 +191,6 @@ class Pipe(nn.Module):
         ordered exactly as in the sequential run (docs/model-parallel.md, CUDA streams).
         """
         grad = torch.is_grad_enabled()
-        devices = self.devices
         cuda = {d for d in [*devices, x.device] if d.type == "cuda"}
         streams = [torch.cuda.current_stream(d) for d in sorted(cuda, key=str)]
         kinds = sorted({d.type for d in devices} | {"cpu"})
@@ -190,7 +231,37 @@ class Pipe(nn.Module):
 
     def extra_repr(self) -> str:
         devs = [str(d) for d in self.devices]
-        return f"devices={devs}, balance={self.balance}, chunks={self.chunks}"
+        return (f"devices={devs}, balance={self.balance}, chunks={self.chunks}, "
+                f"schedule={self.schedule_name!r}, stages_per_rank={self.stages_per_rank}")
+
+
+class _PipeStages:
+    """Position ``j`` of a ``Pipe`` for the executor: its partitions, the micro-batches (first
+    stage), the targets and the loss (last stage)."""
+
+    def __init__(self, pipe: Pipe, j: int, micro: list, targets: list, loss_fn) -> None:
+        self.pipe, self.micro, self.targets, self.loss_fn = pipe, micro, targets, loss_fn
+        self._params = {
+            s: [p for p in pipe.partitions[s].parameters() if p.requires_grad]
+            for s in range(j, len(pipe.partitions), len(pipe.devices))
+        }
+
+    def run(self, stage: int, micro_batch: int, x: Any) -> Any:
+        return self.pipe.partitions[stage](x.to(self.pipe.stage_devices[stage]))
+
+    def first_input(self, micro_batch: int) -> Any:
+        return self.micro[micro_batch]
+
+    def loss(self, micro_batch: int, output: Any) -> torch.Tensor:
+        return self.loss_fn(output, self.targets[micro_batch].to(output.device))
+
+    def parameters_of(self, stage: int) -> list[nn.Parameter]:
+        return self._params[stage]
+
+
+def _modules_of(pipe: Pipe, j: int) -> list[nn.Module]:
+    parts = pipe.partitions[j :: len(pipe.devices)]
+    return [m for part in parts for m in part.modules()]
 
 
 def split(
@@ -198,21 +269,28 @@ def split(
     devices: Sequence[str | int | torch.device],
     balance: Sequence[int] | None = None,
     chunks: int = 1,
+    *,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
 ) -> Pipe:
     """Split a sequential model over ``devices``; with ``chunks > 1``, pipeline micro-batches.
 
-    ``balance`` gives the number of consecutive layers per device; ``None`` balances by
+    ``balance`` gives the number of consecutive layers per stage; ``None`` balances by
     parameter count (see ``balance_by_params``; ``balance_by_time`` measures instead). The
     layers are moved to their devices in place (the returned module shares them with
-    ``model``). Inputs may be on any device; the output is on ``devices[-1]``.
+    ``model``). Inputs may be on any device; the output is on the last stage's device.
+    ``schedule``/``stages_per_rank``: what ``pipe.train_step`` runs (``stages_per_rank``
+    virtual stages per device: ``len(devices) x stages_per_rank`` stages, stage ``s`` on
+    ``devices[s % len(devices)]``, one ``balance`` entry each).
 
     >>> pipe = rw.split(nn.Sequential(a, b, c, d), devices=["cuda:0", "cuda:1"], chunks=4)
     """
     layers = partition.layers_of(model)
     devs = _check_devices(devices)
     chunks = _check_chunks(chunks)
+    v = schedules.make(schedule, len(devs), 1, stages_per_rank).stages_per_rank
     if balance is None:
-        bal = partition.balance_by_params(model, len(devs))
+        bal = partition.balance_by_params(model, len(devs) * v)
     else:
-        bal = partition.check_balance(balance, len(layers), len(devs))
-    return Pipe(layers, devs, bal, chunks)
+        bal = partition.check_balance(balance, len(layers), len(devs) * v)
+    return Pipe(layers, devs, bal, chunks, schedule, v)

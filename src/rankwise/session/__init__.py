@@ -52,6 +52,7 @@ from .model import (
     refuse_wrapped,
     wrapper,
 )
+from .pipeline import PipelineOptions, pipeline_stages
 from .saving import SaveRecord
 from .sharded import warn_if_too_big
 
@@ -97,6 +98,10 @@ class Session(runtime.Runtime, TrainingLoop):
         global_batch_size: int | None = None,
         scheduler: Any = None,
         wrap: Any = None,
+        pipeline_schedule: str | None = None,
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        loss_fn: Any = None,
         init: Callable[[nn.Module], Any] | None = None,
         exact_init: bool = False,
     ) -> Any:
@@ -107,6 +112,8 @@ class Session(runtime.Runtime, TrainingLoop):
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).
         """
+        pipeline = PipelineOptions(schedule=pipeline_schedule, microbatches=microbatches,
+                                   stages_per_rank=stages_per_rank, loss_fn=loss_fn)  # fmt: skip
         return prepare(
             self,
             model,
@@ -115,6 +122,7 @@ class Session(runtime.Runtime, TrainingLoop):
             global_batch_size=global_batch_size,
             scheduler=scheduler,
             wrap=wrap,
+            pipeline=pipeline,
             init=init,
             exact_init=exact_init,
         )
@@ -229,6 +237,7 @@ def prepare(
     global_batch_size: int | None = None,
     scheduler: Any = None,
     wrap: Any = None,
+    pipeline: PipelineOptions | None = None,
     init: Callable[[nn.Module], Any] | None = None,
     exact_init: bool = False,
 ) -> Any:
@@ -258,14 +267,12 @@ def prepare(
         check_optimizer(optimizer, model)
     given_optimizer = optimizer
     how = deferred.plan(model, init, exact_init)  # None: not built on the meta device
-    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how)
+    wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how, pipeline)
     first_batch.watch(rt, wrapped)  # a loader that was not split: said at the first step
     if scheduler is not None:
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
-    prepared = None
-    if loader is not None:
-        prepared = _training_loader(rt, loader, global_batch_size, agree=True)
+    prepared = None if loader is None else _training_loader(rt, loader, global_batch_size, agree=True)
     guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
@@ -286,13 +293,20 @@ def _training_loader(
 
 
 def _with_precision(
-    rt: Session, model: nn.Module, optimizer: Any, wrap: Any, how: deferred.DeferredInit | None
+    rt: Session,
+    model: nn.Module,
+    optimizer: Any,
+    wrap: Any,
+    how: deferred.DeferredInit | None,
+    pipeline: PipelineOptions | None,
 ) -> tuple[nn.Module, Any]:
     policy = rt.precision_policy
     refuse_exact_in_bf16(how, policy.name)
     precision.convert_module(policy, model)  # 'bf16-true': bf16 parameters, before any copy
     if not settle_auto(rt, model, optimizer):  # 'auto' logs its own reason
         warn_if_too_big(rt, model, optimizer)
+    pipeline = pipeline or PipelineOptions()
+    model, optimizer = pipeline_stages(rt, model, optimizer, pipeline, how)  # this rank's stages
     with agreed_for(rt, how):  # a meta model: every rank draws from the same random state
         wrapped, optimizer = wrapper(rt.strategy_spec)(rt, model, optimizer, wrap, how)
     device_type = precision.model_device_type(model, rt.device)

@@ -78,6 +78,7 @@ def _start_world(world: Any) -> None:
         overdue=_overdue,
         skip=SKIP,
         keep_going=lambda: c10d._world.default_pg is world,
+        node=runtime.coords().node,
     )
     STATE.world, STATE.channel, STATE.watchdog = world, channel, wd
     wd.beat(channel)
@@ -171,7 +172,8 @@ def announce_finished() -> None:
             "site": [site.file, site.line, site.func] if site else None,
             "issued": {g.name: g.seq for g in STATE.groups.values()},
         }
-        channel.set(sidechannel.key_finished(dist.get_rank()), json.dumps(done))
+        # Bounded: on a node cut off from the store's host a write can block (a full buffer).
+        channel.set_bounded(sidechannel.key_finished(dist.get_rank()), json.dumps(done), 2.0)
     except Exception:  # diagnosis never breaks a clean exit
         pass
 

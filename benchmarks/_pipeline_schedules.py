@@ -1,0 +1,282 @@
+"""The schedules part of ``benchmarks/pipeline.py``: one spawned group of P ranks (Gloo, CPU).
+
+Each rank builds the same GPT (``sequential_gpt``: embeddings, blocks, head, untied so that
+torch's stages can hold it too) and, for each micro-batch count and schedule, two pipelines
+over the same stage bounds (balanced by parameter count, ``stages_per_rank`` virtual stages):
+
+- ``rankwise``: ``rw.DistributedPipeline(schedule=...)``;
+- ``torch``: ``torch.distributed.pipelining.PipelineStage`` per stage and torch's schedule of
+  the same name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``).
+
+With ``compute="simulated"`` the model is instead a stack of ``SleepLinear`` layers whose
+forward, input-gradient and weight-gradient passes each sleep a fixed time per sample (the GIL
+released, no CPU used): the schedules' own step time and bubble, without the stages competing
+for the cores of a small or shared machine (activation memory is then meaningless).
+
+Steps alternate between the two (a barrier before each), so load on a shared machine hits
+both alike. Per rank and step: the wall time; the compute time (ours: the executor's
+actions; torch's: its stage's forward/backward calls, timed by wrapping them); the bubble
+``1 - compute / step`` (idle time, mostly waiting for the neighbours); and the peak of
+activation memory: bytes of the tensors autograd saves for backward alive at once
+(``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, parameters not).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import pipelining as tpp
+
+import rankwise as rw
+from rankwise.models.gpt import GPTConfig, sequential_gpt
+from rankwise.pipeline.partition import balance_by_params
+
+SCHEDULES = (
+    ("gpipe", 1, "ScheduleGPipe"),
+    ("1f1b", 1, "Schedule1F1B"),
+    ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
+    ("zero_bubble", 1, "ScheduleInterleavedZeroBubble"),
+    ("zero_bubble", 2, "ScheduleInterleavedZeroBubble"),
+)
+"""(our schedule, virtual stages per rank, torch's class of the same schedule)."""
+
+SIM_LAYERS = 16
+"""Layers of the simulated stack: as many per stage at 2, 4 or 8 stages."""
+
+
+class SavedBytes:
+    """Peak bytes of the tensors autograd saves for backward (each storage once)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude, self.refs, self.live, self.peak = exclude, defaultdict(int), 0, 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = t.untyped_storage().data_ptr()
+        if key in self.exclude or t.untyped_storage().nbytes() == 0:
+            return _Held(t, None, None)
+        if self.refs[key] == 0:
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        return _Held(t, self, key)
+
+    def release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.live -= nbytes
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, tracker: SavedBytes | None, key: int | None) -> None:
+        self.tensor, self.tracker, self.key = tensor, tracker, key
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+    def __del__(self) -> None:
+        if self.tracker is not None:
+            self.tracker.release(self.key, self.nbytes)
+
+
+class _Sleep(torch.autograd.Function):
+    """``x @ w`` that takes ``per_sample`` seconds per sample forward, and as long again for
+    each gradient asked for (input, weight): a stand-in for a device's compute."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, per_sample: float) -> torch.Tensor:
+        ctx.per_sample, ctx.n = per_sample, x.shape[0]
+        ctx.save_for_backward(x, w)
+        time.sleep(per_sample * x.shape[0])
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        need_x, need_w = _needed(ctx, 0), _needed(ctx, 1)
+        time.sleep(ctx.per_sample * ctx.n * (int(need_x) + int(need_w)))
+        return (grad @ w.t() if need_x else None), (x.t() @ grad if need_w else None), None
+
+
+def _needed(ctx, k: int) -> bool:
+    """Whether this backward pass wants input ``k``'s gradient (an input-only or weight-only
+    pass asks for one: what a real layer's kernels skip, the stand-in skips sleeping)."""
+    node = ctx.next_functions[k][0]
+    if node is None:
+        return False
+    try:  # torch's own test of the running graph task (used by its checkpointing)
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):
+        return ctx.needs_input_grad[k]
+
+
+class SleepLinear(nn.Linear):
+    """A square linear layer computed by ``_Sleep`` (an ``nn.Linear``: the split backward
+    cuts it, so its weight pass sleeps apart)."""
+
+    def __init__(self, width: int, per_sample: float) -> None:
+        super().__init__(width, width, bias=False)
+        self.per_sample = per_sample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.per_sample)
+
+
+def _model(cfg: GPTConfig, compute: str, per_sample: float) -> nn.Sequential:
+    torch.manual_seed(0)
+    if compute == "simulated":
+        return nn.Sequential(*[SleepLinear(8, per_sample) for _ in range(SIM_LAYERS)])
+    return sequential_gpt(cfg)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 2:  # the simulated stack
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _bounds(model: nn.Sequential, stages: int) -> list[int]:
+    bounds = [0]
+    for size in balance_by_params(model, stages):
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+def _ours(model: nn.Sequential, name: str, v: int, m: int):
+    stages = dist.get_world_size() * v
+    balance = [b - a for a, b in zip(_bounds(model, stages), _bounds(model, stages)[1:], strict=False)]
+    pipe = rw.DistributedPipeline(model, balance=balance, chunks=m, schedule=name, stages_per_rank=v)
+
+    def step(x, y) -> float:
+        pipe.train_step(x, y, _loss)
+        pipe.zero_grad(set_to_none=True)
+        return sum(e.end - e.start for e in pipe.last_step.events)
+
+    return pipe, step
+
+
+def _torch(model: nn.Sequential, cls_name: str, v: int, m: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num = world * v
+    bounds, layers = _bounds(model, num), list(model.children())
+    stages = [tpp.PipelineStage(nn.Sequential(*layers[bounds[s] : bounds[s + 1]]), s, num,
+                                torch.device("cpu")) for s in range(rank, num, world)]  # fmt: skip
+    busy = [0.0]
+    for stage in stages:
+        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            _timed(stage, method, busy)
+    cls = getattr(tpp, cls_name)
+    multi = cls_name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+    schedule = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=_loss)
+    holder = nn.ModuleList([s.submod for s in stages])
+
+    def step(x, y) -> float:
+        busy[0] = 0.0
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+        holder.zero_grad(set_to_none=True)
+        return busy[0]
+
+    return holder, step
+
+
+def _timed(stage: Any, method: str, busy: list[float]) -> None:
+    inner = getattr(stage, method, None)
+    if inner is None:
+        return
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            busy[0] += time.perf_counter() - start
+
+    setattr(stage, method, wrapped)
+
+
+def _measure(module: nn.Module, step, x, y, repeats: int) -> dict[str, Any]:
+    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved = SavedBytes(exclude)
+    times, busy = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        with saved.hooks():
+            busy.append(step(x, y))
+        times.append(time.perf_counter() - start)
+    t = statistics.median(times)
+    return {"step_ms": 1000 * t, "bubble": max(0.0, 1 - statistics.median(busy) / t),
+            "activation_peak_mb": saved.peak / 2**20}  # fmt: skip
+
+
+def _batch(cfg: GPTConfig, compute: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if compute == "simulated":
+        return torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    return x, torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+
+
+def bench_rank(
+    cfg_kwargs: dict, batch: int, micro: list[int], repeats: int, compute: str = "gpt",
+    stage_ms: float = 40.0,
+) -> list[dict]:  # fmt: skip
+    """This rank's figures for every (m, schedule): ours and torch's, alternating.
+    ``stage_ms`` (simulated): one pipeline stage's forward of the whole batch."""
+    torch.set_num_threads(1)
+    cfg = GPTConfig(**cfg_kwargs)
+    x, y = _batch(cfg, compute, batch)
+    layers_per_stage = SIM_LAYERS / dist.get_world_size()
+    per_sample = stage_ms / 1000 / batch / layers_per_stage
+    rows = []
+    for m in micro:
+        for name, v, torch_name in SCHEDULES:
+            if dist.get_world_size() * v > (SIM_LAYERS if compute == "simulated" else cfg.n_layer + 2):
+                continue
+            ours, ours_step = _ours(_model(cfg, compute, per_sample), name, v, m)
+            theirs, their_step = _torch(_model(cfg, compute, per_sample), torch_name, v, m)
+            ours_step(x, y), their_step(x, y)  # warm-up (torch infers its shapes here)
+            per = {"rankwise": [], "torch": []}
+            for _ in range(repeats):  # alternate, one step each, so load hits both alike
+                per["rankwise"].append(_measure(ours, ours_step, x, y, 1))
+                per["torch"].append(_measure(theirs, their_step, x, y, 1))
+            row = {"m": m, "schedule": name, "stages_per_rank": v, "torch_schedule": torch_name}
+            for who, runs in per.items():
+                row[who] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row["rankwise"]["recv_wait_ms"] = 1000 * ours.last_step.recv_wait_s
+            rows.append(row)
+    return rows
+
+
+def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per (m, schedule): the step time of the slowest rank, bubble and peak
+    activation memory per stage (rank)."""
+    out = []
+    for rows in zip(*per_rank, strict=True):
+        row = {k: rows[0][k] for k in ("m", "schedule", "stages_per_rank", "torch_schedule")}
+        for who in ("rankwise", "torch"):
+            row[who] = {
+                "step_ms": max(r[who]["step_ms"] for r in rows),
+                "bubble_per_stage": [round(r[who]["bubble"], 3) for r in rows],
+                "activation_peak_mb_per_stage": [
+                    round(r[who]["activation_peak_mb"], 2) for r in rows
+                ],
+            }
+        waits = [round(r["rankwise"]["recv_wait_ms"], 1) for r in rows]
+        row["rankwise"]["recv_wait_ms_per_stage"] = waits
+        row["step_ours_over_torch"] = row["rankwise"]["step_ms"] / row["torch"]["step_ms"]
+        out.append(row)
+    return out

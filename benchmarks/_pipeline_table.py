@@ -1,0 +1,41 @@
+"""The schedules' figures of ``benchmarks/pipeline.py`` as a Markdown table: one row per
+(stages, micro-batches, schedule), ours beside torch's schedule of the same name."""
+
+from __future__ import annotations
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _peaks(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def table(section: dict) -> str:
+    """``section``: ``report["schedules"]`` (or ``["simulated"]``). Step time: the slowest
+    stage's median step; bubble: the mean over the stages of each one's idle share; activation
+    peak: per stage, MiB (stage 0 first)."""
+    lines = [
+        "| stages | m | schedule (torch's) | step ms ours | step ms torch | ours/torch "
+        "| bubble ours | bubble torch | activation peak MiB per stage, ours | torch's |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p, rows in section["rows"].items():
+        for r in rows:
+            ours, theirs = r["rankwise"], r["torch"]
+            name = r["schedule"] + (f" v={r['stages_per_rank']}" if r["stages_per_rank"] > 1 else "")
+            lines.append(
+                f"| {p} | {r['m']} | {name} ({r['torch_schedule']}) | {ours['step_ms']:.0f} "
+                f"| {theirs['step_ms']:.0f} | {r['step_ours_over_torch']:.2f} "
+                f"| {_mean(ours['bubble_per_stage']):.2f} | {_mean(theirs['bubble_per_stage']):.2f} "
+                f"| {_peaks(ours['activation_peak_mb_per_stage'])} "
+                f"| {_peaks(theirs['activation_peak_mb_per_stage'])} |"
+            )
+    return "\n".join(lines)
+
+
+def targets_lines(section: dict) -> str:
+    """The issue's targets as a list: each one's name and whether it held (n/a: not run)."""
+    shown = {True: "holds", False: "does not hold", None: "n/a"}
+    return "\n".join(f"- `{k}`: {shown[v]}" for k, v in section["targets"].items())
