@@ -99,7 +99,8 @@ SHARDED = textwrap.dedent("""
                 f.write(f"{what} {time.monotonic()}\\n")
     for step in range(1, 1000):
         note(f"saving {step}")
-        rw.save_checkpoint("ckpt", model=model, optimizer=opt, step=step, keep_last=2)
+        rw.save_checkpoint("ckpt", model=model, optimizer=opt, step=step, keep_last=2,
+                           sharded=SHARDED)
         note(f"saved {step}")
 """)
 
@@ -179,15 +180,17 @@ def _events(log: Path, what: str) -> dict[int, float]:
     return {n: t for w, n, t in _saves(log) if w == what}
 
 
-def kill_during_sharded_save(tmp: Path, env: dict) -> dict:
-    """Rank 0 SIGKILLed in the middle of a 300 MB ZeRO-2 save (model + Adam, consolidated):
-    the job stops, every ``ckpt-*.pt`` loads, ``latest`` is the last completed save, and the
-    next save removes the killed one's temporary file."""
+def kill_during_sharded_save(tmp: Path, env: dict, dcp: bool = False) -> dict:
+    """Rank 0 SIGKILLed in the middle of a 300 MB ZeRO-2 save (model + Adam; consolidated into
+    one file, or with ``dcp`` each rank writing its shards into a DCP folder): the job stops,
+    every checkpoint loads, ``latest`` is the last completed save, and the next save removes
+    the killed one's temporary file (or folder)."""
     import torch
 
     import rankwise as rw
 
-    job = _launch(tmp, "sharded.py", SHARDED, env,
+    script = SHARDED.replace("sharded=SHARDED", f"sharded={dcp}")
+    job = _launch(tmp, "sharded.py", script, env,
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     log = tmp / "saves"
     if wait_until(lambda: 2 in _events(log, "saving"), 300) is None:
@@ -203,7 +206,7 @@ def kill_during_sharded_save(tmp: Path, env: dict) -> dict:
     completed = max(_events(log, "saved"))
     folder = tmp / "ckpt"
     partial = 0
-    for path in sorted(folder.glob("ckpt-*.pt")):
+    for path in rw.list_checkpoints(folder):
         try:
             rw.load_checkpoint(path, map_location="cpu", restore_rng=False)
         except rw.ConfigError:
@@ -218,8 +221,13 @@ def kill_during_sharded_save(tmp: Path, env: dict) -> dict:
     lost = latest is None or latest < completed or partial > 0 or bool(leftovers)
     return {"lost": lost, "hung": stopped is None, "seconds": stopped, "partial": partial,
             "mid_write": left_by_kill > 0, "save_s": took_once,
-            "file_mb": max(p.stat().st_size for p in folder.glob("ckpt-*.pt")) / 1e6,
+            "file_mb": max(_mb(p) for p in rw.list_checkpoints(folder)),
             "killed_after_s": killed - _events(log, "saving")[max(_events(log, "saving"))]}  # fmt: skip
+
+
+def _mb(path: Path) -> float:
+    files = [path] if path.is_file() else [f for f in path.iterdir() if f.is_file()]
+    return sum(f.stat().st_size for f in files) / 1e6
 
 
 def kill_in_ddp_construction(tmp: Path, env: dict) -> dict:

@@ -28,6 +28,9 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   counts those that do not), ``latest`` must be the last completed save, and the next save
   must remove the killed one's temporary file (``mid_write``: the trials where the kill
   landed inside the file's write, leaving one).
+- ``kill_during_dcp_save``: the same with ``rw.save_checkpoint(..., sharded=True)``: both
+  ranks write their shards into a DCP folder; every ``ckpt-*`` folder must load, ``latest``
+  be the last completed save, and the next save remove the killed one's temporary folder.
 - ``full_disk``: rank 0 saves past RLIMIT_FSIZE; every rank's error must name EFBIG and the
   file, and the previous checkpoint must load.
 - ``rogue_rank``: rank 1 sends a pickle at DDP construction's model check; ``executed`` counts
@@ -279,6 +282,9 @@ def main() -> None:
         ],
         "kill_during_sharded_save": lambda: [
             more.kill_during_sharded_save(_tmp(), ENV) for _ in range(args.sharded)
+        ],
+        "kill_during_dcp_save": lambda: [
+            more.kill_during_sharded_save(_tmp(), ENV, dcp=True) for _ in range(args.sharded)
         ],
         "full_disk": lambda: [more.full_disk(_tmp(), ENV)],
         "rogue_rank": lambda: [more.rogue_rank(_tmp(), ENV) for _ in range(args.kills)],

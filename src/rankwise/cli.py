@@ -21,6 +21,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.check.cli",  # rankwise check
     "rankwise.diagnose.cli",  # rankwise doctor
     "rankwise.bench.cli",  # rankwise bench
+    "rankwise.checkpoint.cli",  # rankwise checkpoint inspect|consolidate
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 

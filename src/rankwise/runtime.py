@@ -316,16 +316,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def on_shutdown(hook: Callable[[], None], *, always: bool = False) -> None:
-    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook);
-    ``always``: whenever a runtime is left, world size 1 too (``rt.log``'s trackers).
-
-    For layers above this one that hold on to the group (the fingerprints' watchdog talks to
-    its store): they register here, so that this module never imports them.
-    """
+def on_shutdown(hook: Callable[[], None], *, always: bool = False, first: bool = False) -> None:
+    """Call ``hook`` in ``shutdown()`` before the process group is destroyed (once per hook),
+    in registration order; ``always``: whenever a runtime is left, world size 1 too
+    (``rt.log``'s trackers); ``first``: before the hooks registered so far (a background save
+    must end before the fingerprints stop recording its collectives). For layers above this
+    one that hold on to the group (the fingerprints' watchdog talks to its store): they
+    register here, so that this module never imports them."""
     hooks = _leave_hooks if always else _shutdown_hooks
     if hook not in hooks:
-        hooks.append(hook)
+        hooks.insert(0, hook) if first else hooks.append(hook)
 
 
 def shutdown() -> None:

@@ -17,6 +17,7 @@ from typing import Literal
 from .errors import ConfigError
 
 Kind = Literal["one", "threads", "processes"]
+CheckpointFormat = Literal["single", "sharded"]
 BatchMeaning = Literal["per_step", "split_over_devices", "per_process"]
 
 AUTO = "auto"
@@ -46,8 +47,11 @@ class Strategy:
     """What a plain DataLoader's ``batch_size=`` means: the batch per step ('per_step'), the
     global batch split over the process's devices ('split_over_devices', torch DataParallel's
     meaning) or the batch of each process ('per_process', torch DDP's meaning)."""
-    checkpoint: str
-    """How ``rt.save`` consolidates the model and optimizer state into one file."""
+    checkpoint: CheckpointFormat
+    """What ``rt.save`` writes by default: 'single', one file from rank 0 (the model and
+    optimizer state consolidated first), or 'sharded', torch DCP's folder format with every
+    rank writing its own shards (``rt.save(..., sharded=...)`` overrides it; a mesh with
+    tensor or pipeline ranks saves sharded whatever the strategy). See ``CHECKPOINT_DOC``."""
     bench_row: str
     """The row of ``rankwise bench`` that measures this strategy."""
     doc: str
@@ -88,8 +92,13 @@ _BATCH_PHRASES: dict[str, str] = {
     "per_process": "is per process (torch DDP's meaning)",
 }
 
-_REPLICATED = "rank 0 writes the bare model's state (no 'module.' prefix)"
-_GATHERED = "every rank sends its shards, rank 0 writes one full state (any world size loads it)"
+CHECKPOINT_DOC: dict[str, str] = {
+    "single": "one file: rank 0 writes the bare model's state (no 'module.' prefix) and the "
+    "optimizer's, consolidated",
+    "sharded": "a DCP folder: every rank writes the shards it holds, in parallel (any world "
+    "size, strategy or mesh loads it)",
+}
+"""What each ``Strategy.checkpoint`` value means, for the docs."""
 
 
 _ZERO_USE = {
@@ -107,7 +116,7 @@ def _zero(stage: int) -> Strategy:
         wrap="rankwise.session.sharded:prepare_sharded",
         zero_stage=stage,
         batch_meaning="per_process",
-        checkpoint=_GATHERED,
+        checkpoint="sharded",
         bench_row=f"zero{stage}",
         doc=f"one process per device, ZeRO stage {stage}: each rank keeps 1/N of what is sharded",
         use_for=_ZERO_USE[stage],
@@ -123,7 +132,7 @@ STRATEGIES: dict[str, Strategy] = {
             engine=None,
             wrap="rankwise.session.model:bare",
             batch_meaning="per_step",
-            checkpoint=_REPLICATED,
+            checkpoint="single",
             bench_row="single",
             doc="one process, one device: the model as it is",
             use_for="debugging, small models",
@@ -134,7 +143,7 @@ STRATEGIES: dict[str, Strategy] = {
             engine="DataParallel",
             wrap="rankwise.session.model:data_parallel",
             batch_meaning="split_over_devices",
-            checkpoint=_REPLICATED,
+            checkpoint="single",
             bench_row="dp",
             doc="one process, one thread per device (`devices=[0, 1]` or `['cpu', 'cpu']`)",
             use_for="one machine, no launcher",
@@ -145,7 +154,7 @@ STRATEGIES: dict[str, Strategy] = {
             engine="DistributedDataParallel",
             wrap="rankwise.session.model:distributed",
             batch_meaning="per_process",
-            checkpoint=_REPLICATED,
+            checkpoint="single",
             bench_row="ddp",
             doc="one process per device, gradients all-reduced during backward",
             use_for="the fast path when the model fits a device; one or many machines",

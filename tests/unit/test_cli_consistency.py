@@ -92,7 +92,10 @@ def test_doctor_help_is_for_users(capsys) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["run"], ["config"], ["topology"], ["check"], ["doctor"], ["bench"], ["bench", "comm"]],
+    [
+        ["run"], ["config"], ["topology"], ["check"], ["doctor"], ["bench"], ["bench", "comm"],
+        ["checkpoint", "inspect"], ["checkpoint", "consolidate"],
+    ],
 )
 def test_every_option_has_help_text(argv: list[str]) -> None:
     parser = build_parser()
@@ -234,6 +237,7 @@ def test_json_wherever_a_table_is_printed() -> None:
         "rankwise doctor",
         "rankwise bench",
         "rankwise bench comm",
+        "rankwise checkpoint inspect",
     }
     parsers = _parsers()
     assert tables <= set(parsers)
@@ -247,6 +251,7 @@ def test_json_wherever_a_table_is_printed() -> None:
         (["runn"], "run"),
         (["topolgy"], "topology"),
         (["bench", "comn"], "comm"),
+        (["checkpoint", "inspct"], "inspect"),
         (["bench", "--device", "cdua"], "cuda"),
     ],
 )

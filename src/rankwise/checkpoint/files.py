@@ -9,6 +9,10 @@ Rules that keep a checkpoint from ever being lost (docs/checkpoints.md):
 - rotation keeps the most recently *written* checkpoints and never removes the file just
   written or the one ``latest`` names, whatever their step numbers say;
 - ``latest`` names a file inside its folder, and loading a folder loads exactly that file.
+
+A sharded checkpoint is a folder (``ckpt-<step>/``, torch DCP's layout) written as a whole into
+a temporary folder ``.<target name>.<random>.tmp`` and published by one rename
+(``publish_dir``); a folder counts as a checkpoint only once it holds DCP's ``.metadata``.
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ from ..errors import ConfigError
 
 LATEST = "latest"
 MAX_STEP = 2**63 - 1
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")
+DCP_METADATA = ".metadata"
+"""The file that makes a folder a (complete) DCP checkpoint."""
 
 
 def is_dir_target(path: Path) -> bool:
+    """True for a folder of checkpoints; False for one checkpoint (a file, or a sharded
+    checkpoint's own folder, which holds ``.metadata``)."""
+    if (path / DCP_METADATA).is_file():
+        return False
     return path.is_dir() or str(path).endswith(os.sep) or path.suffix == ""
 
 
@@ -92,8 +102,17 @@ def describe_write_error(exc: BaseException, target: Path) -> str:
 
 def remove_leftovers(target: Path) -> None:
     """Delete temporaries that killed writes of ``target`` left (only rank 0 writes: none is live)."""
-    for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
-        stale.unlink(missing_ok=True)
+    for suffix in ("tmp", "old"):
+        for stale in target.parent.glob(f".{glob_escape(target.name)}.*.{suffix}"):
+            remove(stale)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a (sharded checkpoint's) folder; nothing if it is gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def glob_escape(name: str) -> str:
@@ -111,11 +130,51 @@ def write_atomic(write: Callable[[IO[bytes]], None], target: Path) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if target.is_dir() and not target.is_symlink():  # a sharded checkpoint saved over
+            publish_dir(Path(tmp), target)
+        else:
+            os.replace(tmp, target)
         _fsync_dir(target.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Make the complete folder ``tmp`` the checkpoint ``target`` in one step.
+
+    A new target is one ``rename``. An existing one (the same step saved again, a path saved
+    over) is swapped with ``renameat2(RENAME_EXCHANGE)`` where the kernel offers it, so
+    ``target`` is the old checkpoint, then the new one, never missing; elsewhere the old one is
+    first renamed aside (``.<name>.<random>.old``, removed by the next save). The folders are
+    fsynced first and the parent after.
+    """
+    if tmp.is_dir():
+        _fsync_dir(tmp)
+    if not (target.exists() or target.is_symlink()):
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        remove(tmp)  # now the old checkpoint
+    else:
+        aside = target.parent / f".{target.name}.{os.urandom(4).hex()}.old"
+        os.rename(target, aside)
+        os.rename(tmp, target)
+        remove(aside)
+    _fsync_dir(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where that is not offered."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange)
+    return done == 0
 
 
 def write_text_atomic(text: str, target: Path) -> None:
@@ -133,12 +192,17 @@ def _written_order(paths: list[Path]) -> list[Path]:
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Checkpoints in a directory written by ``save_checkpoint``, least recently written first."""
+    """Checkpoints in a directory written by ``save_checkpoint`` (``ckpt-<step>.pt`` files and
+    complete ``ckpt-<step>/`` sharded folders), least recently written first."""
     validate.path("directory", directory, where="rw.list_checkpoints()")
     d = Path(directory)
     if not d.is_dir():
         return []
-    return _written_order([p for p in d.iterdir() if _NAME.match(p.name)])
+    return _written_order([p for p in d.iterdir() if _NAME.match(p.name) and _complete(p)])
+
+
+def _complete(p: Path) -> bool:
+    return p.is_file() if p.suffix == ".pt" else (p / DCP_METADATA).is_file()
 
 
 def check_arguments(
@@ -178,8 +242,9 @@ def check_step(step: object) -> None:
         )
 
 
-def dir_target(directory: Path, step: int | None) -> Path:
-    """``ckpt-<step>.pt`` in ``directory``; warns when ``step`` is below the folder's highest."""
+def dir_target(directory: Path, step: int | None, suffix: str = ".pt") -> Path:
+    """``ckpt-<step>.pt`` (``suffix=""``: the sharded folder ``ckpt-<step>``) in ``directory``;
+    warns when ``step`` is below the folder's highest."""
     existing = [step_of(p) for p in list_checkpoints(directory)]
     highest = max(existing, default=None)
     if step is None:
@@ -192,7 +257,7 @@ def dir_target(directory: Path, step: int | None) -> Path:
             "give it a new folder.",
             stacklevel=4,
         )
-    return directory / f"ckpt-{step:08d}.pt"
+    return directory / f"ckpt-{step:08d}{suffix}"
 
 
 def prune(directory: Path, keep_last: int, just_written: Path) -> None:
@@ -204,11 +269,12 @@ def prune(directory: Path, keep_last: int, just_written: Path) -> None:
         keep.add(p.name)
     for old in list_checkpoints(directory):
         if old.name not in keep:
-            old.unlink(missing_ok=True)
-    # Leftovers of saves killed mid-write (only rank 0 writes, and it is here, so none is live).
-    for pattern in (".ckpt-*.tmp", f".{LATEST}.*.tmp"):
+            remove(old)
+    # Leftovers of saves killed mid-write (only rank 0 publishes, and it is here, so none is
+    # live); a sharded save's temporary folder, and a folder swapped out by a re-save, too.
+    for pattern in (".ckpt-*.tmp", f".{LATEST}.*.tmp", ".ckpt-*.old"):
         for stale in directory.glob(pattern):
-            stale.unlink(missing_ok=True)
+            remove(stale)
 
 
 def read_latest(directory: Path) -> Path:
@@ -239,7 +305,7 @@ def read_latest(directory: Path) -> Path:
             fix="load that file by its own path if you trust it, or replace the link with the "
             "checkpoint itself.",
         )
-    if not candidate.is_file():
+    if not (candidate.is_file() or (candidate / DCP_METADATA).is_file()):
         raise ConfigError(
             f"{os.fspath(pointer)!r} names {name!r}, which does not exist",
             fix=f"load one of the checkpoints that are there by file name "

@@ -135,6 +135,14 @@ def save_checkpoint(
     Sync point: all ranks — call it on every rank, never inside ``if rank == 0``.
     """
     files.check_arguments(path, model, optimizer, saving=True, epoch=epoch, keep_last=keep_last)
+    payload = prepare(model, optimizer, scheduler, loader, step, epoch, keep_last, extra)
+    return finish(Path(path), keep_last, payload, step)
+
+
+def prepare(model, optimizer, scheduler, loader, step, epoch, keep_last, extra) -> dict | None:
+    """Check the arguments and take every collective part of a save: the RNG states and a
+    sharded engine's consolidated state. Rank 0 gets the payload to write, others None.
+    Sync point: all ranks."""
     files.check_step(step)
     if keep_last < 1:
         raise ConfigError(
@@ -143,15 +151,19 @@ def save_checkpoint(
         )
     rng_states = _gather_rng()
     states = _collective_states(model, optimizer)
+    if comm.rank() != 0:
+        return None
+    return _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states)
+
+
+def finish(path: Path, keep_last: int, payload: dict | None, step: int | None,
+           group: Any = None) -> Path:  # fmt: skip
+    """Rank 0 writes ``payload``; every rank learns the outcome (on ``group``) and returns the
+    path written, or raises. Sync point: the ranks of ``group`` (all ranks)."""
     status: list[str] = ["ok", ""]
     if comm.rank() == 0:
-        status = _write_on_master(
-            Path(path),
-            keep_last,
-            _payload(model, optimizer, scheduler, loader, step, epoch, rng_states, extra, states),
-            step,
-        )
-    status = _share_status(status)
+        status = _write_on_master(path, keep_last, payload, step)
+    status = _share_status(status, group)
     if status[0] != "ok":
         raise DistributedError(
             f"saving the checkpoint at {os.fspath(path)!r} failed on rank 0: {status[1]}",
@@ -170,11 +182,11 @@ def _gather_rng() -> list[Any]:
     return wire.all_gather_tensors_state(rng.capture(), label="checkpoint RNG states")
 
 
-def _share_status(status: list[str]) -> list[str]:
+def _share_status(status: list[str], group: Any = None) -> list[str]:
     """Rank 0's ``[outcome, path or error]`` on every rank, as JSON. Sync point: all ranks."""
     if comm.world_size() == 1:
         return status
-    got = wire.broadcast_json(status, label="checkpoint save status")
+    got = wire.broadcast_json(status, label="checkpoint save status", group=group)
     if not (isinstance(got, list) and len(got) == 2 and all(isinstance(x, str) for x in got)):
         return ["error", f"rank 0 sent a malformed save status {str(got)[:80]!r}"]
     return got

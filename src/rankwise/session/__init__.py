@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import precision, runtime, validate
-from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
@@ -40,8 +39,8 @@ from ..env import DistEnv
 from ..log import print0
 from ..parallel import deferred
 from ..plan import check_init_arguments
-from ..training import LoopState, TrainingLoop, full_states
-from . import first_batch, guards, saving
+from ..training import LoopState, TrainingLoop
+from . import first_batch, formats, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import (
@@ -159,22 +158,27 @@ class Session(runtime.Runtime, TrainingLoop):
     print = staticmethod(print0)
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
 
-    def save(self, path: str | Path, **kwargs: Any) -> Path:
-        """``rw.save_checkpoint`` with the prepared scheduler and loss scale; a
-        tensor-parallel model and its optimizer are saved whole (``full_states``). Refuses
-        replicas that drifted apart, warns about a folder reused without ``rt.load``
-        (``saving.py``). Sync point: all ranks (call it on every rank)."""
+    def save(
+        self, path: str | Path, *, sharded: bool | None = None, background: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """``rw.save_checkpoint`` with the prepared scheduler and loss scale, in the format the
+        strategy registry gives (``sharded``: DCP's folder, every rank writing its shards; a
+        mesh with tensor or pipeline ranks too; else one file: ``session/formats.py``).
+        ``background=True`` returns a ``PendingSave`` once the state is in host memory and
+        writes it in a thread (the next save waits for it). Refuses replicas that drifted
+        apart, warns about a folder reused without ``rt.load`` (``saving.py``). Sync point:
+        all ranks (call it on every rank)."""
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
         saving.before_save(self, path, kwargs)  # drifted replicas refused, a reused folder said
-        return save_checkpoint(path, **full_states(kwargs))
+        return formats.save(self, path, sharded, background, kwargs)
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
-        """``rw.load_checkpoint``, mapped to this process's device; restores the loss scale; a
-        tensor-parallel model and its optimizer take their slices of the whole state. No sync
-        point."""
-        kwargs = full_states(self._checkpoint_kwargs(kwargs, saving=False))
-        result = load_checkpoint(path, **kwargs)
+        """``rw.load_checkpoint`` (either format: a sharded folder is read piece by piece into
+        what each rank holds), mapped to this process's device; restores the loss scale. No
+        sync point."""
+        result = formats.load(path, self._checkpoint_kwargs(kwargs, saving=False))
         self._restore_scaler(result)
         saving.remember_loaded(self.saves, path)
         return result

@@ -186,7 +186,7 @@ def warn_reused_folder(record: SaveRecord, path: str | os.PathLike, step: int | 
     record.saved.add(key)
     if not first or comm.rank() != 0:
         return
-    found = [files.step_of(p) for p in files.list_checkpoints(target)]
+    found = {files.step_of(p): p.name for p in files.list_checkpoints(target)}
     if not found or (step is not None and step > max(found)):
         return
     highest = max(found)
@@ -198,7 +198,7 @@ def warn_reused_folder(record: SaveRecord, path: str | os.PathLike, step: int | 
         what = f"this save of step {step} makes 'latest' point below it"
     warn_at_user(
         f"rt.save(): {os.fspath(path)!r} already holds a checkpoint at step {highest} "
-        f"(ckpt-{highest:08d}.pt) that this run did not load: {what}, although this run did "
+        f"({found[highest]}) that this run did not load: {what}, although this run did "
         f"not resume from it. Fix: resume with rt.load({os.fspath(path)!r}, model=model, "
         "optimizer=opt, ...) before training, or give this run a new folder."
     )

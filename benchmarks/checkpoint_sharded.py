@@ -1,0 +1,254 @@
+"""Sharded checkpoints: save and load wall time and peak memory per rank, three ways, and the
+cost of a background save to the training steps it overlaps.
+
+    flock /tmp/bench.lock python benchmarks/checkpoint_sharded.py --world 2 --world 4
+    python benchmarks/checkpoint_sharded.py --world 2 --size 1024 --out /tmp/smoke.json  # smoke
+
+One spawned group per ``--world``; in each rank a model of ``--layers`` x
+``Linear(--size, --size)`` (8 x 4096: 134M parameters, 0.5 GiB fp32) with AdamW after one step:
+
+- ``rankwise-sharded``: a ZeRO-3 model (``rw.ShardedDataParallel``, one unit per layer),
+  ``rw.save_checkpoint(..., sharded=True)``: every rank writes its shards in parallel (DCP's
+  format); loaded back with ``rw.load_checkpoint`` (each rank reads its shards);
+- ``rankwise-single``: the same model, today's one file (every rank's shards gathered, rank 0
+  writes; every rank reads the file and keeps its slice);
+- ``torch-fsdp2-dcp``: torch's FSDP2 (``fully_shard`` per layer and the root) with
+  ``dcp.save``/``dcp.load`` of ``get_state_dict`` (torch's DCP tutorial);
+- ``background``: the ZeRO-3 model's step time while ``rt.save(..., background=True)`` writes
+  (the steps that overlap the thread) against its normal step time, and how long the call
+  took to return (staging to host memory; after a first background save, which also makes
+  the saves' process group).
+
+Each way is saved and loaded once unmeasured, then ``--repeats`` times: seconds are the median
+of the slowest rank's wall time; **peak MB** is a rank's resident-set high-water mark
+during the operation above what it held just before (``VmHWM`` reset with
+``/proc/self/clear_refs``; allocations over 1 MiB served by mmap), the max over ranks;
+``step_peak_mb`` is the same for one training step. CPU (Gloo) only. Prints JSON and writes
+``benchmarks/results/checkpoint_sharded.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import emit
+
+import rankwise as rw
+from rankwise.bench.memory import _status_kb, _trim_heap
+from rankwise.testing import run_distributed
+
+BATCH = 8
+
+
+def _net(size: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(size, size) for _ in range(layers)))
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _step(model, opt, size: int) -> None:
+    x = torch.randn(BATCH, size, generator=torch.Generator().manual_seed(dist.get_rank()))
+    F.mse_loss(model(x), x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _measured(fn) -> dict:
+    """Run ``fn`` on every rank at once: its wall time and this rank's peak above now."""
+    gc.collect()
+    _trim_heap()
+    dist.barrier()
+    before = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    start = time.perf_counter()
+    fn()
+    took = time.perf_counter() - start
+    peak = (_status_kb("VmHWM") - before) / 1024
+    dist.barrier()
+    return {"s": took, "peak_mb": peak}
+
+
+def _zero3(size: int, layers: int):
+    model = rw.ShardedDataParallel(_net(size, layers), _adamw, stage=3, wrap={nn.Linear})
+    _step(model, model.optimizer, size)
+    return model, model.optimizer
+
+
+def _fsdp2(size: int, layers: int):
+    from torch.distributed.fsdp import fully_shard
+
+    net = _net(size, layers)
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = _adamw(net.parameters())
+    _step(net, opt, size)
+    return net, opt
+
+
+def _dcp(folder: Path, model, opt, load: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if not load:
+        dcp.save(state, checkpoint_id=folder)
+        return
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _size_mb(path: Path) -> float:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files) / 2**20
+
+
+def _timed(save, load, where: Path, repeats: int) -> dict:
+    """One warm-up save and load, then ``repeats`` measured: medians of the times, the
+    highest peaks."""
+    save()
+    load()
+    saves = [_measured(save) for _ in range(repeats)]
+    loads = [_measured(load) for _ in range(repeats)]
+    return {
+        "save": {"s": statistics.median(m["s"] for m in saves),
+                 "peak_mb": max(m["peak_mb"] for m in saves)},
+        "load": {"s": statistics.median(m["s"] for m in loads),
+                 "peak_mb": max(m["peak_mb"] for m in loads)},
+        "size_mb": _size_mb(where),
+    }  # fmt: skip
+
+
+def _rows(root: Path, size: int, layers: int, repeats: int) -> dict:
+    out = {}
+    model, opt = _zero3(size, layers)
+    out["step"] = _measured(lambda: _step(model, opt, size))
+    for name, sharded, where in (("rankwise-sharded", True, root / "sharded"),
+                                 ("rankwise-single", False, root / "single.pt")):  # fmt: skip
+        save = functools.partial(rw.save_checkpoint, where, model=model, optimizer=opt,
+                                 sharded=sharded, keep_last=1)  # fmt: skip
+        load = functools.partial(rw.load_checkpoint, where, model=model, optimizer=opt)
+        out[name] = _timed(save, load, where, repeats)
+    out["background"] = _background(root / "background", model, opt, size)
+    del model, opt
+    model, opt = _fsdp2(size, layers)
+    out["torch-fsdp2-dcp"] = _timed(lambda: _dcp(root / "dcp", model, opt, load=False),
+                                    lambda: _dcp(root / "dcp", model, opt, load=True),
+                                    root / "dcp", repeats)  # fmt: skip
+    return out
+
+
+def _background(folder: Path, model, opt, size: int) -> dict:
+    rt = rw.get_runtime()
+    # The first background save also makes the saves' own process group: not measured.
+    rt.save(folder / "warm-up", model=model, optimizer=opt, background=True, sharded=True).wait()
+    normal = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        _step(model, opt, size)
+        normal.append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter()
+    pending = rt.save(folder, model=model, optimizer=opt, background=True, sharded=True)
+    returned = time.perf_counter() - start
+    during = []
+    while len(during) < 50:  # a step is a collective: the ranks agree to take one more
+        busy = torch.tensor([0.0 if pending.done() else 1.0])
+        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
+        if busy.item() == 0.0:
+            break
+        t0 = time.perf_counter()
+        _step(model, opt, size)
+        during.append(time.perf_counter() - t0)
+    pending.wait()
+    total = time.perf_counter() - start
+    return {"normal_step_s": statistics.median(normal),
+            "during_step_s": statistics.median(during) if during else None,
+            "steps_during": len(during), "returned_s": returned, "total_s": total}  # fmt: skip
+
+
+def _rank(folder: str, size: int, layers: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        import ctypes
+        import ctypes.util
+
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    return _rows(Path(folder), size, layers, repeats)
+
+
+def _merge(ranks: list[dict]) -> dict:
+    """Max over ranks of every time and peak (the slowest rank; the fullest)."""
+    first = ranks[0]
+    out: dict = {"step_peak_mb": round(max(r["step"]["peak_mb"] for r in ranks), 1),
+                 "step_s": round(max(r["step"]["s"] for r in ranks), 3)}  # fmt: skip
+    for name in ("rankwise-sharded", "rankwise-single", "torch-fsdp2-dcp"):
+        row = {"size_mb": round(first[name]["size_mb"], 1)}
+        for op in ("save", "load"):
+            row[f"{op}_s"] = round(max(r[name][op]["s"] for r in ranks), 3)
+            row[f"{op}_peak_mb"] = round(max(r[name][op]["peak_mb"] for r in ranks), 1)
+        out[name] = row
+    bg = [r["background"] for r in ranks]
+    normal = max(b["normal_step_s"] for b in bg)
+    during = [b["during_step_s"] for b in bg if b["during_step_s"] is not None]
+    out["background"] = {
+        "normal_step_s": round(normal, 3),
+        "during_step_s": round(max(during), 3) if during else None,
+        "during_over_normal": round(max(during) / normal, 3) if during else None,
+        "steps_during": min(b["steps_during"] for b in bg),
+        "returned_s": round(max(b["returned_s"] for b in bg), 3),
+        "total_s": round(max(b["total_s"] for b in bg), 3),
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, action="append", help="world sizes (default 2, 4)")
+    parser.add_argument("--size", type=int, default=4096, help="Linear width (default 4096)")
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers (default 8)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measured saves and loads per way, after a warm-up (default 3)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"
+                                             / "checkpoint_sharded.json"))  # fmt: skip
+    args = parser.parse_args()
+    worlds = args.world or [2, 4]
+    params = args.layers * (args.size * args.size + args.size)
+    result = {"config": {"size": args.size, "layers": args.layers, "parameters": params,
+                         "param_mib": round(params * 4 / 2**20, 1), "batch": BATCH, "repeats": args.repeats,
+                         "threads_per_rank": 1}, "worlds": {}}  # fmt: skip
+    for world in worlds:
+        folder = tempfile.mkdtemp(prefix=f"ckpt-bench-w{world}-")
+        try:
+            ranks = run_distributed(_rank, world, args=(folder, args.size, args.layers,
+                                                        args.repeats), timeout=3600)  # fmt: skip
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        result["worlds"][str(world)] = _merge(ranks)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
