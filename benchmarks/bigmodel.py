@@ -27,10 +27,11 @@ the load restores the saved state), ``scrambled`` those the NaN fill changed (al
 Per phase and rank: the resident-set high-water mark above what the process held before the
 build (``VmHWM`` reset through ``/proc/self/clear_refs``; allocations over 1 MiB served by
 mmap, so freed memory leaves the count at once; a tiny model goes through every phase first,
-so one-time set-up is not counted), and the phase's wall time. Max over ranks, in MiB and in
-units of P, and the checkpoints' size on disk. Prints JSON and writes
-``benchmarks/results/bigmodel.json`` (or ``--out``). ``benchmarks/bigmodel_build.py`` is the
-build and prepare phases alone.
+so one-time set-up is not counted), what is still resident when it ends (``after_P``), and
+the phase's wall time. Max over ranks, in MiB and in units of P (``peak_P``), and the
+checkpoints' size on disk; ``worst_phase_P``: the highest peak of the five phases. Prints
+JSON and writes ``benchmarks/results/bigmodel.json`` (or ``--out``).
+``benchmarks/bigmodel_build.py`` is the build and prepare phases alone.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ class _Meter:
         began = time.perf_counter()
         yield
         took = time.perf_counter() - began
-        self.rows[phase] = {"peak_mb": (_status_kb("VmHWM") - self.base) / 1024, "s": took}
+        gc.collect()
+        self.rows[phase] = {"peak_mb": (_status_kb("VmHWM") - self.base) / 1024, "s": took,
+                            "after_mb": (_status_kb("VmRSS") - self.base) / 1024}  # fmt: skip
         dist.barrier()
 
 
@@ -208,7 +211,9 @@ def _merge(ranks: list[dict], p_mb: float) -> dict:
     row: dict = {}
     for phase in ranks[0]["phases"]:
         peak = max(r["phases"][phase]["peak_mb"] for r in ranks)
+        after = max(r["phases"][phase]["after_mb"] for r in ranks)
         row[phase] = {"peak_mb": round(peak, 1), "peak_P": round(peak / p_mb, 2),
+                      "after_P": round(after / p_mb, 2),
                       "s": round(max(r["phases"][phase]["s"] for r in ranks), 3)}  # fmt: skip
     for name, check in ranks[0]["checks"].items():
         row[f"checkpoint_{name}"] = {
