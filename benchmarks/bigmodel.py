@@ -19,9 +19,10 @@ rankwise saves with ``rt.save(dir, sharded=True)`` (every rank writes its shards
 format: the default under zero3) and loads it back with ``rt.load``; it also saves and loads
 one file, ``sharded=False`` (the shards gathered, rank 0 writes): **save_single**,
 **load_single**. FSDP2 saves and loads with ``torch.distributed.checkpoint`` over
-``get_state_dict`` (torch's recipe). Between save and load every tensor the optimizer holds
-(its parameters and its state) is overwritten with NaN; after the load each is compared
-byte for byte with what was saved: ``load_mismatched`` counts the tensors that differ (0 when
+``get_state_dict`` (torch's recipe). Each format is saved and loaded ``--repeats`` times (a
+new folder each time): the median time, the highest peak. Between save and load every
+tensor the optimizer holds (its parameters and its state) is overwritten with NaN; after
+the load each is compared byte for byte with what was saved: ``load_mismatched`` counts the tensors that differ (0 when
 the load restores the saved state), ``scrambled`` those the NaN fill changed (all of them).
 
 Per phase and rank: the resident-set high-water mark above what the process held before the
@@ -41,6 +42,7 @@ import contextlib
 import gc
 import hashlib
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -73,7 +75,7 @@ class _Meter:
 
     def __init__(self) -> None:
         self.base = 0
-        self.rows: dict[str, dict[str, float]] = {}
+        self.runs: dict[str, list[dict[str, float]]] = {}
 
     def start(self) -> None:
         gc.collect()
@@ -90,9 +92,18 @@ class _Meter:
         yield
         took = time.perf_counter() - began
         gc.collect()
-        self.rows[phase] = {"peak_mb": (_status_kb("VmHWM") - self.base) / 1024, "s": took,
-                            "after_mb": (_status_kb("VmRSS") - self.base) / 1024}  # fmt: skip
+        self.runs.setdefault(phase, []).append({
+            "peak_mb": (_status_kb("VmHWM") - self.base) / 1024, "s": took,
+            "after_mb": (_status_kb("VmRSS") - self.base) / 1024})  # fmt: skip
         dist.barrier()
+
+    @property
+    def rows(self) -> dict[str, dict[str, float]]:
+        """Per phase over its repeats: the highest peak, the median time, what the last left."""
+        return {phase: {"peak_mb": max(r["peak_mb"] for r in runs),
+                        "s": statistics.median(r["s"] for r in runs),
+                        "after_mb": runs[-1]["after_mb"]}
+                for phase, runs in self.runs.items()}  # fmt: skip
 
 
 def _build(variant: str, size: int, layers: int) -> nn.Sequential:
@@ -148,16 +159,17 @@ def _dcp(folder: Path, model, opt, load: bool) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _formats(variant: str, rt, folder: Path) -> dict[str, tuple]:
-    """Per format: (save phase, load phase, where, save(model, opt), load(model, opt))."""
+def _formats(variant: str, rt, folder: Path, repeat: int) -> dict[str, tuple]:
+    """Per format: (save phase, load phase, where, save(model, opt), load(model, opt)); each
+    repeat saves to a new place."""
     if variant.startswith("fsdp2"):
-        where = folder / "dcp"
+        where = folder / f"dcp-{repeat}"
         return {"dcp": ("save", "load", where, lambda m, o: _dcp(where, m, o, load=False),
                         lambda m, o: _dcp(where, m, o, load=True))}  # fmt: skip
     out = {}
     for name, save, load, sharded in (("sharded", "save", "load", True),
                                       ("single", "save_single", "load_single", False)):  # fmt: skip
-        where = folder / (name + (".pt" if name == "single" else ""))
+        where = folder / f"{name}-{repeat}{'.pt' if name == 'single' else ''}"
         out[name] = (save, load, where,
                      lambda m, o, w=where, s=sharded: rt.save(w, model=m, optimizer=o, sharded=s),
                      lambda m, o, w=where: rt.load(w, model=m, optimizer=o))  # fmt: skip
@@ -169,8 +181,10 @@ def _size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in found if p.exists()) / 2**20
 
 
-def _run(variant: str, rt, size: int, layers: int, folder: Path, meter: _Meter) -> dict:
-    """Every phase once, measured by ``meter``; the checks of each format's round trip."""
+def _run(variant: str, rt, size: int, layers: int, folder: Path, meter: _Meter,
+         repeats: int) -> dict:  # fmt: skip
+    """Every phase, measured by ``meter`` (save and load ``repeats`` times); the checks of
+    each format's round trips."""
     meter.start()
     with meter("build"):
         model = _build(variant, size, layers)
@@ -180,29 +194,40 @@ def _run(variant: str, rt, size: int, layers: int, folder: Path, meter: _Meter) 
     with meter("steps"):
         for _ in range(STEPS):
             _step(variant, rt, model, opt, size)
-    checks = {}
-    for name, (save_phase, load_phase, where, save, load) in _formats(variant, rt, folder).items():
-        saved = _digests(opt)
-        with meter(save_phase):
-            save(model, opt)
-        scrambled = _scramble(opt, saved)
-        with meter(load_phase):
-            load(model, opt)
-        mismatched = sum(a != b for a, b in zip(saved, _digests(opt), strict=True))
-        checks[name] = {"size_mb": _size_mb(where), "tensors": len(saved),
-                        "scrambled": scrambled, "load_mismatched": mismatched}  # fmt: skip
+    checks: dict[str, dict] = {}
+    for repeat in range(repeats):
+        for name, ways in _formats(variant, rt, folder, repeat).items():
+            check = _round_trip(model, opt, meter, *ways)
+            if name in checks:  # every round trip counts: the fewest scrambled, all mismatches
+                check["scrambled"] = min(check["scrambled"], checks[name]["scrambled"])
+                check["load_mismatched"] += checks[name]["load_mismatched"]
+            checks[name] = check
     return checks
 
 
-def _one(variant: str, size: int, layers: int, folder: str) -> dict:
+def _round_trip(model, opt, meter: _Meter, save_phase: str, load_phase: str, where: Path,
+                save, load) -> dict:  # fmt: skip
+    """Save, NaN into every held tensor, load: is every tensor back as it was saved?"""
+    saved = _digests(opt)
+    with meter(save_phase):
+        save(model, opt)
+    scrambled = _scramble(opt, saved)
+    with meter(load_phase):
+        load(model, opt)
+    mismatched = sum(a != b for a, b in zip(saved, _digests(opt), strict=True))
+    return {"size_mb": _size_mb(where), "tensors": len(saved), "scrambled": scrambled,
+            "load_mismatched": mismatched}  # fmt: skip
+
+
+def _one(variant: str, size: int, layers: int, folder: str, repeats: int = 1) -> dict:
     rt = rw.init(strategy="zero3")
     torch.set_num_threads(1)
     _exact_rss()
     # A tiny model through every phase first: what the first collectives and the first saves
     # set up once (Gloo's buffers, the saves' process group) is not the model's cost.
-    _run(variant, rt, 64, 2, Path(folder) / "warm-up", _Meter())
+    _run(variant, rt, 64, 2, Path(folder) / "warm-up", _Meter(), 1)
     meter = _Meter()
-    checks = _run(variant, rt, size, layers, Path(folder) / "measured", meter)
+    checks = _run(variant, rt, size, layers, Path(folder) / "measured", meter, repeats)
     return {"phases": meter.rows, "checks": checks}
 
 
@@ -232,15 +257,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--size", type=int, default=4096, help="width of each Linear (default 4096)")
     ap.add_argument("--layers", type=int, default=8, help="Linear layers (default 8)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=3, help="saves and loads per format (3)")
     ap.add_argument("--timeout", type=float, default=3600, help="per spawned group, seconds")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bigmodel.json"))
     args = ap.parse_args(argv)
     args.world = args.world or [2, 4]
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown or any(w < 2 for w in args.world) or args.size < 1 or args.layers < 1:
+    small = [(k, v) for k, v in vars(args).items() if k in ("size", "layers", "repeats") and v < 1]
+    if unknown or any(w < 2 for w in args.world) or small:
         ap.error(f"--variants from {','.join(VARIANTS)} (got {unknown}); --world >= 2 "
-                 f"(got {args.world}); --size, --layers >= 1")  # fmt: skip
+                 f"(got {args.world}); --size, --layers, --repeats >= 1 (got {small})")  # fmt: skip
     return args
 
 
@@ -256,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     p_mb = args.layers * (args.size * args.size + args.size) * 4 / 2**20
     result = {"benchmark": "bigmodel", "layers": args.layers, "size": args.size,
               "parameters": args.layers * (args.size * args.size + args.size),
-              "P_mb": round(p_mb, 1), "steps": STEPS, "batch": BATCH, "threads_per_rank": 1,
+              "P_mb": round(p_mb, 1), "steps": STEPS, "batch": BATCH, "repeats": args.repeats,
+              "threads_per_rank": 1,
               "load_note": "2 shared CPU cores; smoke figures are taken under load",
               "worlds": {}}  # fmt: skip
     for world in args.world:
@@ -265,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
             folder = tempfile.mkdtemp(prefix=f"bigmodel-w{world}-")
             try:
                 ranks = run_distributed(_one, world, args=(variant, args.size, args.layers,
-                                        folder), init=False, timeout=args.timeout)  # fmt: skip
+                                        folder, args.repeats), init=False,
+                                        timeout=args.timeout)  # fmt: skip
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             rows[variant] = _merge(ranks, p_mb)
