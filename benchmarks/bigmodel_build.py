@@ -21,6 +21,8 @@ one-time set-up of the first collectives is not counted), in MiB and in units of
 (constructing the model), **prepare** (sharding it), and what stays resident after prepare.
 Max over ranks.
 Prints one JSON object and writes ``benchmarks/results/bigmodel_build.json`` (or ``--out``).
+``benchmarks/bigmodel.py`` takes the same variants on through training steps, save and load
+(it imports this module's model, variants and preparation).
 """
 
 from __future__ import annotations
