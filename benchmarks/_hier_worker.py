@@ -14,10 +14,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import rankwise as rw
-from rankwise import wire
-from rankwise.bench import models, projection
-from rankwise.bench.commbench import memcpy_gbps
-from rankwise.parallel.ddp.hierarchical import HierarchicalBuckets
+from rankwise.bench import models
+from rankwise.bench.network import projection
+from rankwise.bench.network.commbench import memcpy_gbps
+from rankwise.comm import wire
+from rankwise.parallel.ddp.node.hierarchical import HierarchicalBuckets
 
 CONFIGS = ("torch_ddp", "rankwise_flat", "rankwise_hierarchical", "independent")
 SWEEP = tuple(2**k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
@@ -167,7 +168,7 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
         "link_sweep": m["sweep"],
         "bench_flags": f"--node-network {link.flag()} --ranks-per-node {m['per_node']}",
         "memcpy_GBps": m["memcpy_GBps"],
-        "projection": {"model": "rankwise.bench.projection.predict_across_nodes (compute = "
+        "projection": {"model": "rankwise.bench.network.projection.predict_across_nodes (compute = "
                        "the independent step)", **checks},
         "targets": {
             "hierarchical_le_0.75x_torch": ratio <= 0.75,

@@ -204,7 +204,7 @@ def fuzzed_ps_frames(trials: int) -> list[dict]:
 
 
 def hang(tmp: Path, stall_s: float | None) -> dict:
-    from rankwise import env as envmod
+    from rankwise.job import env as envmod
 
     (tmp / "hang.py").write_text(HANG)
     env = dict(ENV) if stall_s is None else {**ENV, "RANKWISE_STALL_REPORT_S": str(stall_s)}
@@ -267,7 +267,7 @@ def main() -> None:
     import _faults_report as reports  # beside this script
     import _faults_security as security
 
-    from rankwise.env import STALL_REPORT_S
+    from rankwise.job.env import STALL_REPORT_S
 
     stall = STALL_REPORT_S if args.stall_s is None else args.stall_s
     plan = {

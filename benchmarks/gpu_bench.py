@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import rankwise as rw
 from rankwise.bench import models
 from rankwise.parallel.ddp import distributed as ddp_module
-from rankwise.parallel.ddp.reducer import Reducer
+from rankwise.parallel.ddp.reduction.reducer import Reducer
 from rankwise.testing import run_distributed
 
 TARGETS = {"ddp_world1_nccl": 1.05, "ddp_world1_nccl_same_work": 1.05, "dp_one_device": 1.10}

@@ -22,7 +22,7 @@ warm-up steps each; a configuration's time in a repeat is the slowest rank's mea
 ``--steps`` steps; the table holds the median over ``--repeats``. Also measured in the run: an
 all-reduce sweep between one rank per node (the link's latency and bandwidth, fitted as
 ``rankwise bench`` fits its own) and one thread's memcpy bandwidth. The projection of
-``rankwise.bench.projection`` (ring model for the flat rows, ``hierarchical_allreduce_s`` for
+``rankwise.bench.network.projection`` (ring model for the flat rows, ``hierarchical_allreduce_s`` for
 the hierarchical one) is compared with the measured steps, once with the measured link and once
 with the nominal one (``--rate``/``--delay``). After the timing, every configuration has taken
 the same steps on the same batches from the same initial model: their parameters are compared

@@ -42,7 +42,7 @@ import rankwise as rw
 from rankwise import session
 from rankwise.bench import models
 from rankwise.testing import run_distributed
-from rankwise.training import LoopState
+from rankwise.training.loop import LoopState
 
 ARMS = ("ours", "hand_rw", "hand_torch")
 _DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}

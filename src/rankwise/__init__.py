@@ -13,29 +13,29 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__
 
 _LAZY: dict[str, str] = {
-    "all_gather_object": ".comm",
-    "all_reduce": ".comm",
-    "all_reduce_max": ".comm",
-    "all_reduce_mean": ".comm",
-    "all_reduce_sum": ".comm",
-    "barrier": ".comm",
-    "broadcast_object": ".comm",
+    "all_gather_object": ".comm.collectives",
+    "all_reduce": ".comm.collectives",
+    "all_reduce_max": ".comm.collectives",
+    "all_reduce_mean": ".comm.collectives",
+    "all_reduce_sum": ".comm.collectives",
+    "barrier": ".comm.collectives",
+    "broadcast_object": ".comm.collectives",
     "ColumnParallelLinear": ".parallel.tensor",
     "ConfigError": ".errors",
     "DataParallel": ".parallel",
-    "DeviceMesh": ".mesh",
-    "DistEnv": ".env",
+    "DeviceMesh": ".job.mesh",
+    "DistEnv": ".job.env",
     "DistributedDataParallel": ".parallel",
     "DistributedError": ".errors",
     "DistributedPipeline": ".pipeline",
     "DistributedSampler": ".data",
     "EnvError": ".errors",
     "gather_for_metrics": ".data",
-    "gather_object": ".comm",
-    "get_logger": ".log",
+    "gather_object": ".comm.collectives",
+    "get_logger": ".output.log",
     "get_runtime": ".runtime",
     "init": ".session",
-    "init_mesh": ".mesh",
+    "init_mesh": ".job.mesh",
     "is_initialized": ".runtime",
     "join": ".data",
     "launch": ".launch",
@@ -45,8 +45,8 @@ _LAZY: dict[str, str] = {
     "loader": ".data",
     "load_pretrained": ".checkpoint.pretrained",
     "Pipe": ".pipeline",
-    "print0": ".log",
-    "progress": ".progress",
+    "print0": ".output.log",
+    "progress": ".output.progress",
     "RankwiseError": ".errors",
     "RowParallelLinear": ".parallel.tensor",
     "Runtime": ".runtime",
@@ -88,7 +88,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from . import launch, updates
     from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, unwrap_model
     from .checkpoint.pretrained import load_pretrained, save_pretrained
-    from .comm import (
+    from .comm.collectives import (
         all_gather_object,
         all_reduce,
         all_reduce_max,
@@ -107,10 +107,11 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         loader,
         seed_everything,
     )
-    from .env import DistEnv
     from .errors import ConfigError, DistributedError, EnvError, RankwiseError, RuntimeStateError
-    from .log import get_logger, print0
-    from .mesh import DeviceMesh, init_mesh
+    from .job.env import DistEnv
+    from .job.mesh import DeviceMesh, init_mesh
+    from .output.log import get_logger, print0
+    from .output.progress import progress
     from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
     from .parallel.tensor import (
         ColumnParallelLinear,
@@ -120,7 +121,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         vocab_parallel_cross_entropy,
     )
     from .pipeline import DistributedPipeline, Pipe, split
-    from .progress import progress
     from .runtime import Runtime, get_runtime, is_initialized, shutdown
     from .session import Session, init
     from .topology import Slot, Topology

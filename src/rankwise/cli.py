@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.launch.cli",  # rankwise run
-    "rankwise.launch.config_cli",  # rankwise config
+    "rankwise.launch.config.cli",  # rankwise config
     "rankwise.topology.cli",  # rankwise topology
     "rankwise.check.cli",  # rankwise check
     "rankwise.diagnose.cli",  # rankwise doctor
     "rankwise.bench.cli",  # rankwise bench
-    "rankwise.checkpoint.cli",  # rankwise checkpoint inspect|consolidate
+    "rankwise.checkpoint.command.cli",  # rankwise checkpoint inspect|consolidate
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 

@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import env as envmod
-from . import mesh as meshmod
-from . import process_group
-from .env import DEFAULT_TIMEOUT_S, DistEnv
 from .errors import ConfigError, EnvError, RuntimeStateError
-from .mesh import DeviceMesh
-from .plan import (
+from .job import env as envmod
+from .job import mesh as meshmod
+from .job import process_group
+from .job.env import DEFAULT_TIMEOUT_S, DistEnv
+from .job.mesh import DeviceMesh
+from .job.plan import (
     BACKENDS,
     Plan,
     Precision,
@@ -40,7 +40,7 @@ from .plan import (
     check_same_settings,
     plan,
 )
-from .plan import parse as parse_precision
+from .job.plan import parse as parse_precision
 from .strategies import Strategy
 from .strategies import get as get_strategy
 
@@ -216,7 +216,7 @@ def init(
     as world size 1, where no process group is created and every collective is a no-op.
     ``strategy`` (a name of ``rankwise.strategies``; 'auto' by default) and ``devices``
     (DataParallel's) decide what ``rt.prepare`` does. ``precision`` ('32', 'bf16-mixed',
-    'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.precision``).
+    'fp16-mixed', 'bf16-true'): how the prepared model computes (``rankwise.training.precision``).
     ``mesh`` (``{"data": 2, "tensor": 2}``, product = world size): ``rt.mesh``, its groups
     made right after the process group (docs/model-parallel.md). ``kind``: the runtime's
     class (``rw.init`` asks for a ``Session``). ``debug=True``: torch checks every collective

@@ -175,7 +175,7 @@ _SHARDING_WORDS = ("fsdp", "zero", "deepspeed")
 def get(name: str) -> Strategy:
     """The strategy called ``name``; an error naming the value and the fix for any other.
 
-    'auto' is not a strategy: resolve it first (``rankwise.plan``).
+    'auto' is not a strategy: resolve it first (``rankwise.job.plan``).
     """
     found = STRATEGIES.get(name) if isinstance(name, str) else None
     if found is not None:
@@ -203,7 +203,7 @@ def resolve_auto(world_size: int, *, devices_given: bool, several: bool) -> Stra
     """What 'auto' means before the model is known (``rt.prepare`` may still shard it).
 
     Launched with world size > 1: one process per device, replicated (with ``devices_given``:
-    the in-process strategy, which ``rankwise.plan`` then refuses with the fix). Unlaunched:
+    the in-process strategy, which ``rankwise.job.plan`` then refuses with the fix). Unlaunched:
     threads over the devices when ``devices=`` was given or there are ``several`` GPUs, else
     one device. No sync point.
     """

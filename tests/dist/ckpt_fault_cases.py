@@ -14,7 +14,8 @@ import sharded_cases as sc
 import torch
 
 import rankwise as rw
-from rankwise.checkpoint import files, sharded_save, verify
+from rankwise.checkpoint import files, verify
+from rankwise.checkpoint.sharded import save as sharded_save
 
 
 def _die_writing(plan) -> None:

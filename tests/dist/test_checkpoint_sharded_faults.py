@@ -25,7 +25,7 @@ from sharded_cases import assert_same
 from torch.distributed.checkpoint import metadata as dcp_md
 
 import rankwise as rw
-from rankwise.checkpoint.dcp_meta import read_metadata
+from rankwise.checkpoint.sharded.dcp_meta import read_metadata
 from rankwise.cli import main
 from rankwise.testing import run_distributed
 

@@ -28,7 +28,7 @@ from torch import nn
 
 import rankwise as rw
 from rankwise.parallel import buckets as bucketing
-from rankwise.parallel.ddp import shared_reduce
+from rankwise.parallel.ddp.node import shared_reduce
 from rankwise.testing import run_distributed
 
 DEFAULT_SOLO_BYTES = bucketing.SOLO_BYTES

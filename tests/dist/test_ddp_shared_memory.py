@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import rankwise as rw
 from rankwise.diagnose import fingerprints
 from rankwise.errors import ConfigError, DistributedError
-from rankwise.parallel.ddp import shared_reduce, shm_file
+from rankwise.parallel.ddp.node import shared_reduce, shm_file
 from rankwise.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

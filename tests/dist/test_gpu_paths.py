@@ -28,7 +28,7 @@ from torch import nn
 
 import rankwise as rw
 from rankwise.parallel.ddp import distributed as ddp_module
-from rankwise.parallel.ddp.reducer import Reducer
+from rankwise.parallel.ddp.reduction.reducer import Reducer
 from rankwise.testing import run_distributed
 
 pytestmark = [

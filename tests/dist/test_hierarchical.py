@@ -32,8 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import rankwise as rw
 from rankwise.errors import ConfigError
-from rankwise.parallel.ddp import shared_reduce, shm_file
-from rankwise.parallel.ddp.hierarchical import HierarchicalBuckets
+from rankwise.parallel.ddp.node import shared_reduce, shm_file
+from rankwise.parallel.ddp.node.hierarchical import HierarchicalBuckets
 from rankwise.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import rankwise as rw
-from rankwise.pipeline import p2p
+from rankwise.pipeline.execution import p2p
 from rankwise.testing import run_distributed
 
 F32 = p2p.DTYPES.index(torch.float32)

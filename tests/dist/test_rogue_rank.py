@@ -1,7 +1,7 @@
 """A rogue rank sends a malicious pickle at each of rankwise's internal routes: nothing runs.
 
 The rogue speaks stock ``torch.distributed`` (``all_gather_object``, ``broadcast_object_list``),
-whose framing is the one ``rankwise.wire`` uses, so its payload reaches the honest rank intact.
+whose framing is the one ``rankwise.comm.wire`` uses, so its payload reaches the honest rank intact.
 Unpickling it would create the directory ``pwned`` in the unpickling process's working directory
 (each rank works in its own: ``honest/`` or ``rogue/``); the honest rank must refuse it with an
 error naming the rogue rank, and ``honest/pwned`` must not exist.
@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 import rankwise as rw
-from rankwise import wire
 from rankwise.checkpoint import rng
+from rankwise.comm import wire
 from rankwise.diagnose import fingerprints
 from rankwise.parallel import agreement
-from rankwise.parallel.ddp import shm_file
+from rankwise.parallel.ddp.node import shm_file
 from rankwise.testing import run_distributed
 
 

@@ -19,7 +19,7 @@ import torch
 
 import rankwise as rw
 from rankwise.diagnose import fingerprints as fp
-from rankwise.diagnose import sidechannel
+from rankwise.diagnose.channel import sidechannel
 from rankwise.testing import run_distributed
 
 

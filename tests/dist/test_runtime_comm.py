@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import rankwise as rw
-from rankwise.env import DistEnv
 from rankwise.errors import ConfigError, DistributedError, RuntimeStateError
+from rankwise.job.env import DistEnv
 from rankwise.testing import run_distributed
 
 

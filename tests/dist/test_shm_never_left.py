@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import rankwise as rw
-from rankwise.parallel.ddp import shared_reduce, shm_file
+from rankwise.parallel.ddp.node import shared_reduce, shm_file
 from rankwise.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

@@ -30,7 +30,7 @@ TRAIN = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from torch import nn
     import rankwise as rw
-    from rankwise.parallel.ddp.hierarchical import HierarchicalBuckets
+    from rankwise.parallel.ddp.node.hierarchical import HierarchicalBuckets
 
     def net():
         torch.manual_seed(0)

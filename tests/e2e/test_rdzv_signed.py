@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwise.launch import signed_rdzv
+from rankwise.launch.rendezvous import signed as signed_rdzv
 
 KEY = "torch.rendezvous.none"
 WORKER = textwrap.dedent("""

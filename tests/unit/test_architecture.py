@@ -71,9 +71,9 @@ def test_ci_runs_the_import_cycle_check_before_the_tests():
 def test_runtime_imports_nothing_above_the_ground_floor():
     tool = _tool()
     graph = tool.edges(tool.modules(SRC))
-    ground = {"rankwise.errors", "rankwise.env", "rankwise.netif", "rankwise.devices"}
-    ground |= {"rankwise.plan", "rankwise.process_group", "rankwise.runtime"}
-    ground |= {"rankwise.strategies", "rankwise.mesh", "rankwise.validate"}
+    ground = {"rankwise.errors", "rankwise.job.env", "rankwise.job.netif", "rankwise.job.devices"}
+    ground |= {"rankwise.job.plan", "rankwise.job.process_group", "rankwise.runtime"}
+    ground |= {"rankwise.strategies", "rankwise.job.mesh", "rankwise.validate"}
     for name in sorted(ground):
         assert graph[name] <= ground, (name, graph[name] - ground)
 
@@ -171,3 +171,52 @@ def test_rw_init_returns_the_runtime_with_the_one_call_api():
         assert runtime.coords() == runtime.Coords(0, 1, 1, "runtime")
     finally:
         rw.shutdown()
+
+
+MAX_FOLDER_MODULES = 12
+
+
+def _floor_layers() -> dict[str, int]:
+    """docs/architecture.md's table: each entry of the top floor -> its layer number."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    table = text.split("## The floor, bottom to top", 1)[1].split("\n\n", 2)[1]
+    layers = {}
+    for row in table.splitlines()[2:]:
+        cells = row.split("|")
+        number = int(cells[1].strip().split(".")[0])
+        for entry in cells[2].split("`")[1::2]:
+            layers[entry.rstrip("/").removesuffix(".py")] = number
+    return layers
+
+
+def test_the_layer_table_names_the_whole_floor():
+    top = SRC / "rankwise"
+    floor = {p.stem for p in top.glob("*.py")} | {
+        p.name for p in top.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+    }
+    assert set(_floor_layers()) == floor
+
+
+def test_nothing_imports_from_a_higher_layer():
+    """A module imports from its own layer or below (the table in docs/architecture.md)."""
+    layers, tool = _floor_layers(), _tool()
+    graph = tool.edges(tool.modules(SRC))
+
+    def layer(module: str) -> int:
+        parts = module.split(".")
+        return layers[parts[1] if len(parts) > 1 else "__init__"]
+
+    upward = sorted(
+        f"{a} (layer {layer(a)}) -> {b} (layer {layer(b)})"
+        for a, targets in graph.items() for b in targets if layer(b) > layer(a)
+    )  # fmt: skip
+    assert upward == []
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    crowded = {
+        str(d.relative_to(SRC)): n
+        for d in [SRC / "rankwise", *(SRC / "rankwise").rglob("*")]
+        if d.is_dir() and (n := len(list(d.glob("*.py")))) > MAX_FOLDER_MODULES
+    }
+    assert crowded == {}

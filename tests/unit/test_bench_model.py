@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rankwise.bench.projection import (
+from rankwise.bench.network.projection import (
     Network,
     fit_ring,
     parse_network,

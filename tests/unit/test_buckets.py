@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import rankwise as rw
 from rankwise.parallel.buckets import MB, assign_buckets
 from rankwise.parallel.ddp import compression
-from rankwise.parallel.ddp.reducer import grad_view
+from rankwise.parallel.ddp.reduction.reducer import grad_view
 
 
 def _meta(numels, dtype=torch.float32):

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from rankwise.check import check_source, select_rules
-from rankwise.check.guards import polarity
+from rankwise.check.analysis.guards import polarity
 from rankwise.errors import ConfigError
 
 

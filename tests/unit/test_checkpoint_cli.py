@@ -78,7 +78,7 @@ def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(tmp_path, capsys):
 
 _MEASURE = textwrap.dedent("""
     import sys
-    from rankwise.checkpoint.consolidate import consolidate
+    from rankwise.checkpoint.command.consolidate import consolidate
     def status(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):

@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rankwise as rw
-from rankwise.checkpoint import dcp_meta, files
-from rankwise.checkpoint.assign import assign
-from rankwise.checkpoint.boxes import Box, Split, flat_range_boxes, numel
+from rankwise.checkpoint import files
+from rankwise.checkpoint.sharded import dcp_meta
+from rankwise.checkpoint.sharded.assign import assign
+from rankwise.checkpoint.sharded.boxes import Box, Split, flat_range_boxes, numel
 from rankwise.parallel.tensor.shards import shard
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)
@@ -200,7 +201,7 @@ def _blob(key, value, names=None):
 
 
 def test_shared_values_must_agree_but_a_groups_names_are_merged():
-    from rankwise.checkpoint.assign import merged_names
+    from rankwise.checkpoint.sharded.assign import merged_names
 
     lr = [[_blob("optim.param_groups.0.lr", 0.1)], [_blob("optim.param_groups.0.lr", 0.2)]]
     with pytest.raises(rw.DistributedError, match=r"ranks \[0, 1\] hold different values"):
@@ -239,7 +240,7 @@ def test_a_folder_of_sharded_checkpoints_reused_without_loading_it_warns(tmp_pat
 
 def test_a_load_right_after_a_background_save_waits_for_it(tmp_path, monkeypatch):
     # Before: rt.load read 'latest' while the thread still wrote, and got the previous step.
-    from rankwise.checkpoint import sharded_save
+    from rankwise.checkpoint.sharded import save as sharded_save
 
     slow_write = sharded_save.write
 

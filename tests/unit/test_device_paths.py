@@ -12,7 +12,7 @@ from torch import nn
 
 import rankwise as rw
 from rankwise.parallel.agreement import move_to_device
-from rankwise.pipeline import schedule
+from rankwise.pipeline.execution import gpipe as schedule
 
 
 def test_moves_to_the_cpu_are_synchronous(monkeypatch: pytest.MonkeyPatch) -> None:

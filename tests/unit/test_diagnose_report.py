@@ -113,7 +113,7 @@ def test_settings_are_validated_and_disabling_records_nothing() -> None:
 
 
 def test_environment_switch_reads_the_mapping_given() -> None:
-    from rankwise import env
+    from rankwise.job import env
 
     assert env.fingerprints_enabled({}) is True
     assert env.fingerprints_enabled({"RANKWISE_FINGERPRINTS": "off"}) is False

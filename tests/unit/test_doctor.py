@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from rankwise import netif
 from rankwise.diagnose import doctor
+from rankwise.job import netif
 
 
 def _status(findings, check):

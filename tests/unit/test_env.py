@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rankwise.env import DistEnv, detect, first_slurm_host, slurm_tasks_per_node
 from rankwise.errors import EnvError
+from rankwise.job.env import DistEnv, detect, first_slurm_host, slurm_tasks_per_node
 
 
 def test_nothing_set_is_a_single_process():

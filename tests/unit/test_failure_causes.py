@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 
-from rankwise.diagnose import causes, peer, raw, records, report
+from rankwise.diagnose import causes, raw, records, report
+from rankwise.diagnose.channel import peer
 from rankwise.diagnose.records import RankView, Record, Site
 from rankwise.errors import DistributedError
 from rankwise.launch.bootstrap import shown_traceback
-from rankwise.launch.report import JobFailed, RankFailure
+from rankwise.launch.failures.report import JobFailed, RankFailure
 from rankwise.launch.spawn import Failure
 from rankwise.launch.spawn import report as spawn_report
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rankwise.bench import projection as pj
+from rankwise.bench.network import projection as pj
 from rankwise.parallel.hierarchy import NodeMap
 
 
@@ -57,7 +57,7 @@ def test_one_rank_per_node_makes_the_hierarchy_a_plain_ring():
 
 
 def test_bench_projection_across_nodes_rows_are_the_model_at_each_world():
-    from rankwise.bench import across_nodes
+    from rankwise.bench.network import across_nodes
 
     b = across_nodes.block("1Gbps,0.5ms", 4, 0.001, 32, M, 2e9, worlds=(8, 64))
     assert b["ranks_per_node"] == 4 and [r["nodes"] for r in b["rows"]] == [2, 16]

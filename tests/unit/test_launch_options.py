@@ -15,8 +15,8 @@ from rankwise.cli import build_parser
 from rankwise.errors import ConfigError
 from rankwise.launch.cli import options_from_args
 from rankwise.launch.engine import BOOTSTRAP, worker_command
+from rankwise.launch.failures.report import JobFailed, RankFailure, from_elastic
 from rankwise.launch.options import LaunchOptions, choose_rendezvous, resolve_nproc
-from rankwise.launch.report import JobFailed, RankFailure, from_elastic
 
 
 def parse(*argv: str) -> LaunchOptions:

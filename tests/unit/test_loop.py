@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rankwise as rw
-from rankwise.log_metrics import MetricsLogger
+from rankwise.output.metrics import MetricsLogger
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -12,14 +12,16 @@ import time
 
 import pytest
 
-from rankwise import env as envmod
-from rankwise import netif, runtime
-from rankwise.diagnose import doctor, gather, nodes, reach, sidechannel
+from rankwise import runtime
+from rankwise.diagnose import doctor, nodes
+from rankwise.diagnose.channel import gather, reach, sidechannel
 from rankwise.diagnose.report import RankView, Record, Site, failure_report, stall_report
+from rankwise.job import env as envmod
+from rankwise.job import netif
 from rankwise.launch import engine
-from rankwise.launch.machines import Machines, read_machines
+from rankwise.launch.failures.machines import Machines, read_machines
+from rankwise.launch.failures.report import JobFailed, RankFailure
 from rankwise.launch.options import Rendezvous
-from rankwise.launch.report import JobFailed, RankFailure
 
 _AR = Record(5, "all_reduce", "sum, float32[4]", "bucket 0", Site("/x/t.py", 9, "main"), "waiting", 1)
 _DONE4 = Record(4, "all_reduce", "sum, float32[4]", "bucket 0", None, "done", 1)
@@ -300,7 +302,8 @@ class _Handler:
 def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-    from rankwise.launch import rdzv_guard, signed_rdzv
+    from rankwise.launch.rendezvous import guard as rdzv_guard
+    from rankwise.launch.rendezvous import signed as signed_rdzv
 
     monkeypatch.setattr(rdzv_guard, "READ_TIMEOUT_S", 0.2)
     handler = _Handler()

@@ -8,7 +8,7 @@ import pytest
 
 from rankwise.cli import main
 from rankwise.errors import ConfigError
-from rankwise.mesh import DeviceMesh, init_mesh, parse_mesh
+from rankwise.job.mesh import DeviceMesh, init_mesh, parse_mesh
 
 
 def test_tensor_groups_are_consecutive_ranks_and_pipeline_is_outermost():

@@ -18,7 +18,7 @@ from rankwise.errors import ConfigError
 from rankwise.models import GPT
 from rankwise.models.gpt import GPTConfig, sequential_gpt
 from rankwise.pipeline import blocks, outputs
-from rankwise.pipeline.weight_pass import WeightPass
+from rankwise.pipeline.execution.weight_pass import WeightPass
 
 TOL = 1e-6
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2)]
@@ -178,7 +178,7 @@ def test_blocks_called_with_extra_arguments_or_by_index_are_refused():
 def test_zero3_and_pipeline_options_without_a_pipeline_are_refused():
     from types import SimpleNamespace
 
-    from rankwise.mesh import DeviceMesh
+    from rankwise.job.mesh import DeviceMesh
     from rankwise.session.pipeline import PipelineOptions, pipeline_stages
     from rankwise.strategies import get
 

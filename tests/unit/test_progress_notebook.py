@@ -64,7 +64,7 @@ def test_notebook_with_ipywidgets_draws_a_widget_that_stays(monkeypatch, capsys)
     pytest.importorskip("ipywidgets")  # with the real IPython, which ipywidgets imports
     from tqdm.notebook import tqdm as widget_bar
 
-    from rankwise import console
+    from rankwise.output import console
 
     monkeypatch.setattr(console, "in_notebook", lambda: True)
     monkeypatch.delenv("RANKWISE_RANK_PREFIX", raising=False)

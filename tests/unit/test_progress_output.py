@@ -69,7 +69,7 @@ def test_logger_leaves_its_prefix_to_the_launcher(monkeypatch, capsys):
 
 
 def test_task_bar_reports_units_of_work_as_lines_on_stderr(capsys):
-    from rankwise.log import task_bar
+    from rankwise.output.log import task_bar
 
     bar = task_bar(3, "rankwise bench", unit="run")
     for name in ("single", "ddp", "dp"):

@@ -14,8 +14,8 @@ from torch.utils.data import (
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import rankwise as rw
-from rankwise import plan
-from rankwise.env import DistEnv
+from rankwise.job import plan
+from rankwise.job.env import DistEnv
 
 CUDA = torch.cuda.is_available()
 LAUNCHED = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, source="launcher")

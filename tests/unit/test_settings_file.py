@@ -12,7 +12,7 @@ import pytest
 from rankwise.cli import build_parser, main
 from rankwise.errors import ConfigError
 from rankwise.launch.cli import options_from_args
-from rankwise.launch.settings import to_toml, tomllib  # tomllib, or tomli on 3.10
+from rankwise.launch.config.settings import to_toml, tomllib  # tomllib, or tomli on 3.10
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rankwise.parallel.buckets import Bucket
-from rankwise.parallel.ddp import shared_reduce, shm_file
+from rankwise.parallel.ddp.node import shared_reduce, shm_file
 
 
 def _bucket(numel: int, dtype: torch.dtype = torch.float32) -> Bucket:

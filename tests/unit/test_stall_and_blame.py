@@ -6,10 +6,10 @@ import signal
 
 import pytest
 
-from rankwise import env as envmod
 from rankwise.diagnose.report import RankView, Record, Site, culprits, stall_report
 from rankwise.errors import EnvError
-from rankwise.launch.report import JobFailed, RankFailure
+from rankwise.job import env as envmod
+from rankwise.launch.failures.report import JobFailed, RankFailure
 
 _AR = Record(
     5, "all_reduce", "sum, float32[3]", None, Site("/x/train.py", 40, "main"), "entered", 1
@@ -118,7 +118,7 @@ def test_a_rank_that_finished_normally_is_neither_dead_nor_blamed():
 def test_summary_says_the_other_rank_had_finished_not_stopped(tmp_path):
     import json
 
-    from rankwise.launch.report import read_finished
+    from rankwise.launch.failures.report import read_finished
 
     (tmp_path / "rank0.json").write_text(json.dumps({"culprits": [0], "finished": [1]}))
     diag = "[rank 0] all_reduce #1 failed on rank 0 ... rank 1 had already finished normally"
@@ -146,7 +146,7 @@ def test_the_launcher_resumes_stopped_workers_only():
     import sys
     import time
 
-    from rankwise.launch.restarts import resume_stopped
+    from rankwise.launch.failures.restarts import resume_stopped
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in "ab"]
     try:

@@ -12,9 +12,9 @@ from torch import nn
 
 import rankwise as rw
 from rankwise import strategies
-from rankwise.env import DistEnv
+from rankwise.job.env import DistEnv
+from rankwise.job.plan import plan
 from rankwise.parallel.zero.memory_plan import bytes_per_rank
-from rankwise.plan import plan
 from rankwise.session import auto
 
 ROOT = Path(__file__).resolve().parents[2]

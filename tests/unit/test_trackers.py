@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rankwise as rw
-from rankwise.log_metrics import MetricsLogger
+from rankwise.output.metrics import MetricsLogger
 
 CONFIG = {"lr": 0.1, "optimizer": {"name": "adamw", "betas": [0.9, 0.99]}, "compile": False}
 LOGGED = [({"loss": 1.5, "acc": 0.25}, 0), ({"loss": torch.tensor(1.25)}, 1), ({"loss": 1.0}, None)]

@@ -79,7 +79,7 @@ def _strategies(text: str) -> tuple[str, ...]:
 
 
 def _sizes(max_bytes: int | None, flag: str) -> tuple[int, ...]:
-    from .commbench import SIZES
+    from .network.commbench import SIZES
 
     if max_bytes is None:
         return SIZES
@@ -119,7 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_comm(args: argparse.Namespace) -> int:
     """``rankwise bench comm``: all-reduce latency / bus bandwidth and memcpy bandwidth."""
-    from . import commbench
+    from .network import commbench
     from .runner import BenchConfig, device_and_backend
 
     nproc = args.nproc_per_node

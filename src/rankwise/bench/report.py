@@ -21,9 +21,9 @@ import statistics
 
 import torch
 
-from . import across_nodes
 from . import strategies as st
-from .projection import Network, parse_network, predict, project, validate
+from .network import across_nodes
+from .network.projection import Network, parse_network, predict, project, validate
 from .rows import BASELINE, REPLICATED, THREADS
 from .rows import strategy as row_strategy
 
@@ -131,7 +131,7 @@ def _projection(cfg, raw: dict, rows: list[dict], grad_bytes: int) -> dict:
 
 
 def _across(cfg, per_sample: float, grad_bytes: int, copy: float) -> dict | None:
-    """The projection across nodes, with ``--node-network`` (``across_nodes.py``)."""
+    """The projection across nodes, with ``--node-network`` (``network/across_nodes.py``)."""
     if cfg.node_network is None:
         return None
     per_node = cfg.ranks_per_node or cfg.nproc

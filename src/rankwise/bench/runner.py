@@ -26,14 +26,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .. import wire
+from ..comm import wire
 from ..errors import ConfigError
-from ..log import TaskBar, task_bar
+from ..output.log import TaskBar, task_bar
 from . import rows
 from . import strategies as st
-from .commbench import SIZES
 from .memory import PeakMemory
-from .projection import parse_network
+from .network.commbench import SIZES
+from .network.projection import parse_network
 from .workload import resolve
 
 
@@ -225,7 +225,7 @@ def _worker(cfg: BenchConfig, names: list[str], extras: bool, desc: str = "bench
     try:
         result: dict = {"times": time_strategies(cfg, names, setup, bar)}
         if extras:
-            from .commbench import measure
+            from .network.commbench import measure
 
             bar.update("all-reduce sweep", n=0)
             result["comm"] = measure(cfg.comm_sizes, repeats=3)
@@ -310,7 +310,7 @@ def _validate(cfg: BenchConfig, times: dict, backend: str, log) -> dict[int, dic
 def _ddp_shares_memory(cfg: BenchConfig) -> bool:
     """Whether ``ddp`` has a bucket large enough for shared memory (on one CPU machine)."""
     from ..parallel import buckets
-    from ..parallel.ddp import shared_reduce
+    from ..parallel.ddp.node import shared_reduce
 
     model = resolve(cfg.model, cfg.data).build(torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]

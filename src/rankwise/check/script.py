@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ast
 
-from . import context, ranksource
-from .astutil import dotted, last_name, pos
-from .facts import Binding
+from .analysis import context, ranksource
+from .analysis.astutil import dotted, last_name, pos
+from .analysis.facts import Binding
 
 ROOTS = ("torch", "rankwise")
 FUNC_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)

@@ -7,7 +7,7 @@ record checked on load; ``digest``/``digest_file``: the XXH3 digest, for other f
 ``digests``: the sharded format's per-file and per-item checksums). ``api`` chooses the format.
 
 The names below load on first use, as ``rankwise``'s own do: importing this package (which
-``rankwise checkpoint``'s parser does, ``checkpoint/cli.py``) does not import torch.
+``rankwise checkpoint``'s parser does, ``checkpoint/command/cli.py``) does not import torch.
 """
 
 from __future__ import annotations

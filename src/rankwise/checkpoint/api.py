@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import validate
 from . import files, single
-from .dcp_meta import is_sharded
+from .sharded.dcp_meta import is_sharded
 
 
 def save_checkpoint(
@@ -48,7 +48,7 @@ def save_checkpoint(
     kwargs = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                   step=step, epoch=epoch, keep_last=keep_last)  # fmt: skip
     if sharded:
-        from .sharded_save import save_sharded
+        from .sharded.save import save_sharded
 
         return save_sharded(path, **kwargs, **extra)
     return single.save_checkpoint(path, **kwargs, **extra)
@@ -93,7 +93,7 @@ def load_checkpoint(
     SAVES.wait()  # a background save in flight ends first: it may be the checkpoint asked for
     found = resolve(path)
     if is_sharded(found):
-        from .sharded_load import load_sharded
+        from .sharded.load import load_sharded
 
         return load_sharded(found, model=model, optimizer=optimizer, scheduler=scheduler,
                             loader=loader, strict=strict, restore_rng=restore_rng)  # fmt: skip

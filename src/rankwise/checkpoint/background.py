@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, runtime
-from . import files, sharded_save, single
+from .. import runtime
+from ..comm import collectives as comm
+from . import files, single
+from .sharded import save as sharded_save
 
 _NICENESS = 10
 """How much lower the writing thread's CPU priority is than the training's (``nice``)."""
@@ -49,7 +51,7 @@ class PendingSave:
             self._path = work()
         except BaseException as exc:  # kept for wait(); told at once, too
             self._error = exc
-            from ..log import get_logger
+            from ..output.log import get_logger
 
             get_logger().error(f"background checkpoint save to {self.target!r} failed: {exc}")
 

@@ -1,17 +1,13 @@
 """Checkpoints that survive crashes, load anywhere, and never deadlock.
 
-``save_checkpoint`` is called on EVERY rank, not inside ``if rank == 0``: it gathers each rank's
-RNG state and ends with a collective that tells every rank whether the write succeeded, so
-ranks cannot drift apart (a save inside a rank-0 branch that then meets a barrier hangs the
-job — the classic mistake this shape prevents). Rank 0 alone writes, atomically: a temporary
-file in the same directory, fsync, rename. A process killed mid-save leaves the previous
-checkpoint intact.
-
-Loading uses ``torch.load(weights_only=True)``: unpickling an untrusted file can run arbitrary
-code, so a checkpoint holding objects outside torch's allow-list is refused unless the caller
-says it trusts the file. Every record is checked while it loads, against the checksums written
-into the file at save (or the zip's CRC-32 in files without them): a flipped byte is an error
-naming the file and the record, never a silently wrong weight.
+``save_checkpoint`` runs on EVERY rank, not inside ``if rank == 0``: it gathers each rank's RNG
+state and ends with a collective telling every rank whether the write succeeded (a save in a
+rank-0 branch that then meets a barrier hangs the job: the classic mistake this prevents).
+Rank 0 alone writes, atomically: a temporary file beside it, fsync, rename; a process killed
+mid-save leaves the previous checkpoint intact. Loading uses ``torch.load(weights_only=True)``
+(unpickling an untrusted file can run code): a checkpoint holding objects outside torch's
+allow-list is refused unless the caller trusts it.
+Each record is checked against its checksum as it loads: a flipped byte names file and record.
 """
 
 from __future__ import annotations
@@ -26,8 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, devices, runtime, wire
+from .. import runtime
+from ..comm import collectives as comm
+from ..comm import wire
 from ..errors import ConfigError, DistributedError
+from ..job import devices
 from ..version import __version__
 from . import files, rng, verify
 from .files import LATEST, list_checkpoints

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import comm, runtime, validate, wire
+from .. import runtime, validate
+from ..comm import collectives as comm
+from ..comm import wire
 from ..errors import ConfigError, DistributedError
 from . import _coords
 from .sampler import share_size

@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from .. import comm, validate
+from .. import validate
+from ..comm import collectives as comm
 from ..errors import RuntimeStateError
 from . import _coords
 

@@ -12,7 +12,7 @@ entries from the store and raises a ``DistributedError`` such as::
     #57: all_reduce(float32[1048576]) on rank 0, barrier on rank 1.
 
 Fingerprints are also *checked* across ranks before the data moves (the first 32 collectives,
-then every 256th, and every user-level helper of ``rankwise.comm``), so a mismatch in operation,
+then every 256th, and every user-level helper of ``rankwise.comm.collectives``), so a mismatch in operation,
 order, shape or dtype is reported instead of corrupting data or aborting the process.
 
 API for code that issues collectives (the DDP reducer, checkpoints, samplers)::

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .. import env as envmod
-from .. import netif
 from ..errors import EnvError
+from ..job import env as envmod
+from ..job import netif
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,9 @@ import sys
 import time
 from typing import Any
 
-from .. import env as envmod
-from . import gather, nodes, report
+from ..job import env as envmod
+from . import nodes, report
+from .channel import gather
 
 _config: dict[str, float | None] = {"after_s": None}
 

@@ -16,9 +16,9 @@ import types
 from typing import Any
 
 from .engine import LaunchInterrupted, launch
+from .failures.report import JobFailed, RankFailure
 from .notebook import launch_function
 from .options import LaunchOptions
-from .report import JobFailed, RankFailure
 
 __all__ = [
     "JobFailed",

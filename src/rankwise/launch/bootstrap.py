@@ -22,7 +22,7 @@ instead of "finished normally"; a diagnosis the launcher will quote is printed t
 
 This file is executed by path and imports only the standard library: it must not pay for
 importing torch (or rankwise) before the user's script does. For the same reason it reads the
-variables it needs from ``os.environ`` itself instead of through ``rankwise.env``.
+variables it needs from ``os.environ`` itself instead of through ``rankwise.job.env``.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _group_now() -> bool:
         # Set by init_process_group(init_method=...) and kept after destroy_process_group.
         if getattr(c10d, "_default_pg_init_method", None) is not None:
             return True
-        return bool(getattr(sys.modules.get("rankwise.process_group"), "joined_a_group", False))
+        return bool(getattr(sys.modules.get("rankwise.job.process_group"), "joined_a_group", False))
     except Exception:  # a module half-imported by the main thread: look again later
         return False
 

@@ -151,7 +151,7 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace):
     """The effective settings: flags given, then the settings file, then the defaults."""
-    from .settings import resolve
+    from .config.settings import resolve
 
     return resolve(vars(args), Path.cwd(), getattr(args, "config", None))
 
@@ -193,7 +193,7 @@ def options_from_args(
 def run_command(args: argparse.Namespace, *, pass_local_rank: bool = False) -> int:
     """Launch and return the exit code: 0, the failing rank's code, or 128 + signal."""
     from .engine import LaunchInterrupted, launch
-    from .report import JobFailed
+    from .failures.report import JobFailed
 
     settings = settings_from_args(args)
     said = settings.announce()

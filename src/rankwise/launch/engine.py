@@ -19,11 +19,21 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from .. import env as envmod
-from .. import netif
 from ..errors import DistributedError
-from . import signed_rdzv
-from .machines import read_machines
+from ..job import env as envmod
+from ..job import netif
+from .failures.machines import read_machines
+from .failures.report import (
+    JobFailed,
+    RankFailure,
+    from_elastic,
+    read_causes,
+    read_culprits,
+    read_diagnoses,
+    read_finished,
+    read_raised,
+)
+from .failures.restarts import RestartLog, reporting_restarts
 from .native_log import NativeStderr, workers_unfiltered
 from .options import (
     RANK_PREFIX,
@@ -34,17 +44,7 @@ from .options import (
     require_options,
 )
 from .output import console, tee_to_files, waiting_message
-from .report import (
-    JobFailed,
-    RankFailure,
-    from_elastic,
-    read_causes,
-    read_culprits,
-    read_diagnoses,
-    read_finished,
-    read_raised,
-)
-from .restarts import RestartLog, reporting_restarts
+from .rendezvous import signed as signed_rdzv
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
@@ -217,7 +217,7 @@ def _sign_rendezvous(opts: LaunchOptions, rdzv: Rendezvous) -> None:
 def _sweep_shared_memory() -> None:
     """Remove shared-memory bucket files whose rank 0 is gone: a worker SIGKILLed in the
     moment between creating and unlinking one cannot (docs/ddp.md)."""
-    from ..parallel.ddp import shm_file
+    from ..parallel.ddp.node import shm_file
 
     shm_file.sweep_stale()
 

@@ -24,9 +24,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import env as envmod
 from .. import validate
 from ..errors import ConfigError, DistributedError
+from ..job import env as envmod
 from .options import require_function
 from .spawn import causes_first, report, spawn_ranks
 

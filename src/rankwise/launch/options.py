@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..env import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S
 from ..errors import ConfigError
+from ..job.env import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S
 
 DEFAULT_RDZV_TIMEOUT_S = int(DEFAULT_TIMEOUT_S)
 """How long a node waits for the others (or for the master) before failing with an error:

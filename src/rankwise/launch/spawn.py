@@ -23,9 +23,9 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from .. import env as envmod
-from ..console import printable, redraws_in_place
 from ..errors import DistributedError
+from ..job import env as envmod
+from ..output.console import printable, redraws_in_place
 from .child import _QueueWriter, child
 from .output import RankLines
 
@@ -116,7 +116,7 @@ def _end(procs: list) -> None:
         if p.is_alive():
             p.kill()
         p.join(5)
-    from ..parallel.ddp import shm_file
+    from ..parallel.ddp.node import shm_file
 
     shm_file.sweep_stale()
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import wire
+from ..comm import wire
 from ..diagnose import fingerprints
 from ..errors import DistributedError, ModelError
 from .dp.scatter_gather import to_device

@@ -10,10 +10,10 @@
 """
 
 from .distributed import DistributedPipeline
+from .execution.gpipe import ScheduleEvent, bubble_fraction, gpipe_clock, measured_bubble
 from .model import PipelineModel
 from .partition import balance_by_params, balance_by_time
 from .pipe import Pipe, split
-from .schedule import ScheduleEvent, bubble_fraction, gpipe_clock, measured_bubble
 
 __all__ = [
     "DistributedPipeline",

@@ -5,7 +5,7 @@ Every rank builds the same ``nn.Sequential`` and keeps only its own layers, on i
 ``schedule=`` says in which order each rank runs the forward and backward passes of the
 micro-batches (``schedules.py``: ``"1f1b"``, the default, ``"gpipe"``, ``"interleaved_1f1b"``
 with ``stages_per_rank`` virtual stages per rank, ``"zero_bubble"``); one executor runs them
-all (``executor.py``), moving activations and gradients with point-to-point sends. The
+all (``execution/executor.py``), moving activations and gradients with point-to-point sends. The
 gradients left in ``.grad`` are those of the loss of the whole batch, so ``optimizer.step()``
 after ``train_step`` trains the model exactly as one process would.
 
@@ -32,16 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime, validate
-from ..devices import resolve_device
+from .. import runtime, validate
+from ..comm import collectives as comm
+from ..comm.flat import FlatParams
 from ..errors import ConfigError
-from ..flat import FlatParams
-from ..mesh import DeviceMesh
+from ..job.devices import resolve_device
+from ..job.mesh import DeviceMesh
 from ..parallel.ddp.no_sync import gradient_sync_off
-from . import p2p, partition, schedules, step
-from .executor import Executor, StepResult
+from . import partition, schedules
+from .execution import p2p, step
+from .execution.executor import Executor, StepResult
+from .execution.weight_pass import WeightPass
 from .pipe import _check_chunks
-from .weight_pass import WeightPass
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from . import blocks, p2p, schedules, step
-from .executor import Executor, StepResult
+from . import blocks, schedules
+from .execution import p2p, step
+from .execution.executor import Executor, StepResult
+from .execution.weight_pass import WeightPass
 from .outputs import Outputs, merge, rebuild, split_inputs, structure_of
 from .tied import TiedWeights, shared_across
-from .weight_pass import WeightPass
 
 
 class PipelineModel(nn.Module):

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import resolve_device
 from ..errors import ConfigError
+from ..job.devices import resolve_device
 from ..validate import choice, fail, integer
-from . import partition, schedule, schedules, step
-from .threads import run_in_threads
-from .weight_pass import WeightPass
+from . import partition, schedules
+from .execution import gpipe as schedule
+from .execution import step
+from .execution.threads import run_in_threads
+from .execution.weight_pass import WeightPass
 
 
 def _check_chunks(chunks: int) -> int:

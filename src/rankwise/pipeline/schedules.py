@@ -3,7 +3,7 @@
 A schedule never touches a tensor or a process: it is a pure function of the number of ranks
 ``p``, of micro-batches ``m`` and of virtual stages per rank ``v`` (``Schedule``), so it can be
 checked without processes (``simulate.py``: no deadlock, memory, bubble) and one executor runs
-every schedule (``executor.py``). The model is cut into ``S = p * v`` stages; stage ``s`` lives
+every schedule (``execution/executor.py``). The model is cut into ``S = p * v`` stages; stage ``s`` lives
 on rank ``s % p`` (with ``v = 2`` and ``p = 4``, rank 1 holds stages 1 and 5).
 
 Actions (``Action(kind, stage, micro_batch)``):

@@ -9,7 +9,7 @@ consolidated first over its data group by ZeRO), so rank 0 writes the unsplit mo
 and the unsplit optimizer's state (parameters numbered as in the optimizer given to
 ``rt.prepare``). Loading hands each stage its part. The file loads into one plain process,
 and into a pipeline of any size. Stages pass their parts as ``torch.save`` bytes read back
-with ``weights_only=True`` (``rankwise.wire``): nothing a peer sends runs code.
+with ``weights_only=True`` (``rankwise.comm.wire``): nothing a peer sends runs code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import wire
 from ..checkpoint.state_dict import strip_prefixes
+from ..comm import wire
 from ..errors import ConfigError
 from .model import PipelineModel
 

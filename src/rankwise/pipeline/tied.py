@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from ..comm import collectives as comm
 
 
 def shared_across(

@@ -30,16 +30,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import precision, runtime, validate
+from .. import runtime, validate
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
-from ..env import DistEnv
-from ..log import print0
+from ..job.env import DistEnv
+from ..job.plan import check_init_arguments
+from ..output.log import print0
 from ..parallel import deferred
-from ..plan import check_init_arguments
-from ..training import LoopState, TrainingLoop
+from ..training import precision
+from ..training.loop import LoopState, TrainingLoop
 from . import first_batch, formats, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
@@ -74,7 +75,7 @@ __all__ = [
 class Session(runtime.Runtime, TrainingLoop):
     """What ``rw.init()`` returns: the ``Runtime`` (data: env, device, backend, strategy,
     precision) plus the one-call API: ``prepare``/``prepare_loader`` (this package's functions
-    with the runtime filled in), the loop verbs of ``rankwise.training`` (``backward``,
+    with the runtime filled in), the loop verbs of ``rankwise.training.loop`` (``backward``,
     ``clip_grad_norm_``, ``accumulate``, ``log``, ...), ``print`` (an alias of ``rw.print0``)
     and ``save``/``load`` (``rw.save_checkpoint``/``rw.load_checkpoint`` plus what ``prepare``
     set up: the scheduler and the loss scale).
@@ -246,7 +247,7 @@ def prepare(
     Returns the model alone when only a model is given, ``(model, optimizer)`` without a
     loader, else ``(model, optimizer, loader)``; a ``scheduler`` is appended unchanged (and
     saved/restored by ``rt.save``/``rt.load``). ``rt.precision`` is applied here
-    (``rankwise.precision``): autocast around the model's forward, a loss-scaling optimizer
+    (``rankwise.training.precision``): autocast around the model's forward, a loss-scaling optimizer
     under 'fp16-mixed'. ``wrap``: which modules 'zero3' gathers as one unit (a module class,
     a set of classes or a function ``module -> bool``; default: each block of a ``ModuleList``
     of identical blocks, e.g. a transformer's layers; see docs/zero.md); other strategies do

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from .. import comm
+from ..comm import collectives as comm
 from ..runtime import Runtime
 
 

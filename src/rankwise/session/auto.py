@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import comm, runtime, strategies
-from ..log import get_logger
+from .. import runtime, strategies
+from ..comm import collectives as comm
+from ..output.log import get_logger
 from ..parallel.zero.memory_plan import bytes_per_rank, capacity_bytes, optimizer_states
 from .model import data_replicas
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import files
 from ..checkpoint.api import check_flag, load_checkpoint, resolve, save_checkpoint
-from ..checkpoint.dcp_meta import is_sharded
-from ..checkpoint.pieces import find_engine
+from ..checkpoint.sharded.dcp_meta import is_sharded
+from ..checkpoint.sharded.pieces import find_engine
 from ..parallel.tensor.state import has_split_layers
-from ..training import full_states
+from ..training.loop import full_states
 
 if TYPE_CHECKING:
     from ..runtime import Runtime

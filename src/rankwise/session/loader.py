@@ -13,7 +13,7 @@ from .. import validate
 from ..data import Loader
 from ..data import loader as make_loader
 from ..errors import ConfigError
-from ..log import get_logger
+from ..output.log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, validate
+from .. import validate
 from ..checkpoint import files
 from ..checkpoint.state_dict import registered_inner, unwrap_model
+from ..comm import collectives as comm
 from ..errors import DistributedError
 from ..parallel import ShardedDataParallel
 from ..updates.base import replicas_apart

@@ -60,7 +60,7 @@ def prepare_sharded(
 
 def warn_if_too_big(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Log (rank 0) which ZeRO stage would fit a model whose state does not fit as planned."""
-    from ..log import get_logger
+    from ..output.log import get_logger
     from ..parallel.zero.memory_plan import advice, capacity_bytes
 
     capacity = capacity_bytes(rt.device, rt.env.local_world_size)

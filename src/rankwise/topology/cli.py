@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _mesh(text: str, topo):
     from ..errors import ConfigError
-    from ..mesh import DeviceMesh, parse_mesh
+    from ..job.mesh import DeviceMesh, parse_mesh
 
     mesh = DeviceMesh(parse_mesh(text))
     if mesh.world_size != topo.world_size:

@@ -1,7 +1,7 @@
 """Where ``rt.log`` writes: one small class per experiment tracker, all with the same four verbs.
 
 ``rt.log_to(log_with=["csv", "tensorboard", "mlflow"], project=..., run_name=..., config=...)``
-opens the trackers named (on rank 0 only: ``rankwise.log_metrics.MetricsLogger`` decides who
+opens the trackers named (on rank 0 only: ``rankwise.output.metrics.MetricsLogger`` decides who
 writes, and reduces across ranks first); each then receives every ``rt.log`` call. A tracker
 
 - opens its run with the project/run names and logs the ``config`` (hyperparameters) once;

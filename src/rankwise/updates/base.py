@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .. import runtime
+from ..comm.flat import FlatParams
 from ..errors import ConfigError, RuntimeStateError
-from ..flat import FlatParams
 
 
 def _joined_runtime(name: str) -> runtime.Runtime:

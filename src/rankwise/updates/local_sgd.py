@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..comm import collectives as comm
 from ..errors import ConfigError
 from .base import UpdateRule
 from .sync import broadcast_parameters

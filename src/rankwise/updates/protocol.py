@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..console import printable
 from ..errors import DistributedError
+from ..output.console import printable
 
 TEXT_BYTES = 512
 """Size of the error-text payload of ABORT and STOP (UTF-8, truncated)."""

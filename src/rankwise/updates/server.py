@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..flat import FlatParams
+from ..comm.flat import FlatParams
 from .gate import Applied, StalenessGate
 from .protocol import TO_SERVER, Kind, Message, ProtocolError, WireChannel, text_message
 from .senders import Sender

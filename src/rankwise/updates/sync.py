@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..comm import collectives as comm
 from .base import UpdateRule
 
 

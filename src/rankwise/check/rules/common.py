@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from ..astutil import call_args, dotted, last_name
+from ..analysis.astutil import call_args, dotted, last_name
 from ..script import Script
 
 DTYPES = frozenset(

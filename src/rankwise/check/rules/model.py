@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ..astutil import call_args, dotted, keyword, last_name
+from ..analysis.astutil import call_args, dotted, keyword, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import assigned_name, contains_move, ddp_calls, dp_calls, is_move

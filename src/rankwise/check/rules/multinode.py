@@ -11,9 +11,9 @@ import ast
 from collections.abc import Iterator
 from itertools import pairwise
 
-from ..astutil import call_args, keyword, last_name
+from ..analysis.astutil import call_args, keyword, last_name
+from ..analysis.guards import kinds_in, once_per_node, rank_kind
 from ..findings import Hit, Severity, rule
-from ..guards import kinds_in, once_per_node, rank_kind
 from ..script import Script
 from .common import init_calls, is_ddp, is_distributed_script
 

@@ -6,11 +6,11 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..astutil import call_args, dotted, last_name
-from ..context import Ctx
+from ..analysis.astutil import call_args, dotted, last_name
+from ..analysis.context import Ctx
+from ..analysis.guards import mentions_rank
+from ..analysis.imports import imported_function
 from ..findings import Hit, Severity, rule
-from ..guards import mentions_rank
-from ..imports import imported_function
 from ..script import Script
 from .common import is_ddp, is_distributed_script
 

@@ -14,7 +14,7 @@ import ast
 from collections.abc import Iterator
 
 from ...strategies import STRATEGIES
-from ..astutil import call_args, dotted, keyword, last_name
+from ..analysis.astutil import call_args, dotted, keyword, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import assigned_name, ddp_calls, has_sampler, loader_calls, names_in

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ..astutil import dotted, last_name
+from ..analysis.astutil import dotted, last_name
 from ..findings import Hit, Severity, rule
 from ..script import Script
 from .common import is_ddp, is_distributed_script

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import comm, wire
+from ...comm import collectives as comm
+from ...comm import wire
 from ...errors import ConfigError, DistributedError
 from ...parallel.tensor.shards import unshard
 from ..state_dict import registered_inner

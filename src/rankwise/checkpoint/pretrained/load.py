@@ -25,9 +25,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ... import comm, wire
+from ...comm import collectives as comm
+from ...comm import wire
 from ...errors import ConfigError, DistributedError
-from ...log import get_logger
+from ...output.log import get_logger
 from ..state_dict import registered_inner
 from .keys import KeyMap, resolve
 from .source import DTYPES, Entry, Source

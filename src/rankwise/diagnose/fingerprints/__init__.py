@@ -7,7 +7,7 @@ A few microseconds (``benchmarks/diagnostics.py``). Agreement checks all-gather
 ``(seq, rolling hash)`` before the collective exchanges data. The rolling hash covers every
 collective so far, so a check also vouches for all unchecked ones before it. Checked: each of
 the first ``check_first`` collectives, then every ``check_every``-th, and every call that passes
-``check=True`` (the user-level helpers in ``rankwise.comm``).
+``check=True`` (the user-level helpers in ``rankwise.comm.collectives``).
 
 By concept: ``settings`` (what is checked), ``state`` (the one process-wide ``STATE``),
 ``entry`` (one collective, and its diagnosis), ``recording`` (record and check), ``watch``

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...errors import DistributedError
-from .. import gather
+from ..channel import gather
 from ..report import Record
 from .state import STATE
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed import distributed_c10d as c10d
 
 from ...errors import DistributedError
-from .. import gather, sidechannel
+from ..channel import gather, sidechannel
 from .entry import Entry, failure, kept
 from .settings import Settings
 from .state import STATE, Group

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ... import env as envmod
 from ... import runtime
-from .. import sidechannel
+from ...job import env as envmod
+from ..channel import sidechannel
 from .settings import Settings
 
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ... import runtime
-from ...console import printable
-from .. import gather, raw, report, sidechannel, stall
+from ...output.console import printable
+from .. import raw, report, stall
+from ..channel import gather, sidechannel
 from .entry import completed, failure
 from .state import STATE, Group
 

@@ -7,7 +7,7 @@ Construction checks, then agrees, then listens:
 2. **Agree**: compare parameter names, shapes and dtypes across ranks (a mismatch names the
    first differing parameter and both ranks), then broadcast rank 0's parameters and buffers,
    once. From then on replicas stay identical because they apply identical averaged gradients.
-3. **Listen**: a :class:`~rankwise.parallel.ddp.reducer.Reducer` hooks every trainable parameter and
+3. **Listen**: a :class:`~rankwise.parallel.ddp.reduction.reducer.Reducer` hooks every trainable parameter and
    all-reduces bucketed gradients while backward runs.
 
 Before each forward (with ``broadcast_buffers``) rank 0's buffers, e.g. BatchNorm running
@@ -36,15 +36,16 @@ from ..agreement import (
     verify_same_model,
 )
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from . import hierarchical, passes, shared_reduce
 from .comm_hooks import HookFn, check_hook
 from .devices import check_devices, group_size_and_rank
 from .join import DDPJoinHook, sync_flag
 from .logging_data import DDPLogger, clock
 from .no_sync import gradient_sync_off
+from .node import hierarchical, shared_reduce
 from .options import buffer_sync, check_args, group_from_mesh, refuse_unsupported
-from .reducer import Reducer
-from .sparse import sparse_flags
+from .reduction import passes
+from .reduction.reducer import Reducer
+from .reduction.sparse import sparse_flags
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -54,10 +55,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     (docs/ddp.md lists the few that are accepted without effect or refused, and why).
     ``compression`` ('bf16' or 'fp16') sends gradients in half precision (see
     ``rankwise.parallel.ddp.compression``). ``shared_memory_reduce``: ranks on one machine over
-    Gloo average large CPU buckets through shared memory (``rankwise.parallel.ddp.shared_reduce``);
+    Gloo average large CPU buckets through shared memory (``rankwise.parallel.ddp.node.shared_reduce``);
     None uses it whenever every rank can, False never, True insists. ``hierarchical_reduce``:
     a job over several nodes sums inside each node through shared memory and only then across
-    the network (``rankwise.parallel.ddp.hierarchical``); None whenever the job spans nodes
+    the network (``rankwise.parallel.ddp.node.hierarchical``); None whenever the job spans nodes
     and can, False never, True insists. At world size 1 (no
     process group, not launched) the wrapper communicates nothing and behaves like the bare
     module.

@@ -33,7 +33,7 @@ from . import compression as comp
 if TYPE_CHECKING:
     from torch import nn
 
-    from .reducer import Reducer
+    from .reduction.reducer import Reducer
 
 
 class JoiningDDP(Protocol):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ... import env
+from ...job import env
 
 _ENV_KEYS = {
     "master_addr": "MASTER_ADDR",

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ...checkpoint.state_dict import add_module_prefix, strip_module_prefix
-from ...devices import DeviceLike, accelerator, resolve_device
 from ...errors import ConfigError
+from ...job.devices import DeviceLike, accelerator, resolve_device
 from ...validate import choice, fail, shown
 from .parallel_apply import parallel_apply
 from .replicate import replicate

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ... import comm
+from ...comm import collectives as comm
 from .shards import Group
 
 __all__ = ["NormParts"]

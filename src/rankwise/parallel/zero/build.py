@@ -20,7 +20,7 @@ from ...errors import ConfigError
 from .. import deferred
 from ..agreement import broadcast_tensors
 from ..buckets import assign_buckets
-from . import hier_comm
+from .comm import hier_comm
 from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
 from .wrap import WrapPolicy, resolve

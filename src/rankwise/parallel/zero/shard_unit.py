@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...diagnose import fingerprints
-from . import shard_comm
+from .comm import shard_comm
 from .layout import UnitLayout
 
 

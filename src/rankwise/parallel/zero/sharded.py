@@ -37,11 +37,11 @@ from ..agreement import broadcast_tensors, trainable_parameters, verify_same_mod
 from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..ddp.devices import group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
-from ..ddp.sparse import refuse_sparse
+from ..ddp.reduction.sparse import refuse_sparse
 from . import build, sharded_optim
 from .arguments import check_arguments
+from .comm.grad_norm import clip_shards_
 from .engine_view import OptimizerFactory
-from .grad_norm import clip_shards_
 from .stage3 import Stage3Hooks, _grad_outputs
 from .wrap import WrapPolicy
 

@@ -1,0 +1,210 @@
+"""torch DCP's on-disk metadata for rankwise's sharded checkpoints: the key layout, writing
+``.metadata`` from what the ranks wrote, reading it back without running code.
+
+**Key layout** (what ``dcp.save({"model": ..., "optim": ...})`` of torch's
+``get_state_dict(model, optimizer)`` writes, as torch's DCP tutorial does, minus its ``app.``):
+
+- ``model.<fqn>``: the bare model's state dict (no ``module.``/``_orig_mod.``), full shapes;
+- ``optim.state.<fqn>.<name>``: optimizer state keyed by parameter name (``exp_avg`` shaped
+  like the parameter, ``step`` a scalar), as torch's ``get_state_dict`` keys it;
+- ``optim.param_groups.<i>.<setting>``: each group's hyperparameters, ``params`` the names;
+- under the prefix ``rankwise``: ``.rng.<rank>`` (each rank's RNG), ``.scheduler``,
+  ``.loader``, ``.extra``: what resumes a run exactly; torch's loaders ignore keys they are
+  not asked for.
+
+``.metadata`` is torch's ``Metadata`` pickled, as DCP writes it, so ``dcp.load`` and
+``dcp_to_torch_save`` read our checkpoints. torch reads it with ``pickle.load``, which would
+run whatever a crafted file names; ``read_metadata`` unpickles only DCP's own metadata classes
+(``torch.Size``, dtypes, paths) and refuses anything else, naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from ...errors import ConfigError
+
+METADATA = ".metadata"
+MANIFEST = "rankwise.json"
+MODEL, OPTIM, OWN = "model", "optim", "rankwise"
+DCP_VERSION = getattr(dcp_fs, "CURRENT_DCP_VERSION", "1.0.0")
+MAX_METADATA_BYTES = 1 << 30
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+"""What a DCP ``.metadata`` pickle may name: its own dataclasses and plain values."""
+
+
+def model_key(fqn: str) -> tuple[str, list[Any]]:
+    return f"{MODEL}.{fqn}", [MODEL, fqn]
+
+
+def state_key(fqn: str, name: str) -> tuple[str, list[Any]]:
+    return f"{OPTIM}.state.{fqn}.{name}", [OPTIM, "state", fqn, name]
+
+
+def group_key(index: int, setting: str) -> tuple[str, list[Any]]:
+    return f"{OPTIM}.param_groups.{index}.{setting}", [OPTIM, "param_groups", index, setting]
+
+
+def own_key(*parts: Any) -> tuple[str, list[Any]]:
+    """``rankwise.<parts>``; the parts are names (a rank as "0": ``dcp_to_torch_save`` makes a
+    dict of it; an int would make a list, which DCP's loaders then cannot flatten back)."""
+    names = [str(p) for p in parts]
+    return ".".join([OWN, *names]), [OWN, *names]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    found = getattr(torch, str(name), None)
+    if not isinstance(found, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r} in a sharded checkpoint",
+                          fix="load it with the torch version that wrote it.")  # fmt: skip
+    return found
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def build(items: list[dict[str, Any]], checkpoint_id: str) -> dcp_md.Metadata:
+    """torch's ``Metadata`` from every written item: ``key``, ``path``, ``kind`` ('t' tensor,
+    'b' bytes), for tensors ``dtype``/``shape``/``offsets``/``sizes``, and where it lies
+    (``file``, ``offset``, ``length``)."""
+    entries: dict[str, Any] = {}
+    storage: dict[dcp_md.MetadataIndex, Any] = {}
+    planner: dict[str, tuple[Any, ...]] = {}
+    for it in sorted(items, key=lambda i: (i["key"], i.get("offsets") or [])):
+        key = it["key"]
+        planner[key] = tuple(it["path"])
+        where = dcp_fs._StorageInfo(it["file"], it["offset"], it["length"])
+        if it["kind"] == "b":
+            entries[key] = dcp_md.BytesStorageMetadata()
+            storage[dcp_md.MetadataIndex(key)] = where
+            continue
+        entry = entries.setdefault(key, dcp_md.TensorStorageMetadata(
+            properties=dcp_md.TensorProperties(dtype=dtype_of(it["dtype"])),
+            size=torch.Size(it["shape"]), chunks=[],
+        ))  # fmt: skip
+        offsets = torch.Size(it["offsets"])
+        entry.chunks.append(dcp_md.ChunkStorageMetadata(offsets, torch.Size(it["sizes"])))
+        storage[dcp_md.MetadataIndex(key, offsets)] = where
+    return dcp_md.Metadata(
+        state_dict_metadata=entries,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=dcp_md.StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        version=DCP_VERSION,
+    )
+
+
+def dumps(metadata: dcp_md.Metadata) -> bytes:
+    return pickle.dumps(metadata)
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        ):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_metadata(folder: Path, data: bytes | None = None) -> dcp_md.Metadata:
+    """The checkpoint's ``Metadata``, unpickling DCP's metadata classes only. A file that
+    names anything else, or does not parse, is a ``ConfigError`` naming it."""
+    path = folder / METADATA
+    try:
+        if data is None:
+            if path.stat().st_size > MAX_METADATA_BYTES:
+                raise ConfigError(f"{os.fspath(path)!r} is larger than 1 GiB",
+                                  fix="this is not DCP metadata; check the folder.")  # fmt: skip
+            data = path.read_bytes()
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(
+            f"{os.fspath(path)!r} names {exc}, which DCP metadata never holds; unpickling it "
+            "could run code, so it is refused",
+            fix="load only checkpoints written by torch.distributed.checkpoint or rankwise.",
+        ) from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise ConfigError(
+            f"cannot read {os.fspath(path)!r}: {type(exc).__name__}: {exc}",
+            fix="the folder is not a complete DCP checkpoint; load an earlier one.",
+        ) from None
+    _check_metadata(md, path)
+    return md
+
+
+def _check_metadata(md: Any, path: Path) -> None:
+    ok = isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
+    ok = ok and isinstance(md.storage_data, dict)
+    bad = None if ok else "is not DCP Metadata"
+    for index, info in md.storage_data.items() if ok else ():
+        name = getattr(info, "relative_path", None)
+        where = (getattr(info, "offset", None), getattr(info, "length", None))
+        if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
+                and isinstance(index.fqn, str)
+                and all(isinstance(n, int) and n >= 0 for n in where)):  # fmt: skip
+            bad = "holds a malformed storage entry"
+        elif not name or name != Path(name).name or name in (".", ".."):
+            bad = f"names {name!r}, which is not a file inside the folder"
+        if bad:
+            break
+    entries = md.state_dict_metadata.items() if ok and not bad else ()
+    bad = bad or next((why for k, e in entries if (why := _bad_entry(k, e))), None)
+    if bad:
+        raise ConfigError(f"{os.fspath(path)!r} {bad}",
+                          fix="load only checkpoints written by torch.distributed.checkpoint "
+                          "or rankwise.")  # fmt: skip
+
+
+def _bad_entry(key: Any, entry: Any) -> str | None:
+    """Why a ``state_dict_metadata`` entry is not DCP's, or None."""
+    if not isinstance(key, str):
+        return "holds a key that is not a string"
+    if isinstance(entry, dcp_md.BytesStorageMetadata):
+        return None
+    if not isinstance(entry, dcp_md.TensorStorageMetadata):
+        return f"describes {key!r} with something other than DCP's storage metadata"
+    dims = len(entry.size) if isinstance(entry.size, torch.Size) else -1
+    dtype = getattr(entry.properties, "dtype", None)
+    chunks_ok = isinstance(entry.chunks, list) and all(
+        isinstance(c, dcp_md.ChunkStorageMetadata)
+        and isinstance(c.offsets, torch.Size) and isinstance(c.sizes, torch.Size)
+        and len(c.offsets) == len(c.sizes) == dims
+        for c in entry.chunks
+    )  # fmt: skip
+    if dims < 0 or not isinstance(dtype, torch.dtype) or not chunks_ok:
+        return f"describes {key!r} with a malformed shape, dtype or chunk list"
+    return None
+
+
+def is_sharded(path: Path) -> bool:
+    """True for a folder holding a DCP checkpoint (its ``.metadata``)."""
+    return path.is_dir() and (path / METADATA).is_file()

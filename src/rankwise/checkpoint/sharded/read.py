@@ -1,0 +1,243 @@
+"""Reading a DCP checkpoint folder: each rank reads the saved chunks that overlap what it holds.
+
+``Reader`` opens a folder written by rankwise or by ``torch.distributed.checkpoint`` (FSDP2's
+``dcp.save``): the metadata is read without running code (``dcp_meta.read_metadata``), each
+item's bytes are checked against ``rankwise.json``'s checksum before torch parses them (a
+checkpoint written by another tool has none), and every item is read with
+``torch.load(weights_only=True)``. ``fill`` copies the overlap of each saved chunk with each
+wanted ``Piece`` straight into the piece's view: one saved chunk in memory at a time, whatever
+the world size or mesh either side.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from ...errors import ConfigError
+from . import digests
+from .boxes import Box, Split, overlap
+from .dcp_meta import METADATA, OPTIM, read_metadata
+from .pieces import Piece
+
+FORMAT = "rankwise-dcp"
+
+
+def item_id(key: str, offsets: Any) -> str:
+    """How ``rankwise.json`` names an item: its key, and a tensor chunk's offsets."""
+    return key if offsets is None else f"{key}@{','.join(map(str, offsets))}"
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """``rankwise.json`` (None for a checkpoint another tool wrote)."""
+    path = folder / "rankwise.json"
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot read {os.fspath(path)!r}: {exc}",
+                          fix="the checkpoint is damaged; load an earlier one.") from None  # fmt: skip
+    ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    items = manifest.get("items") if ok else None
+    ok = ok and isinstance(items, dict) and all(isinstance(v, str) for v in items.values())
+    ok = ok and isinstance(manifest.get("files", {}), dict)
+    ok = ok and isinstance(manifest.get("metadata", {}), dict)
+    if not ok:
+        raise ConfigError(f"{os.fspath(path)!r} is not a rankwise sharded checkpoint manifest",
+                          fix="load an earlier checkpoint, or remove the file.")  # fmt: skip
+    return manifest
+
+
+class Reader:
+    """One checkpoint folder, opened for reading (``with Reader(folder) as r:``)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.manifest = read_manifest(folder)
+        data = (folder / METADATA).read_bytes()
+        if self.manifest is not None:
+            want = self.manifest.get("metadata", {}).get(digests.FILE_DIGEST)
+            got = _digest128(data)
+            if want != got:
+                raise digests.damaged(folder / METADATA, "the file", got, str(want))
+        self.md = read_metadata(folder, data)
+        self.entries: dict[str, Any] = self.md.state_dict_metadata
+        self.items: dict[str, str] | None = (
+            None if self.manifest is None else self.manifest["items"]
+        )
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # -- what is there --------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def is_tensor(self, key: str) -> bool:
+        return isinstance(self.entries.get(key), dcp_md.TensorStorageMetadata)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.entries[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.entries[key].properties.dtype
+
+    def is_param_shaped(self, key: str, local: torch.Size, split: Split | None) -> bool:
+        """True when ``key`` holds a tensor of the full shape of a parameter whose slice here
+        is ``local`` (``split``: its tensor-parallel placement)."""
+        full = tuple(local) if split is None else split.full_shape(local)
+        return self.is_tensor(key) and self.shape(key) == full and len(full) > 0
+
+    def state_index(self, prefix: str) -> dict[str, dict[str, str]]:
+        """Parameter name -> {state name -> key} under ``<prefix>state.``."""
+        head = prefix + "state."
+        out: dict[str, dict[str, str]] = {}
+        for key in self.entries:
+            if key.startswith(head) and "." in key[len(head) :]:
+                fqn, name = key[len(head) :].rsplit(".", 1)
+                out.setdefault(fqn, {})[name] = key
+        return out
+
+    def groups(self, prefix: str) -> list[dict[str, Any]]:
+        """The saved optimizer groups' settings (``params``: the parameter names)."""
+        head = prefix + "param_groups."
+        found: dict[int, dict[str, Any]] = {}
+        for key in self.entries:
+            index, _, setting = key[len(head) :].partition(".")
+            if key.startswith(head) and index.isdigit() and setting:
+                found.setdefault(int(index), {})[setting] = self.blob(key)
+        return [found[i] for i in sorted(found)]
+
+    def optimizer_prefix(self, fqns: list[str]) -> str | None:
+        """Where the optimizer state lives: ``optim.`` (ours, ``dcp.save({"optim": ...})``),
+        ``app.optim.`` (torch's tutorial) or any other prefix ending in ``state.<name>.``."""
+        tails = [f"state.{fqn}." for fqn in fqns] + ["param_groups.0.params"]
+        for tail in tails:  # an optimizer without state (SGD without momentum) has groups
+            for key in self.entries:
+                at = key.find(tail)
+                if at >= 0 and (at == 0 or key[at - 1] == "."):
+                    return key[:at]
+        return None
+
+    def model_prefix(self, fqns: list[str]) -> str:
+        """The prefix in front of the model's keys: ``model.`` (ours), ``app.model.``, ...:
+        the one under which most of ``fqns`` are found."""
+        counts: dict[str, int] = {}
+        for fqn in fqns[:64]:
+            for key in self.entries:
+                if key.endswith(fqn) and (len(key) == len(fqn) or key[-len(fqn) - 1] == "."):
+                    prefix = key[: len(key) - len(fqn)]
+                    if (
+                        not prefix.startswith((OPTIM + ".", "rankwise."))
+                        and ".state." not in prefix
+                    ):
+                        counts[prefix] = counts.get(prefix, 0) + 1
+        return max(counts, key=lambda p: (counts[p], p == "model."), default="model.")
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def blob(self, key: str) -> Any:
+        """A saved non-tensor value (or a whole tensor), read with ``weights_only=True``."""
+        index = dcp_md.MetadataIndex(key)
+        if index not in self.md.storage_data:
+            raise ConfigError(f"the checkpoint in {os.fspath(self.folder)!r} lists {key!r} "
+                              "without its data", fix="load an earlier checkpoint.")  # fmt: skip
+        return self._load(index, key, None)
+
+    def fill(self, pieces: list[Piece]) -> None:
+        """Copy every saved chunk's overlap with each piece into the piece's view."""
+        work: dict[tuple[str, tuple[int, ...]], list[tuple[Piece, Box, Box]]] = {}
+        for piece in pieces:
+            entry = self.entries.get(piece.key)
+            if not isinstance(entry, dcp_md.TensorStorageMetadata):
+                raise ConfigError(f"the checkpoint has no tensor {piece.key!r}",
+                                  fix="load a checkpoint of the same model.")  # fmt: skip
+            covered = 0
+            for chunk in entry.chunks:
+                saved = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+                both = overlap(piece.box, saved)
+                if both is not None:
+                    work.setdefault((piece.key, saved.offsets), []).append((piece, both, saved))
+                    covered += both.numel
+            if covered != piece.box.numel:
+                raise ConfigError(
+                    f"the checkpoint in {os.fspath(self.folder)!r} holds only part of "
+                    f"{piece.key!r} ({covered} of the {piece.box.numel} elements wanted here)",
+                    fix="the save was incomplete; load an earlier checkpoint.",
+                )
+        for (key, offsets), wanted in sorted(work.items(), key=self._position):
+            chunk = self._load(dcp_md.MetadataIndex(key, offsets), key, wanted[0][2])
+            for piece, both, saved in wanted:
+                src = chunk[_slices(both, saved)]
+                piece.tensor[_slices(both, piece.box)].copy_(src)
+            del chunk
+
+    def _position(self, item: tuple[tuple[str, tuple[int, ...]], Any]) -> tuple[str, int]:
+        info = self.md.storage_data[dcp_md.MetadataIndex(*item[0])]
+        return info.relative_path, info.offset
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            path = self.folder / name
+            try:
+                self._fds[name] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise ConfigError(f"cannot open {os.fspath(path)!r}, a file of the checkpoint: "
+                                  f"{exc.strerror}", fix="copy the whole folder; load an "
+                                  "earlier checkpoint.") from None  # fmt: skip
+        return self._fds[name]
+
+    def _load(self, index: dcp_md.MetadataIndex, key: str, saved: Box | None) -> Any:
+        info = self.md.storage_data.get(index)
+        if info is None:
+            raise ConfigError(f"the checkpoint lists no data for {key!r} at {index.offset}",
+                              fix="load an earlier checkpoint.")  # fmt: skip
+        path = self.folder / info.relative_path
+        fd = self._fd(info.relative_path)
+        if self.items is not None:
+            name = item_id(key, None if saved is None else saved.offsets)
+            got = digests.range_digest(fd, info.offset, info.length)
+            if got != self.items.get(name):
+                raise digests.damaged(path, f"item {name!r}", got, str(self.items.get(name)))
+        stream = io.BufferedReader(digests.FileSlice(fd, info.offset, info.length))
+        try:
+            value = torch.load(stream, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch's reasons vary by version: name the file and the item
+            raise ConfigError(
+                f"cannot read {key!r} from {os.fspath(path)!r} (bytes {info.offset}.."
+                f"{info.offset + info.length}): {type(exc).__name__}: {str(exc)[:200]}",
+                fix="the file is damaged or holds an object outside torch's weights_only "
+                "allow-list; load an earlier checkpoint.",
+            ) from None
+        if saved is not None and not (isinstance(value, torch.Tensor)
+                                      and tuple(value.shape) == saved.sizes):  # fmt: skip
+            raise ConfigError(f"{os.fspath(path)!r} holds for {key!r} something other than the "
+                              f"{saved.sizes} chunk its metadata names",
+                              fix="load an earlier checkpoint.")  # fmt: skip
+        return value
+
+
+def _slices(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """``inner``'s place inside ``outer``, as an index into ``outer``'s data."""
+    return tuple(slice(i - o, i - o + s) for i, o, s in
+                 zip(inner.offsets, outer.offsets, inner.sizes, strict=True))  # fmt: skip
+
+
+def _digest128(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(data).hexdigest()

@@ -1,0 +1,81 @@
+"""The process group's life: created through torch's rendezvous, destroyed once, also at exit.
+
+Part of the ground floor with ``runtime`` (which decides *what* to create): this module imports
+only ``env``, ``netif`` and ``errors``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from . import env as envmod
+from . import netif
+from .env import DistEnv
+
+joined_a_group = False
+"""True once this process joined a group through ``rw.init`` (the launcher's bootstrap reads it
+to tell a lone copy of a script from a rank, docs/launcher.md)."""
+
+_destroyed = {"groups": 0}
+"""Process groups this process created and destroyed (each rank counts the same)."""
+
+
+def create(
+    env: DistEnv, backend: str, timeout: timedelta, *, exported: bool, debug: bool = False
+) -> None:
+    """Create the default process group with ``backend``. Sync point: all ranks."""
+    global joined_a_group
+    if "gloo" in backend:
+        netif.point_gloo_at(env.master_addr)
+    if debug:  # read when the group is created; the env var reaches the ranks' own children
+        envmod.set_collective_debug()
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    # torch's env:// reads RANK/MASTER_* itself: give it the values we were given or detected.
+    if exported or env.source in ("slurm", "mpi"):
+        envmod.export_for_torch(env)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            **_rendezvous(env, timeout),
+        )
+    except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+        raise DistributedError(
+            f"could not join the job at MASTER_ADDR={env.master_addr} "
+            f"MASTER_PORT={env.master_port} as rank {env.rank} of {env.world_size} "
+            f"within {timeout.total_seconds():.0f}s ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+            fix="check that rank 0 is running and that MASTER_ADDR/MASTER_PORT reach it "
+            "from this machine (`rankwise doctor`), or raise the timeout.",
+            rank=env.rank,
+        ) from exc
+    joined_a_group = True
+
+
+def destroy() -> None:
+    """Destroy the default group (local, no sync point); a later ``create`` uses fresh keys."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        _destroyed["groups"] += 1
+
+
+def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
+    """How ``init_process_group`` finds its peers: torch's ``env://``, with one exception.
+
+    Under the launcher's agent the store outlives a restart of the worker group. The keys the
+    previous attempt's ranks left in it (their Gloo addresses among them) would be read as
+    the new ranks' and the connection refused; a prefix per attempt keeps attempts apart.
+    """
+    if not env.agent_store:
+        return {"init_method": "env://"}
+    store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+    )
+    # ... and so does a group this process destroyed (rw.shutdown(), then rw.init() again).
+    prefix = f"/rankwise/attempt_{env.restart_count}/init_{_destroyed['groups']}"
+    return {"store": dist.PrefixStore(prefix, store)}

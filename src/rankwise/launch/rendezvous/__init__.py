@@ -1,0 +1,3 @@
+"""Rendezvous beyond torch's defaults: c10d with its state signed (``signed``) and the handler's
+store calls given a limit so a cut-off node does not hang (``guard``).
+"""

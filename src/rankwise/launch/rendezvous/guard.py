@@ -1,0 +1,61 @@
+"""torch's c10d rendezvous handler, with the calls a cut-off node could hang in given a limit.
+
+Between machines, the c10d handler talks to its store on the endpoint's node while the job
+runs: the agent asks it every monitoring tick whether a node waits to join, and closes it at
+the end. On a node that a network partition cut off from that node, such a call never gets an
+answer (TCP retransmits for a quarter of an hour): the agent stopped watching its workers, and
+the node's launcher hung long after they had failed at their timeout. Here those calls give up
+(``diagnose.reach``, the diagnosis's own store reads): "no node waits" while the store does not
+answer, the rendezvous closed as far as this node can, and a new round that cannot complete
+fails after --rdzv-timeout like one that never met.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...diagnose.channel.reach import READ_TIMEOUT_S, BoundedReads, Unreachable
+from .signed import BACKEND
+
+
+class GuardedHandler:
+    """A proxy for torch's ``RendezvousHandler`` (everything else passes through)."""
+
+    def __init__(self, handler: Any, rdzv_timeout: float) -> None:
+        self._handler = handler
+        self._rdzv_timeout = rdzv_timeout
+        self._calls = BoundedReads(None, READ_TIMEOUT_S)
+        self._rounds = BoundedReads(None, rdzv_timeout + 30)  # a round may wait that long
+
+    def __getattr__(self, name: str) -> Any:  # torch's object: forward what is not bounded
+        return getattr(self._handler, name)
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            return self._calls.call(self._handler.num_nodes_waiting)
+        except Unreachable:
+            return 0  # cut off from the store: no node can join this one now
+
+    def shutdown(self) -> bool:
+        try:
+            return self._calls.call(self._handler.shutdown)
+        except Unreachable:
+            return False
+
+    def next_rendezvous(self) -> Any:
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+        try:
+            return self._rounds.call(self._handler.next_rendezvous)
+        except Unreachable:
+            raise RendezvousTimeoutError(
+                f"the rendezvous store did not answer within --rdzv-timeout={self._rdzv_timeout:.0f}s "
+                "(+30 s): this node is cut off from the endpoint's node, or that node is down"
+            ) from None
+
+
+def guard(handler: Any, rdzv_timeout: float) -> Any:
+    """``handler`` with its store calls bounded, for the c10d backends (static's do not wait)."""
+    backend = getattr(handler, "get_backend", lambda: "")()
+    waits = backend in ("c10d", BACKEND)  # torch's, or the signed one rankwise registers
+    return GuardedHandler(handler, rdzv_timeout) if waits else handler

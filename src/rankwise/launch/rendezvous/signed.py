@@ -1,0 +1,193 @@
+"""torch's c10d rendezvous with its state signed: nobody who reaches the store runs code in it.
+
+torch's dynamic rendezvous (what ``--rdzv-backend c10d`` and a one-node job use) keeps its state
+as a base64 pickle under ``torch.rendezvous.<run id>`` in the agent's TCPStore, which listens on
+every interface without authentication, and unpickles whatever it reads there: anyone who can
+reach the port could write a pickle that runs code in the ``rankwise run`` process. The store
+and the protocol stay torch's; this module wraps the rendezvous *backend* torch's handler reads
+its state through (``C10dRendezvousBackend``) and registers the result in torch's handler
+registry as ``rankwise-c10d`` (the launcher uses it wherever ``c10d`` is asked for):
+
+- every state this node writes is sealed: ``MAGIC || HMAC-SHA256(secret, key || state) || state``
+  with a per-job secret (generated for a one-node job, given by ``--rdzv-token`` or
+  ``RANKWISE_RDZV_TOKEN`` to every node of a larger one);
+- every state read back is checked before torch sees it: without a valid seal, or holding any
+  pickled global other than the rendezvous state's own classes (checked by a restricted
+  unpickler, which also protects a job run without a secret), it is refused with
+  ``ForgedRendezvousState`` naming the store key, and the job stops.
+
+A writer who reaches the port can still delete or reset keys and so stop the job (firewall the
+port: docs/launcher.md); it can no longer make a node run its code or accept a forged state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import ipaddress
+import pickle
+from typing import Any
+
+from ...errors import DistributedError
+
+BACKEND = "rankwise-c10d"
+"""The name the signed backend is registered under in torch's rendezvous handler registry."""
+MAGIC = b"rankwise-rdzv-v1:"
+_TAG = hashlib.sha256().digest_size
+_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_ALLOWED = {
+    (_RDZV, "_RendezvousState"),
+    (_RDZV, "_NodeDesc"),
+    ("datetime", "datetime"),  # the deadline and heartbeats (timezone-aware)
+    ("datetime", "timezone"),
+    ("datetime", "timedelta"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+_SECRETS: dict[str, bytes | None] = {}  # run id -> secret, for the launches of this process
+
+
+class ForgedRendezvousState(DistributedError):
+    """The rendezvous state in the store was not written by a node of this job."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a rendezvous endpoint's host) is this machine's loopback address."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _OnlyRendezvousState(pickle.Unpickler):
+    """An unpickler that finds no global but the rendezvous state's own classes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"it holds a pickled {module}.{name}")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference")
+
+
+def check_pickle(state: bytes) -> str:
+    """Why ``state`` is not a plain rendezvous state ('' if it is): it is read once with the
+    restricted unpickler, so torch's own ``pickle.loads`` of the same bytes finds only the
+    classes the check allowed and runs nothing else."""
+    try:
+        _OnlyRendezvousState(io.BytesIO(state)).load()
+    except Exception as exc:  # whatever the bytes make the unpickler raise
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
+
+
+class SignedBackend:
+    """torch's ``RendezvousBackend`` interface around torch's c10d backend: seals what is
+    written, checks what is read (module docstring)."""
+
+    def __init__(self, inner: Any, secret: bytes | None, key: str, endpoint: str) -> None:
+        self._inner, self._secret, self._key, self._endpoint = inner, secret, key, endpoint
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        got = self._call(self._inner.get_state)
+        return None if got is None else (self._open(got[0]), got[1])
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        got = self._call(self._inner.set_state, self._seal(state), token)
+        return None if got is None else (self._open(got[0]), got[1], got[2])
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+        try:
+            return fn(*args)
+        except RendezvousStateError as exc:  # not even base64
+            raise self._forged(f"is not a rendezvous state ({exc})") from None
+
+    def _mac(self, state: bytes) -> bytes:
+        assert self._secret is not None
+        return hmac.new(self._secret, self._key.encode() + b"\0" + state, hashlib.sha256).digest()
+
+    def _seal(self, state: bytes) -> bytes:
+        return state if self._secret is None else MAGIC + self._mac(state) + state
+
+    def _open(self, sealed: bytes) -> bytes:
+        state = sealed
+        if self._secret is not None:
+            if not sealed.startswith(MAGIC):
+                raise self._forged("is not signed with this job's rendezvous secret")
+            tag, state = sealed[len(MAGIC) : len(MAGIC) + _TAG], sealed[len(MAGIC) + _TAG :]
+            if not hmac.compare_digest(tag, self._mac(state)):
+                raise self._forged("has a signature that does not match this job's secret")
+        why = check_pickle(state)
+        if why:
+            raise self._forged(f"is not a plain rendezvous state ({why})")
+        return state
+
+    def _forged(self, why: str) -> ForgedRendezvousState:
+        return ForgedRendezvousState(
+            f"the rendezvous state under key {self._key!r} in the store at {self._endpoint} "
+            f"{why}: it was not written by a node of this job, and was not unpickled; the job "
+            "stops here",
+            fix="give every node the same --rdzv-token (or RANKWISE_RDZV_TOKEN), use a distinct "
+            "--rdzv-id per job, and keep the rendezvous port reachable only from the job's "
+            "nodes (a firewall rule; docs/launcher.md).",
+        )
+
+
+def _create_handler(params: Any) -> Any:
+    """torch's c10d store and backend, the backend wrapped, torch's dynamic handler."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    inner, store = create_backend(params)
+    key = f"torch.rendezvous.{params.run_id}"  # the key torch's c10d backend keeps it under
+    backend = SignedBackend(inner, _SECRETS.get(params.run_id), key, params.endpoint)
+    return create_handler(store, backend, params)
+
+
+def register(run_id: str, secret: bytes | None) -> None:
+    """Make ``rankwise-c10d`` known to torch, with ``secret`` for rendezvous ``run_id``."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    _SECRETS[run_id] = secret
+
+
+def unregister(run_id: str) -> None:
+    _SECRETS.pop(run_id, None)
+
+
+def choose_secret(backend: str, max_nodes: int, token: str | None, new: bytes) -> bytes | None:
+    """The rendezvous secret: the token's UTF-8 bytes when one is given (every node must have
+    the same), ``new`` (random) when no other node can ever join, else None (unsigned: a
+    warning, and the restricted unpickler alone stands between the store and the agent)."""
+    if backend != "c10d":
+        return None  # the static rendezvous keeps no pickled state
+    if token:
+        return token.encode()
+    return new if max_nodes == 1 else None
+
+
+def unsigned_warning(endpoint: str) -> str:
+    """What a job without a secret on a non-loopback address is told ('' where it is safe)."""
+    host = endpoint.rsplit(":", 1)[0]
+    if is_loopback(host):
+        return ""
+    return (
+        f"rankwise run: warning: the c10d rendezvous at {endpoint} is not signed: anyone who can "
+        "reach that port can forge the rendezvous state (rankwise refuses any state holding "
+        "other objects, so no code runs, but forged members can disturb or stop the job)\n"
+        "Fix: give every node the same secret, e.g. export RANKWISE_RDZV_TOKEN=$(python -c "
+        "'import secrets; print(secrets.token_hex(16))') on each node (or --rdzv-token), and "
+        "keep the port reachable only from the job's nodes."
+    )

@@ -1,0 +1,269 @@
+"""One executor for every schedule: run one rank's actions, moving tensors between stages.
+
+The schedule (``pipeline/schedules.py``) says what to compute and in which order; ``Stages`` says how
+(this rank's stage modules, the first stage's micro-batch inputs, the last stage's loss); a
+``Transport`` moves tensors (``p2p.Link`` between processes). For each action:
+
+- ``F``: take the input (the micro-batch, or the activation received from the previous
+  stage), run the stage, send the output on (with its header) or, on the last stage, keep the
+  loss;
+- ``B``: ``torch.autograd.grad`` of the stage output with the received gradient (the last
+  stage: the loss with its seed), for the stage input and the stage's parameters; send the
+  input's gradient back;
+- ``I``/``W`` (zero-bubble): the same split in two by ``weight_pass.WeightPass``.
+
+Parameter gradients are summed into ``StepResult.grads`` (one tensor per parameter), never
+into ``.grad``: the caller decides when they land there (all at once, so that a data-parallel
+engine's gradient hooks fire once per step, as after one ordinary backward).
+
+Messages between two ranks are read in the order they were sent (``Schedule.sends``): a
+message that arrives before the one this rank needs now is set aside until its turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ...errors import ConfigError
+from ..schedules import Action, Message, Schedule
+from .p2p import Header
+from .weight_pass import WeightPass
+
+
+class Stages(Protocol):
+    """What one rank computes."""
+
+    def run(self, stage: int, micro_batch: int, x: Any) -> Any:
+        """Stage ``stage``'s forward of ``x`` (the first stage gets ``first_input``)."""
+
+    def first_input(self, micro_batch: int) -> Any:
+        """The first stage's input for ``micro_batch``."""
+
+    def loss(self, micro_batch: int, output: Any) -> torch.Tensor:
+        """The last stage's scalar loss from its output."""
+
+    def parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
+        """The trainable parameters ``stage`` uses."""
+
+
+class Transport(Protocol):
+    """Moves tensors between the pipeline's positions (0 = the first rank)."""
+
+    def send(self, dst: int, msg: Message, tensor: torch.Tensor, header: Header | None) -> None:
+        """Queue ``tensor`` for position ``dst`` (activations carry a header)."""
+
+    def post(self) -> None:
+        """Start the queued sends."""
+
+    def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
+        """The next message from ``src`` (it is ``msg``): shaped as ``like``, or by its header."""
+
+    def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
+        """The next message from ``src`` (it is ``msg``) may be received ahead: shaped as
+        ``like``, or (None) an activation with its header."""
+
+    def progress(self) -> None:
+        """Move receives posted ahead along (between actions)."""
+
+    def flush(self) -> None:
+        """Wait until every send has been received."""
+
+
+@dataclass
+class Event:
+    """One action as it ran on this rank (``time.perf_counter`` seconds)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class StepResult:
+    """What one rank's step produced."""
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Last stage: each micro-batch's loss (detached)."""
+    outputs: dict[int, Any] = field(default_factory=dict)
+    """Forward-only runs, last stage: each micro-batch's output."""
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id(parameter) -> its gradient summed over the micro-batches (seeded as asked)."""
+    events: list[Event] = field(default_factory=list)
+    recv_wait_s: float = 0.0
+    """Time spent waiting for messages: this rank's measured bubble."""
+
+
+class Executor:
+    """Runs ``schedule`` as pipeline position ``position``."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        position: int,
+        stages: Stages,
+        transport: Transport,
+        seed: Callable[[int], float] = lambda i: 1.0,
+        weight_pass: WeightPass | None = None,
+        prefetched: dict[Message, torch.Tensor] | None = None,
+    ) -> None:
+        self.split = schedule.split_backward
+        if self.split and weight_pass is None:
+            raise ValueError("a split-backward schedule needs a WeightPass")
+        self.schedule, self.position, self.stages = schedule, position, stages
+        self.transport, self.seed, self.weight_pass = transport, seed, weight_pass
+        self.last = schedule.num_stages - 1
+        self.stash: dict[Message, torch.Tensor] = dict(prefetched or {})
+        self.read = {src: 0 for src in range(schedule.ranks)}
+        self.channels = {src: schedule.sends(src, position) for src in range(schedule.ranks)
+                         if src != position}  # fmt: skip
+        for msg in self.stash:
+            self.read[schedule.rank_of(msg.src_stage)] += 1
+        self.saved: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.result = StepResult()
+
+    def run(self, forward_only: bool = False) -> StepResult:
+        """Every action of this rank (only the ``F`` ones with ``forward_only``), then wait
+        for the sends. Sync point: the pipeline's ranks."""
+        todo = (self.schedule.forward_only(self.position) if forward_only
+                else self.schedule.actions[self.position])  # fmt: skip
+        if forward_only:  # only activations are sent
+            self.channels = {src: [m for m in ch if m.kind == "act"]
+                             for src, ch in self.channels.items()}  # fmt: skip
+        for src in self.channels:
+            self._expect(src)
+        for action in todo:
+            self._act(action, forward_only)
+        self.transport.flush()
+        return self.result
+
+    def _act(self, action: Action, forward_only: bool) -> None:
+        self.transport.progress()
+        needed = self.schedule.needs(action)
+        received = self._take(needed) if needed is not None else None
+        if needed is None:
+            self.transport.post()
+        start = time.perf_counter()
+        if action.kind == "F":
+            self._forward(action, received, forward_only)
+        elif action.kind == "W":
+            self._add_grads(self.weight_pass.run((action.stage, action.micro_batch)))
+        else:
+            self._backward(action, received)
+        self.result.events.append(Event(action, start, time.perf_counter()))
+
+    def _forward(self, action: Action, received: Any, forward_only: bool) -> None:
+        s, i = action.stage, action.micro_batch
+        x = self.stages.first_input(i) if s == 0 else received
+        if isinstance(x, torch.Tensor) and s > 0 and x.is_floating_point() and not forward_only:
+            x = x.detach().requires_grad_(True)
+        split = self.split and not forward_only
+        anchor = self.weight_pass.begin((s, i)) if split else None
+        try:
+            out = self.stages.run(s, i, x)
+        finally:
+            if split:
+                self.weight_pass.end()
+        if s == self.last:
+            if forward_only:
+                self.result.outputs[i] = out
+                return
+            out = self.stages.loss(i, out)
+            self.result.losses[i] = out.detach()
+        else:
+            self._send(Message("act", s, i), _activation(out, s, forward_only), with_header=True)
+        if not forward_only:
+            self.saved[(s, i)] = (x, out, anchor)
+
+    def _backward(self, action: Action, received: torch.Tensor | None) -> None:
+        s, i = action.stage, action.micro_batch
+        x, out, anchor = self.saved.pop((s, i))
+        grad = torch.full_like(out, self.seed(i)) if s == self.last else received.to(out.device)
+        takes_grad = isinstance(x, torch.Tensor) and x.requires_grad
+        head = ([anchor] if anchor is not None else []) + ([x] if takes_grad else [])
+        params = self.stages.parameters_of(s)
+        grads = torch.autograd.grad([out], head + params, [grad], allow_unused=True)
+        self._add_grads(zip(params, grads[len(head) :], strict=True))
+        if s > 0:
+            dx = grads[len(head) - 1] if takes_grad else None
+            self._send(Message("grad", s, i), torch.zeros_like(x) if dx is None else dx, False)
+
+    def _add_grads(self, pairs: Any) -> None:
+        acc = self.result.grads
+        for p, g in pairs:
+            if g is None:
+                continue
+            if id(p) in acc:
+                acc[id(p)].add_(g)
+            else:
+                acc[id(p)] = g
+
+    def _send(self, msg: Message, tensor: torch.Tensor, with_header: bool) -> None:
+        dst = self.schedule.rank_of(msg.dst_stage)
+        if dst == self.position:
+            self.stash[msg] = tensor.detach()
+            return
+        header = None
+        if with_header:
+            count = self.schedule.micro_batches
+            header = Header(msg.micro_batch, count, tensor.dtype, tuple(tensor.shape))
+        self.transport.send(dst, msg, tensor, header)
+
+    def _take(self, msg: Message) -> torch.Tensor:
+        """``msg``, read from its channel in the sender's order (others set aside)."""
+        src = self.schedule.rank_of(msg.src_stage)
+        if src != self.position:
+            channel = self.channels[src]
+            start = time.perf_counter()
+            while msg not in self.stash:
+                nxt = channel[self.read[src]]
+                self.read[src] += 1
+                self.stash[nxt] = self.transport.receive(src, nxt, self._like(nxt))
+            self._expect(src)
+            self.result.recv_wait_s += time.perf_counter() - start
+        return self.stash.pop(msg)
+
+    def _expect(self, src: int) -> None:
+        """Let the transport receive ``src``'s next message ahead, when its shape is known."""
+        channel = self.channels[src]
+        if self.read[src] >= len(channel):
+            return
+        nxt = channel[self.read[src]]
+        like = self._like(nxt)
+        if nxt.kind == "act" or like is not None:
+            self.transport.expect(src, nxt, like)
+
+    def _like(self, msg: Message) -> torch.Tensor | None:
+        """A gradient has the shape of the activation this rank sent; None: read a header."""
+        if msg.kind == "act":
+            return None
+        saved = self.saved.get((msg.dst_stage, msg.micro_batch))
+        return None if saved is None else _tensor_output(saved[1], msg.dst_stage)
+
+
+def _activation(out: Any, stage: int, forward_only: bool) -> torch.Tensor:
+    """The tensor stage ``stage`` passes on: gradients flow back through floating point only."""
+    out = _tensor_output(out, stage)
+    if not forward_only and not out.is_floating_point():
+        raise ConfigError(
+            f"pipeline stage {stage} passes a {out.dtype} activation to the next stage; "
+            "training needs its gradient, which only floating-point tensors have",
+            fix="cut the model where the activation is floating point (e.g. after the "
+            "embedding, not before it).",
+        )
+    return out
+
+
+def _tensor_output(out: Any, stage: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(
+            f"pipeline stage {stage} returned {type(out).__name__}, not a tensor; stages in "
+            "different processes pass one tensor to the next",
+            fix="make every layer (block) return one tensor; wrap layers that return tuples in "
+            "a module that returns the tensor to pass on.",
+        )
+    return out

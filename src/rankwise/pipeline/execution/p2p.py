@@ -1,0 +1,257 @@
+"""The wire protocol between pipeline stages in different processes: a header, then the tensor.
+
+Forward activations may change shape from batch to batch (the last batch of an epoch, a
+micro-batch that is one sample shorter), so each one is preceded by a fixed-size int64 header
+that the receiver can always post a receive for:
+
+    [micro_batch, num_micro_batches, dtype_code, ndim, size_0, ..., size_{MAX_DIMS-1}]
+
+Backward gradients need no header: the gradient of an activation has its shape and dtype,
+which the receiver already knows from the forward. Every receive waits at most the runtime's
+timeout and then raises a ``DistributedError`` naming the peer, the phase and the micro-batch.
+A header is checked before anything is allocated for it (its number, the micro-batch count,
+dtype, dimensions and a size cap): a wrong one is a ``DistributedError`` naming the stage that
+sent it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ...errors import ConfigError, DistributedError
+
+MAX_DIMS = 8
+HEADER_LEN = 4 + MAX_DIMS
+MAX_MICRO_BATCHES = 1 << 16
+"""Most micro-batches a header may announce (``chunks`` of any real pipeline is far lower)."""
+MAX_ACTIVATION_BYTES = 64 << 30
+"""Largest activation a header may announce: a receiver allocates it before it arrives."""
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+@dataclass(frozen=True)
+class Header:
+    micro_batch: int
+    num_micro_batches: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def encode(header: Header, device: torch.device) -> torch.Tensor:
+    if header.dtype not in DTYPES or len(header.shape) > MAX_DIMS:
+        raise ConfigError(
+            f"a pipeline stage output has dtype {header.dtype} and shape {list(header.shape)}; "
+            f"stages in different processes can pass tensors of dtypes {list(DTYPES)} with at "
+            f"most {MAX_DIMS} dimensions",
+            fix="reshape or cast the activation at the stage boundary (e.g. flatten it).",
+        )
+    shape = list(header.shape) + [0] * (MAX_DIMS - len(header.shape))
+    values = [header.micro_batch, header.num_micro_batches, DTYPES.index(header.dtype)]
+    return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
+
+
+def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
+    """Why a received header cannot be the one expected ('' if it can): it comes from another
+    process, and the receiver allocates what it announces."""
+    mb, n, code, ndim, sizes = v[0], v[1], v[2], v[3], v[4:]
+    if mb != micro_batch:
+        return f"is numbered {mb}, not {micro_batch}"
+    if not 1 <= n <= MAX_MICRO_BATCHES or (count is not None and n != count):
+        expected = count if count is not None else f"1..{MAX_MICRO_BATCHES}"
+        return f"announces {n} micro-batches (expected {expected})"
+    if not 0 <= code < len(DTYPES):
+        return f"has dtype code {code} (not one of 0..{len(DTYPES) - 1})"
+    if not 0 <= ndim <= MAX_DIMS:
+        return f"has {ndim} dimensions (at most {MAX_DIMS})"
+    shape = sizes[:ndim]
+    if any(s < 0 for s in shape) or any(sizes[ndim:]):
+        return f"has shape {sizes} for {ndim} dimensions"
+    nbytes = math.prod(shape) * DTYPES[code].itemsize
+    if nbytes > MAX_ACTIVATION_BYTES:
+        return f"announces {nbytes} bytes (the limit is {MAX_ACTIVATION_BYTES})"
+    return ""
+
+
+def decode(
+    t: torch.Tensor, *, sender: str, micro_batch: int, count: int | None, rank: int
+) -> Header:
+    """The header of activation ``micro_batch`` (of ``count``, once known) from ``sender``;
+    a ``DistributedError`` naming the sender if it is not one this stage can accept."""
+    v = t.tolist()
+    why = header_problem(v, micro_batch, count)
+    if why:
+        raise DistributedError(
+            f"pipeline {sender} sent an activation header for micro-batch {micro_batch} that "
+            f"{why} (header {v}); nothing was allocated or received after it",
+            fix="every stage must run the same rankwise version and the same train_step calls; "
+            "a process that sends anything else is not part of this pipeline.",
+            rank=rank,
+        )
+    return Header(v[0], v[1], DTYPES[v[2]], tuple(v[4 : 4 + v[3]]))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the next activation from a peer must be: ``micro_batch`` of ``count`` (None until
+    known), sent by ``sender`` (a stage and its rank, named in errors)."""
+
+    sender: str
+    micro_batch: int
+    count: int | None = None
+
+
+class _Early:
+    """A receive posted ahead of need: an activation's header (``head`` None until it is in,
+    checked against ``expected``) or a tensor of known shape."""
+
+    def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
+                 expected: Expected | None = None) -> None:  # fmt: skip
+        self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
+        self.expected = expected
+
+
+class Link:
+    """Point-to-point traffic of one stage with the other stages, with timeouts on receives.
+
+    Sends are queued and posted at the start of the next action, together with its receive
+    when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
+    two ranks must be posted as one group, or each can wait for the other), so a stage
+    computes its next micro-batch while the last one is on the wire. A completed send is
+    dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
+
+    Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
+    tensor of an activation whose header is in is received as soon as it is (``progress``),
+    so data moves while this rank computes. On NCCL a receive posted ahead would hold up this
+    rank's sends to that peer (one stream per pair): receives wait until needed there.
+    """
+
+    def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
+        self.comm_device = comm_device
+        self.timeout = timeout
+        self.rank = rank
+        self.ahead = comm_device.type == "cpu"
+        self._queued: list[tuple[dist.P2POp, str]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._early: dict[int, _Early] = {}
+
+    def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
+        """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
+        parts = [] if header is None else [encode(header, self.comm_device)]
+        parts.append(tensor.detach().to(self.comm_device).contiguous())
+        for part in parts:
+            self._queued.append((dist.P2POp(dist.isend, part, dst), f"{what} to rank {dst}"))
+
+    def post(self) -> None:
+        """Post the queued sends now (before a computation that receives nothing)."""
+        self._start([])
+
+    def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None) -> None:
+        """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
+        or (None) the header of the activation ``expected``. Over Gloo only."""
+        if not self.ahead or src in self._early:
+            return
+        shape, dtype = ((HEADER_LEN,), torch.int64) if like is None else (like.shape, like.dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        work = self._start([buf], src)
+        self._early[src] = _Early(work, buf, None, like is not None, expected)
+
+    def progress(self) -> None:
+        """Post the tensor receive of every activation whose header has arrived (checked
+        first: a header that is refused is dropped, nothing is allocated for it)."""
+        for src, early in list(self._early.items()):
+            if not early.tensor and early.work.is_completed():
+                del self._early[src]
+                self._wait(early.work, f"activation header from rank {src}")
+                head = self._decode(early.buf, early.expected, src)
+                buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
+                self._early[src] = _Early(self._start([buf], src), buf, head, True)
+
+    def receive_activation(
+        self, src: int, what: str, expected: Expected
+    ) -> tuple[Header, torch.Tensor]:
+        """An activation from rank ``src``: its header (checked against ``expected``), then
+        the tensor it announces. The one receive path for tensors whose shape the receiver
+        does not know."""
+        early = self._early.pop(src, None)
+        if early is not None and early.head is not None:  # header and tensor both posted
+            self.post()  # what this rank owes its peers goes out before it waits
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.head, early.buf
+        if early is None:
+            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
+            work = self._start([buf], src)
+        else:
+            work, buf = early.work, early.buf
+            self.post()
+        self._wait(work, f"{what} header from rank {src}")
+        head = self._decode(buf, expected, src)
+        return head, self.recv(head.shape, head.dtype, src, what)
+
+    def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
+        expected = expected or Expected(f"rank {src}", int(buf[0]))
+        return decode(buf, sender=expected.sender, micro_batch=expected.micro_batch,
+                      count=expected.count, rank=self.rank)  # fmt: skip
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of
+        the activation this rank sent)."""
+        early = self._early.pop(src, None)
+        if early is not None:
+            self.post()
+            self._wait(early.work, f"{what} from rank {src}")
+            return early.buf
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        self._wait(self._start([buf], src), f"{what} from rank {src}")
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every send. Sync point: the receiving stages."""
+        self.post()
+        pending, self._pending = self._pending, []
+        for work, _, what in pending:
+            self._wait(work, what)
+
+    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
+        """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
+        return the receive's work."""
+        if len(self._pending) > 8:
+            self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+        ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        for (op, what), work in zip(self._queued, works, strict=False):
+            self._pending.append((work, op.tensor, what))
+        self._queued = []
+        return works[-1] if recv_bufs else None
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            raise self._error(what, f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        if ok is False:
+            raise self._error(what, "timed out")
+
+    def _error(self, what: str, cause: str) -> DistributedError:
+        return DistributedError(
+            f"pipeline {what} failed after at most {self.timeout.total_seconds():.0f}s ({cause})",
+            fix="every rank of the pipeline must call train_step with the same chunks, schedule "
+            "and number of steps; look for a rank that died or skipped a step.",
+            rank=self.rank,
+        )
