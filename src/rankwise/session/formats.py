@@ -4,7 +4,9 @@ A strategy that shards state (``Strategy.checkpoint == "sharded"``: the ZeRO sta
 torch DCP's folder format, every rank writing its own shards; so does any mesh with tensor or
 pipeline ranks (the model is split over them), and a model that is sharded whatever the
 strategy (a ``rw.ShardedDataParallel`` or ``rw.tensor_parallel`` built by hand). The others
-write one file from rank 0. ``rt.save(..., sharded=True/False)`` overrides the choice.
+write one file from rank 0, and so does the ``PipelineModel`` ``rt.prepare`` builds under a
+pipeline mesh: its stages gather the whole model and the one-process optimizer state
+(``pipeline/state.py``), which any stage layout, or one process, loads. ``rt.save(..., sharded=True/False)`` overrides the choice.
 ``background=True`` returns once the state is copied to host memory and writes it in a thread
 (``checkpoint/background.py``). Loading looks at what the path holds, so either format loads
 under any strategy."""
@@ -19,6 +21,7 @@ from ..checkpoint.api import check_flag, load_checkpoint, resolve, save_checkpoi
 from ..checkpoint.sharded.dcp_meta import is_sharded
 from ..checkpoint.sharded.pieces import find_engine
 from ..parallel.tensor.state import has_split_layers
+from ..pipeline.state import pipeline_in
 from ..training.loop import full_states
 
 if TYPE_CHECKING:
@@ -29,6 +32,8 @@ def saves_sharded(rt: Runtime, model: Any = None) -> bool:
     """The default of ``rt.save``: the registry's format; sharded on a split mesh, and for a
     model that is sharded whatever the strategy (a ``ShardedDataParallel`` or tensor-parallel
     layers built by hand)."""
+    if model is not None and pipeline_in(model) is not None:
+        return False  # one file of the whole model: see the module's docstring
     if rt.strategy_spec.checkpoint == "sharded":
         return True
     mesh = rt.mesh
