@@ -16,12 +16,15 @@ from rankwise.pipeline import schedules as S
 from rankwise.pipeline.schedules import Action, Schedule
 
 
-@pytest.fixture(scope="module")
-def sim():
-    """The paper simulator, imported when a test runs (not at collection), so that the fast
-    tier's census sees these tests import it."""
-    return importlib.import_module("rankwise.pipeline.simulate")
+class _Simulator:
+    """``rankwise.pipeline.simulate``, imported at first use, inside a test: the fast tier's
+    census credits a module to the tests that import it while they run, not at collection."""
 
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module("rankwise.pipeline.simulate"), name)
+
+
+sim = _Simulator()
 
 VIRTUAL = {"gpipe": (1, 2), "1f1b": (1,), "interleaved_1f1b": (2, 3), "zero_bubble": (1, 2, 3)}
 
@@ -33,12 +36,12 @@ def _cases(name: str):
 
 
 @pytest.mark.parametrize("name", VIRTUAL)
-def test_every_schedule_runs_each_action_once_and_never_deadlocks(name, sim):
+def test_every_schedule_runs_each_action_once_and_never_deadlocks(name):
     for schedule in _cases(name):
-        _check_one(schedule, sim)
+        _check_one(schedule)
 
 
-def _check_one(schedule: Schedule, sim) -> None:
+def _check_one(schedule: Schedule) -> None:
     timeline = sim.check(schedule)  # raises on a missing/duplicated action or a deadlock
     assert timeline.makespan > 0
     for r, row in enumerate(schedule.actions):
@@ -54,12 +57,12 @@ def _check_one(schedule: Schedule, sim) -> None:
 
 
 @pytest.mark.parametrize("name", VIRTUAL)
-def test_every_message_sent_is_received_in_its_channel(name, sim):
+def test_every_message_sent_is_received_in_its_channel(name):
     for schedule in _cases(name):
-        _check_channels(schedule, sim)
+        _check_channels(schedule)
 
 
-def _check_channels(schedule: Schedule, sim) -> None:
+def _check_channels(schedule: Schedule) -> None:
     p, v = schedule.ranks, schedule.stages_per_rank
     for src, dst in itertools.permutations(range(p), 2):
         sent = schedule.sends(src, dst)
@@ -73,7 +76,7 @@ def _check_channels(schedule: Schedule, sim) -> None:
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_activation_memory_gpipe_grows_with_m_1f1b_with_stages(p, m, sim):
+def test_activation_memory_gpipe_grows_with_m_1f1b_with_stages(p, m):
     assert sim.peak_activations(S.gpipe(p, m)) == [m] * p
     assert sim.peak_activations(S.one_f_one_b(p, m)) == [min(p - r, m) for r in range(p)]
     # Zero bubble keeps a micro-batch's graph until its W: p - r in flight + r delayed W.
@@ -84,7 +87,7 @@ def test_activation_memory_gpipe_grows_with_m_1f1b_with_stages(p, m, sim):
         assert max(peak) / v <= p  # no more than 1F1B's p stages' worth
 
 
-def test_1f1b_peak_at_16_micro_batches_is_a_quarter_of_gpipe_at_4_stages(sim):
+def test_1f1b_peak_at_16_micro_batches_is_a_quarter_of_gpipe_at_4_stages():
     assert max(sim.peak_activations(S.one_f_one_b(4, 16))) * 4 == max(
         sim.peak_activations(S.gpipe(4, 16))
     )
@@ -92,7 +95,7 @@ def test_1f1b_peak_at_16_micro_batches_is_a_quarter_of_gpipe_at_4_stages(sim):
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 16])
-def test_gpipe_and_1f1b_bubble_is_the_formula(p, m, sim):
+def test_gpipe_and_1f1b_bubble_is_the_formula(p, m):
     for schedule in (S.gpipe(p, m), S.one_f_one_b(p, m)):
         t = sim.simulate(schedule, {"F": 1, "B": 2})
         assert t.makespan == pytest.approx(3 * (m + p - 1))
@@ -104,7 +107,7 @@ def test_gpipe_and_1f1b_bubble_is_the_formula(p, m, sim):
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("v", [2, 3, 4])
 @pytest.mark.parametrize("rounds", [1, 2, 4])
-def test_interleaved_bubble_is_divided_by_v(p, v, rounds, sim):
+def test_interleaved_bubble_is_divided_by_v(p, v, rounds):
     m = rounds * p  # Megatron-LM's case: whole rounds of p micro-batches
     t = sim.simulate(S.interleaved_1f1b(p, m, v), {"F": 1, "B": 2})
     assert t.makespan == pytest.approx(3 * m + 3 * (p - 1) / v)
@@ -112,7 +115,7 @@ def test_interleaved_bubble_is_divided_by_v(p, v, rounds, sim):
     assert t.idle(0) == pytest.approx(one.idle(0) / v)
 
 
-def test_interleaved_v2_bubble_is_at_most_0_6_of_1f1b_at_4_stages(sim):
+def test_interleaved_v2_bubble_is_at_most_0_6_of_1f1b_at_4_stages():
     for m in (4, 8, 16):  # the bubble's duration (idle time per rank), as the benchmark measures
         inter = sim.simulate(S.interleaved_1f1b(4, m, 2))
         one = sim.simulate(S.one_f_one_b(4, m))
@@ -121,7 +124,7 @@ def test_interleaved_v2_bubble_is_at_most_0_6_of_1f1b_at_4_stages(sim):
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
 @pytest.mark.parametrize("m", [6, 8, 12, 16])
-def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p, m, sim):
+def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p, m):
     cost = {"F": 1, "B": 2, "I": 1, "W": 1}
     zb = sim.simulate(S.zero_bubble(p, m), cost)
     one = sim.simulate(S.one_f_one_b(p, m), cost)
@@ -130,7 +133,7 @@ def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p, m, sim):
     assert one.makespan - 3 * m == pytest.approx(3 * (zb.makespan - 3 * m))
 
 
-def test_a_schedule_that_waits_on_itself_is_reported_as_a_deadlock(sim):
+def test_a_schedule_that_waits_on_itself_is_reported_as_a_deadlock():
     # Rank 0 sends micro-batch 1 only after micro-batch 0's backward, which needs rank 1's,
     # which rank 1 runs only after micro-batch 1's forward: each waits for the other.
     rows = (
@@ -143,7 +146,7 @@ def test_a_schedule_that_waits_on_itself_is_reported_as_a_deadlock(sim):
     assert "rank 0 at B0@0" in str(err.value) and "rank 1 at F1@1" in str(err.value)
 
 
-def test_a_schedule_missing_an_action_is_refused(sim):
+def test_a_schedule_missing_an_action_is_refused():
     good = S.one_f_one_b(2, 2)
     rows = (good.actions[0][:-1], good.actions[1])
     with pytest.raises(ConfigError, match="rank 0 does not run each of its actions"):
