@@ -31,19 +31,10 @@ import rankwise as rw
 from rankwise.testing import run_distributed
 
 
-def deferred_init() -> bool:
-    """True once ``rt.prepare`` takes a model built on the meta device (its ``init=``)."""
-    import inspect
-
-    return "init" in inspect.signature(rw.Session.prepare).parameters
-
-
-def _meta(rt, build, source: Path, plan=None, init=None) -> dict | None:
+def _meta(rt, build, source: Path, plan=None, init=None) -> dict:
     """The typical flow for a model larger than one process: built on the meta device,
     prepared (each rank materializes only what it keeps), then filled from the checkpoint;
-    compared with ``build()`` (the file's model) prepared eagerly. None before deferred init."""
-    if not deferred_init():
-        return None
+    compared with ``build()`` (the file's model) prepared eagerly."""
     group = rt.mesh.group("tensor") if rt.mesh is not None else None
 
     def split(model):
@@ -274,8 +265,6 @@ def test_hf_gpt2_loads_into_each_rank_as_from_pretrained_then_prepare(files, str
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp", "zero2"])
 def test_a_meta_built_model_prepared_then_loaded_equals_from_pretrained(files, strategy):
-    if not deferred_init():
-        pytest.skip("rt.prepare does not take meta-device models yet (deferred init)")
     for rank, r in enumerate(_world2_results(files)):
         case = r[f"{strategy} meta"]
         assert case["same"], f"rank {rank}: its part differs from from_pretrained + prepare"
@@ -286,8 +275,6 @@ def test_a_meta_built_model_prepared_then_loaded_equals_from_pretrained(files, s
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_a_meta_built_tensor_parallel_model_loads_its_pieces_on_the_mesh(files, strategy):
-    if not deferred_init():
-        pytest.skip("rt.prepare does not take meta-device models yet (deferred init)")
     for rank, r in enumerate(_mesh_results(files)):
         assert r[f"{strategy} tiny meta"]["same"], rank
 
