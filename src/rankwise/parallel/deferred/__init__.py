@@ -11,11 +11,14 @@ The engines decide where each initialised tensor goes: ``materialize`` keeps it 
 device (single, dp, ddp); the sharded engine copies this rank's slice into its flat shards and
 frees the rest (``parallel/zero/build.py``).
 
-**Order.** Modules are initialised in registration order (``model.named_modules()``: a parent
-before its children, children in the order they were assigned). When the model's eager
-constructor draws its random numbers in that same order — every module initialising its own
-tensors as it is built, nothing else drawing — and every rank holds the same CPU generator
-state, the *exact* mode reproduces an eager CPU build bit for bit.
+**Order** (``order``): ``model.apply``'s, children before their parent (Hugging Face's
+``post_init`` walks the same way), so a parent's initialisation that sets a child's tensor wins
+as in an eager build; a tensor is final once the last module that writes it has run. When the
+model's eager constructor draws its random numbers in that same order — every module
+initialising its own tensors as it is built (a parent's ``reset_parameters()`` at the end of
+its ``__init__``), nothing else drawing — and every rank holds the same CPU generator state, the
+*exact* mode reproduces an eager CPU build bit for bit. A model that initialises again in a
+second pass (``_init_weights``, ``post_init``) cannot be reproduced so: ``plan`` warns.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from ...errors import ConfigError, warn_user
 from ..optimizers import rebuild_optimizer
-from .modules import Init, full_module, has_meta, init_module, own_tensors
+from . import order
+from .modules import Init, check_set, full_module, has_meta, init_module, make_real, own_tensors
 from .rng import agreed
 
 __all__ = [
@@ -85,6 +89,7 @@ def plan(model: nn.Module, init: Init | None, exact_init: bool) -> DeferredInit 
     ``init``/``exact_init`` are refused: there is nothing for them to initialise)."""
     how = DeferredInit(init=init, exact=exact_init)
     if any_meta(model):
+        _warn_second_pass(model, how)
         return how
     if init is not None or exact_init:
         given = "init=" if init is not None else "exact_init=True"
@@ -97,23 +102,63 @@ def plan(model: nn.Module, init: Init | None, exact_init: bool) -> DeferredInit 
     return None
 
 
-def meta_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of every module to initialise, in registration order, listed before
-    any is touched (a tied weight's second owner is still listed once the first built it)."""
-    return [(path or "<root>", m) for path, m in model.named_modules() if has_meta(m)]
+def _warn_second_pass(model: nn.Module, how: DeferredInit) -> None:
+    """A model whose constructor initialises again after building its layers
+    (``self.apply(self._init_weights)``, Hugging Face's ``post_init``): by default that pass is
+    skipped, and no mode reproduces its numbers. Said, not refused."""
+    if not callable(getattr(model, "_init_weights", None)):
+        return
+    cls = type(model).__name__
+    if how.init is None:
+        warn_user(
+            f"{cls} has _init_weights(), a second initialisation pass its constructor runs "
+            "after building the layers; rt.prepare calls each module's reset_parameters() "
+            "instead, so that pass is skipped and the values differ from an eager build's. "
+            "Fix: rt.prepare(model, optimizer, init=model._init_weights)."
+        )
+    if how.exact:
+        warn_user(
+            f"exact_init=True cannot reproduce an eager build of {cls}: its constructor "
+            "initialises each layer, then _init_weights() draws again; here each module is "
+            "initialised once, so the values follow the eager build's distributions, not its "
+            "numbers. Fix: give the layers reset_parameters() that set their final values "
+            "(as rankwise.models.GPT does), or leave exact_init out."
+        )
+
+
+def meta_modules(model: nn.Module, init: Init | None = None) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every module to initialise, in ``model.apply``'s order (children
+    first), listed before any is touched (``order.steps``)."""
+    return order.steps(model, init)
 
 
 Built = tuple[nn.Module, list[torch.Tensor]]
-"""A module whose meta tensors were just initialised, and those tensors (the same objects)."""
+"""A module just initialised, and the tensors final after it (the same objects): its own, or
+a descendant's it was the last to write."""
 
 
 def walk(model: nn.Module, how: DeferredInit, device: torch.device) -> Iterator[Built]:
-    """Initialise the meta modules one by one on ``how.build_device(device)``; yields each
-    module with its newly real tensors. No sync point."""
-    done: set[int] = set()
+    """Initialise the meta modules one by one on ``how.build_device(device)`` in
+    ``model.apply``'s order; yields each module with the tensors that became final (no later
+    module writes them: see ``order``). No sync point."""
     build = how.build_device(device)
-    for path, module in meta_modules(model):
-        yield module, init_module(module, path, how.init, build, done)
+    steps = order.steps(model, how.init)
+    found = order.schedule(steps, how.init, build)
+    final, early = order.released_at(found), order.early_at(found, steps)
+    done: set[int] = set()
+    made: set[int] = set()
+    owners: dict[int, tuple[str, nn.Module, str, str]] = {}
+    for i, (path, module) in enumerate(steps):
+        for t in early.get(i, []):
+            make_real(t, build)
+            made.add(id(t))
+        for kind, name, t in init_module(module, path, how.init, build, done, made):
+            owners.setdefault(id(t), (path, module, kind, name))
+        ready = [t for t in final.get(i, []) if not t.is_meta]
+        for t in ready:
+            p, m, kind, name = owners.get(id(t), (path, module, "tensor", "?"))
+            check_set(m, p, [(kind, name, t)], how.init)
+        yield module, ready
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> None:

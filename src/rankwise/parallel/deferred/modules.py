@@ -65,32 +65,52 @@ def _slot(module: nn.Module, kind: str) -> dict[str, Any]:
     return module._parameters if kind == "parameter" else module._buffers
 
 
-def _allocate(
-    module: nn.Module, path: str, device: torch.device, done: set[int]
-) -> tuple[list[tuple[str, str, torch.Tensor]], list[tuple[str, str, torch.Tensor]]]:
-    """Real storage for the module's meta tensors; scratch for those already initialised.
+def lend(
+    module: nn.Module, done: set[int], device: torch.device
+) -> list[tuple[str, str, torch.Tensor]]:
+    """Scratch tensors in the slots of own tensors an earlier module initialised (a weight
+    tied after construction); returns the originals, to ``restore`` after the call."""
+    lent = [(k, n, t) for k, n, t in own_tensors(module) if id(t) in done]
+    for kind, name, t in lent:
+        _slot(module, kind)[name] = _real(t, device)
+    return lent
 
-    Returns (allocated, lent): what the init must set, and the originals the scratch
-    tensors stand in for (put back afterwards)."""
-    allocated, lent = [], []
-    for kind, name, t in own_tensors(module):
-        if id(t) in done:
-            lent.append((kind, name, t))
-            _slot(module, kind)[name] = _real(t, device)
-        elif t.is_meta:
+
+def restore(module: nn.Module, lent: list[tuple[str, str, torch.Tensor]]) -> None:
+    for kind, name, t in lent:
+        _slot(module, kind)[name] = t
+
+
+def _allocate(
+    module: nn.Module, path: str, device: torch.device, done: set[int], early: set[int]
+) -> list[tuple[str, str, torch.Tensor]]:
+    """Real storage for the module's own meta tensors (those in ``early`` were made real at
+    an earlier writer's turn); returns what its initialisation must set."""
+    own = [(k, n, t) for k, n, t in own_tensors(module) if id(t) not in done]
+    if not any(t.is_meta or id(t) in early for _, _, t in own):
+        return []  # nothing of its own to build (a parent called for its children's sake)
+    allocated = []
+    for kind, name, t in own:
+        if t.is_meta:
             torch.utils.swap_tensors(t, _real(t, device))
-            allocated.append((kind, name, t))
-        else:
+        elif id(t) not in early:
             raise ConfigError(
                 f"module {path!r} ({type(module).__name__}) holds {kind} {name!r} on "
                 f"{t.device} beside tensors on the meta device; its initialisation would "
                 "overwrite it",
                 fix="build the whole module under `with torch.device('meta'):`, or none of it.",
             )
-    return allocated, lent
+        allocated.append((kind, name, t))
+    return allocated
 
 
-def _run(module: nn.Module, path: str, init: Init | None) -> None:
+def make_real(t: torch.Tensor, device: torch.device) -> None:
+    """Allocate a meta tensor before its owner's turn (an earlier module writes it)."""
+    torch.utils.swap_tensors(t, _real(t, device))
+
+
+def run_init(module: nn.Module, path: str, init: Init | None) -> None:
+    """``init(module)``, or the module's ``reset_parameters()`` (refused when it has none)."""
     with torch.no_grad():
         if init is not None:
             init(module)
@@ -115,9 +135,10 @@ def _any_nan(t: torch.Tensor) -> bool:
     return any(bool(part.isnan().any()) for part in t.detach().reshape(-1).split(1 << 20))
 
 
-def _check_set(
+def check_set(
     module: nn.Module, path: str, allocated: list[tuple[str, str, torch.Tensor]], init: Init | None
 ) -> None:
+    """Refuse a tensor the initialisation left (partly) unset: it still holds NaN."""
     by = "the init function" if init is not None else "reset_parameters()"
     for kind, name, t in allocated:
         if (t.is_floating_point() or t.is_complex()) and _any_nan(t):
@@ -155,27 +176,45 @@ def _cut(module: nn.Module, source: nn.Module, done: set[int]) -> list[torch.Ten
     return out
 
 
+def target_of(module: nn.Module) -> nn.Module:
+    """The module whose tensors an initialisation sets: the full one a tensor-parallel layer
+    was cut from, while it waits to be built, else the module itself."""
+    source = full_module(module)
+    return module if source is None else source
+
+
 def init_module(
-    module: nn.Module, path: str, init: Init | None, device: torch.device, done: set[int]
-) -> list[torch.Tensor]:
-    """Give ``module``'s meta tensors real, initialised values on ``device``; returns them
-    (each the same object as before). ``done``: ids of tensors already initialised (updated).
+    module: nn.Module,
+    path: str,
+    init: Init | None,
+    device: torch.device,
+    done: set[int],
+    early: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[tuple[str, str, torch.Tensor]]:
+    """Give ``module``'s own meta tensors real values on ``device`` and run its
+    initialisation; returns ``(kind, name, tensor)`` of the tensors it owns (each the same
+    object as before), not yet checked for NaN: a parent may still set them (``check_set``
+    once final). ``done``: ids of tensors already initialised by an earlier owner (updated).
+    A tensor-parallel layer's pieces are cut here (its full module checked first).
     No sync point."""
     source = full_module(module)
-    target = module if source is None else source
-    allocated, lent = _allocate(target, path, device, done)
+    target = target_of(module)
+    allocated = _allocate(target, path, device, done, early)
+    # a module with nothing of its own to build (called for its children) writes scratch only
+    skip = done if allocated else done | {id(t) for _, _, t in own_tensors(target)}
+    lent = lend(target, skip, device)
     try:
-        _run(target, path, init)
+        run_init(target, path, init)
     finally:
-        for kind, name, t in lent:
-            _slot(target, kind)[name] = t
-    _check_set(target, path, allocated, init)
+        restore(target, lent)
     done.update(id(t) for _, _, t in allocated)
     if source is None:
-        return [t for _, _, t in allocated]
+        return allocated
+    check_set(target, path, allocated, init)
     mine = _cut(module, source, done)
     done.update(id(t) for t in mine)
     keep = {id(t) for _, _, t in own_tensors(module)}
     _release(source, keep)
     del module.__dict__["_full_module"]
-    return mine + [t for _, _, t in allocated if id(t) in keep]
+    own = {id(t): (k, n) for k, n, t in own_tensors(module)}
+    return [(*own[id(t)], t) for t in mine] + [e for e in allocated if id(e[2]) in keep]
