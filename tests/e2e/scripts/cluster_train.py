@@ -9,7 +9,10 @@ resumes from OUT/ckpt when a checkpoint is there (a restarted or replaced node).
 ``<step> <time>`` to OUT/steps after every step and the step of every save that returned to
 OUT/saved; each rank writes where it found itself (rank, node, source: the launcher's or
 Slurm's variables) to OUT/env<R>.json, its pid to OUT/pid<R>, and its parameters to
-OUT/rank<R>.pt at the end (replicas must be equal). OUT defaults to the working directory.
+OUT/rank<R>.pt at the end (replicas must be equal), and the DDP reducer's cross-rank path to
+OUT/path<R>.txt (flat, shared memory, hierarchical). OUT defaults to the working directory.
+A strategy written ``ddp+big`` runs ``ddp`` on the big model (its 4 MiB bucket takes the
+shared-memory and hierarchical paths, which start at 1 MiB), into OUT/ddp+big.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ def train(rt, a: argparse.Namespace, out: str) -> None:
                              {"params": model[2:].parameters()}], lr=1e-2)  # fmt: skip
     loader = DataLoader(data, batch_size=16, shuffle=True)
     model, opt, loader = rt.prepare(model, opt, loader, global_batch_size=16)
+    reducer = getattr(model, "reducer", None)
+    with open(os.path.join(out, f"path{rt.rank}.txt"), "w") as f:
+        f.write(type(getattr(reducer, "shared", None)).__name__)  # NoneType: flat all-reduce
     ckpt = os.path.join(out, "ckpt")
     step, epoch = 0, 0
     if rw.list_checkpoints(ckpt):
@@ -104,8 +110,11 @@ def main() -> None:
     a = parse()
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, in a hang
     strategies = a.strategy.split(",")
-    for strategy in strategies:  # several: each from scratch into OUT/<strategy>
-        out = a.out if len(strategies) == 1 else os.path.join(a.out, strategy)
+    big = a.big
+    for token in strategies:  # several: each from scratch into OUT/<token>
+        out = a.out if len(strategies) == 1 else os.path.join(a.out, token)
+        strategy, _, size = token.partition("+")
+        a.big = big or size == "big"
         os.makedirs(out, exist_ok=True)
         rt = rw.init(strategy=strategy, timeout=a.timeout)
         torch.set_num_threads(1)
