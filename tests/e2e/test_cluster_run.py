@@ -38,10 +38,12 @@ def _envs(folder: Path) -> dict[int, dict]:
 
 FINAL = re.compile(r"\[rank0\]: test accuracy (\d\.\d{4}) \((\d+)/360\) .* strategy ddp, 4 replica")
 SCRIPT = [TRAIN, "--strategy", "ddp,zero2,ddp+big", "--steps", "8"]
-HIERARCHICAL_ATOL = 1e-5
+HIERARCHICAL_ATOL = 1e-4
 """Two nodes against one above 1 MiB (``ddp+big``): node-first sums ((g0+g1)+(g2+g3)) against
-one node's four, a different rounding of the same sums; measured 9.1e-7 at most (AdamW, 8
-steps). The failure message prints the measured difference."""
+one node's four summed in turn, a different rounding of the same sums, which AdamW's division
+by each gradient's own running magnitude carries into the parameters: measured 2.0e-5 at most
+after 8 steps at lr 1e-2 (parameters of order 0.1). The order is fixed, so the figure repeats;
+the failure message prints it."""
 
 
 def _paths(folder: Path) -> dict[int, str]:

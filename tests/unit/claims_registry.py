@@ -56,14 +56,18 @@ class Finding:
         return f"{self.file}:{self.line}: {self.why}: {self.text}"
 
 
+def _blank(m: re.Match) -> str:
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+
+def _blank_fences(text: str) -> str:
+    return re.sub(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", _blank, text, flags=re.M | re.S)
+
+
 def _blank_code(text: str) -> str:
     """Fenced blocks, inline code and link targets replaced by spaces (offsets kept)."""
-
-    def blank(m: re.Match) -> str:
-        return re.sub(r"[^\n]", " ", m.group(0))
-
-    text = re.sub(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", blank, text, flags=re.M | re.S)
-    text = re.sub(r"`[^`\n]*`", blank, text)
+    blank = _blank
+    text = re.sub(r"`[^`\n]*`", blank, _blank_fences(text))
     return re.sub(r"\]\([^)\n]*\)", lambda m: "]" + blank(m)[1:], text)
 
 
@@ -110,7 +114,7 @@ def unmarked_claims(path: Path, root: Path) -> list[Finding]:
     plain = MARKER.sub(lambda m: " " * len(m.group(0)), raw)
     prose = _blank_code(plain)
     rel = str(path.relative_to(root))
-    blocks = _blocks(prose)
+    blocks = _blocks(_blank_fences(plain))  # where lists and tables start: the text as written
     out = []
     for i, (start, end, table) in enumerate(blocks):
         for m in CLAIM.finditer(prose, start, end):
@@ -125,7 +129,9 @@ def unmarked_claims(path: Path, root: Path) -> list[Finding]:
             if not covered:
                 line = raw.count("\n", 0, m.start()) + 1
                 sentence = " ".join(prose[start:end].split())
-                out.append(Finding(rel, line, sentence[:300], f"claim {m.group(0)!r} without a marker"))
+                out.append(
+                    Finding(rel, line, sentence[:300], f"claim {m.group(0)!r} without a marker")
+                )
     return _one_per_line(out)
 
 

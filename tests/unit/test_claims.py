@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import claims_registry as cr
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +69,7 @@ def test_a_marker_covers_its_sentence_and_must_name_something(tmp_path):
     ]:
         found = _check(tmp_path, f"Bitwise equal <!-- claim: {bad} -->.\n")
         assert len(found) == 1 and why in found[0] and bad in found[0], found
-    assert _check(tmp_path, f"Bitwise <!-- claim: tests/dist/test_x.py::test_y[zero3] -->.\n") == []
+    assert _check(tmp_path, "Bitwise <!-- claim: tests/dist/test_x.py::test_y[zero3] -->.\n") == []
 
 
 def test_a_table_is_covered_by_one_marker_around_it(tmp_path):
