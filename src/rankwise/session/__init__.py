@@ -107,8 +107,8 @@ class Session(runtime.Runtime, TrainingLoop):
         exact_init: bool = False,
     ) -> Any:
         """``prepare(rt, ...)``: move (or, built on the meta device, initialise), then wrap
-        the model; split the loader. ``init``: ``init(module)`` for each module with tensors of
-        its own, in registration order, instead of its ``reset_parameters()``; ``exact_init``:
+        the model; split the loader. ``init``: ``init(module)`` as ``model.apply(init)`` calls
+        it (children first), instead of each module's ``reset_parameters()``; ``exact_init``:
         equal to an eager CPU build at the same seed, bit for bit.
 
         Sync point: all ranks under a multi-process strategy (ddp, zero1/2/3, auto).

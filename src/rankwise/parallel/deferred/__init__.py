@@ -57,8 +57,8 @@ class DeferredInit:
     """How a meta-built model is initialised."""
 
     init: Init | None = None
-    """``init(module)`` for every module with tensors of its own on the meta device, in
-    registration order, instead of its ``reset_parameters()``."""
+    """``init(module)`` as ``model.apply(init)`` would call it (children first) for every
+    module with meta tensors at or below it, instead of each ``reset_parameters()``."""
     exact: bool = False
     """Build on the CPU from a random state every rank already shares (checked), advancing it
     as an eager build would: values equal to an eager CPU build at the same seed."""

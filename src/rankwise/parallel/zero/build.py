@@ -4,8 +4,8 @@ An eagerly built model is packed unit by unit (``FlatUnit._pack``): each unit's 
 move into its flat buffer, rank 0's values are broadcast for that unit alone, and stage 3
 keeps only this rank's shard before the next unit starts, so preparing never holds a second
 copy of the model. A model built on the meta device starts with empty units; each module is
-then initialised in registration order (``parallel/deferred``) and its parameters handed to
-their units (``FlatUnit.fill``), which keep this rank's part: the model never exists whole.
+then initialised in ``model.apply``'s order (``parallel/deferred``) and its parameters handed to
+their units (``FlatUnit.fill``) once no later module writes them, which keep this rank's part: the model never exists whole.
 """
 
 from __future__ import annotations
