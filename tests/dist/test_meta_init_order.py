@@ -7,9 +7,10 @@ overrides a child's wins, as in an eager build.
   match an eager build tensor by tensor: every random tensor's standard deviation within 5%
   (sample sizes in ``init_order_cases``), every constant tensor (norms, biases) and computed
   buffer (Llama's rotary table) equal;
-- a parent that sets its child's weight wins over the child's own initialisation, and a child
-  that writes its parent's tensor before the parent's turn is not lost (world 2, ``zero3``:
-  the units keep only final values);
+- a parent that sets its child's weight wins over the child's own initialisation, a child that
+  writes its parent's tensor before the parent's turn is not lost, and a parent whose
+  initialisation cannot run on the meta device still sees and sets its children's values
+  (world 2, ``zero3``: the units keep only final values);
 - ``exact_init=True`` warns when the model initialises in a second pass (it cannot be exact);
   default initialisation warns that such a pass is skipped.
 """
@@ -75,8 +76,19 @@ class Parent(nn.Module):
         object.__setattr__(self.b, "peer", self)  # a plain reference, not a submodule
 
 
+class Fussy(nn.Module):
+    """Its ``init`` reads a child's value (``.item()``): it cannot run on the meta device, so
+    the dry run cannot tell what it writes, and its whole subtree is held until it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Child()
+
+
 def _init(module: nn.Module) -> None:
-    if isinstance(module, Child):
+    if isinstance(module, Fussy):
+        nn.init.constant_(module.inner.weight, 3.0 + module.inner.weight[0, 0].item())
+    elif isinstance(module, Child):
         nn.init.constant_(module.weight, 1.0)
         if hasattr(module, "peer"):
             nn.init.constant_(module.peer.gain, 3.0)
@@ -89,7 +101,7 @@ def _init(module: nn.Module) -> None:
 def _order_case() -> dict:
     rt = rw.init(strategy="zero3")
     with torch.device("meta"):
-        model = nn.Sequential(Parent(), nn.Linear(4, 4))
+        model = nn.Sequential(Parent(), nn.Linear(4, 4), Fussy())
     model, _ = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), init=_init)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -99,6 +111,7 @@ def test_parent_init_wins_over_child_under_zero3():
         assert torch.equal(state["0.a.weight"], torch.full((64, 64), 2.0))
         assert torch.equal(state["0.b.weight"], torch.full((64, 64), 1.0))
         assert torch.equal(state["0.gain"], torch.full((3,), 3.0))
+        assert torch.equal(state["2.inner.weight"], torch.full((64, 64), 4.0))  # 3 + the child's 1
 
 
 def test_second_pass_models_warn():
