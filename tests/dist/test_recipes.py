@@ -1,7 +1,7 @@
 """Real models as recipes (docs/recipes.md): the user's loop under ddp, zero2, zero3 and dp
 trains a HF GPT-2, a nanoGPT-style GPT and a ResNet-18-shaped net as torch's DDP does, and as
 FSDP2 does for zero3 (bf16-mixed, gradient accumulation, and clipping that engages: the
-pre-clip norm is above ``CLIP`` on most steps of every run, checked from the norms each returns).
+pre-clip norm is above ``CLIP`` on every step of every run, checked from the norms each returns).
 
 Two spawned jobs run every case (recipe_cases.py): one at world 2 (torch's DDP and FSDP2, then
 ours), one process for DataParallel over two CPU replicas. Each case below reads its result.
@@ -60,8 +60,8 @@ def _curve(result: dict) -> list[float]:
 def _engaged(result: dict, what: str) -> None:
     norms = result["norms"]
     assert len(norms) == rc.STEPS, (what, norms)
-    above = sum(n > rc.CLIP for n in norms)
-    assert above > len(norms) / 2, (
+    above = sum(n > rc.CLIP for n in norms)  # measured: 0.55 to 1.6, over ten times CLIP
+    assert above == len(norms), (
         f"{what}: the clip engaged on {above} of {len(norms)} steps: {norms}"
     )
 
