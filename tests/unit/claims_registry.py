@@ -199,6 +199,10 @@ def bad_markers(path: Path, root: Path) -> list[Finding]:
     raw = path.read_text(encoding="utf-8")
     rel = str(path.relative_to(root))
     out = []
+    for m in re.finditer(r"<!--\s*claim\b.*?(?:-->|$)", raw, flags=re.M):
+        if not MARKER.fullmatch(m.group(0)):
+            line = raw.count("\n", 0, m.start()) + 1
+            out.append(Finding(rel, line, m.group(0), "malformed marker (one target, then -->)"))
     for m in MARKER.finditer(raw):
         why = target_problem(m.group("target"), root)
         if why is not None:

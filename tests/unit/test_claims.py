@@ -70,6 +70,12 @@ def test_a_marker_covers_its_sentence_and_must_name_something(tmp_path):
         found = _check(tmp_path, f"Bitwise equal <!-- claim: {bad} -->.\n")
         assert len(found) == 1 and why in found[0] and bad in found[0], found
     assert _check(tmp_path, "Bitwise <!-- claim: tests/dist/test_x.py::test_y[zero3] -->.\n") == []
+    for malformed in (
+        "<!-- claim: tests/dist/test_x.py::test_y (load 3) -->",
+        "<!-- claim tests -->",
+    ):
+        found = _check(tmp_path, f"Bitwise {malformed}.\n")
+        assert any("malformed marker" in f for f in found), found
 
 
 def test_a_table_is_covered_by_one_marker_around_it(tmp_path):
