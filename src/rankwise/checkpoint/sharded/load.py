@@ -61,7 +61,7 @@ def load_sharded(
             rng.restore(reader.blob(mine))
         extra = reader.blob(own["extra"]) if "extra" in own else {}
         manifest = reader.manifest or {}
-    meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata")}
+    meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata", "digest")}
     return {
         "step": manifest.get("step"),
         "epoch": _resume_epoch(manifest.get("epoch"), loader),
