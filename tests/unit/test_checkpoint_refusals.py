@@ -99,7 +99,7 @@ def test_chunks_that_do_not_tile_the_tensor_are_refused_before_reading(two_chunk
                                                                        case):  # fmt: skip
     folder, _ = two_chunks
     md = dcp_meta.read_metadata(folder)
-    first, second = md.state_dict_metadata[KEY].chunks
+    first, _ = md.state_dict_metadata[KEY].chunks
     size = torch.Size([2, 3])
     md.state_dict_metadata[KEY].chunks = {
         "one chunk twice": [first, first],  # the issue's: half the tensor was never read
@@ -182,7 +182,7 @@ def test_a_plain_dcp_folder_loads_saying_what_is_not_checked(tmp_path):
     with pytest.warns(UserWarning, match=r"no rankwise\.json: read as a plain DCP checkpoint"):
         rw.load_checkpoint(folder, model=(fresh := torch.nn.Sequential(*_net())))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
-                                                 theirs.state_dict().values()))  # fmt: skip
+                                                 theirs.state_dict().values(), strict=True))
     md = dcp_meta.read_metadata(folder)  # its chunks are checked all the same
     chunk = md.state_dict_metadata[KEY].chunks[0]
     md.state_dict_metadata[KEY].chunks = [chunk, chunk]

@@ -126,9 +126,11 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_build(self) -> None:
         state, target = self.stack[-1], self.stack[-2]
         if isinstance(target, type) or type(target) not in self.BUILD_TYPES:
+            what = (f"{target.__module__}.{target.__qualname__}" if isinstance(target, type)
+                    else str(target)[:60])  # fmt: skip
             raise pickle.UnpicklingError(
-                f"BUILD on {type(target).__name__} {str(target)[:60]!r} (setting attributes "
-                "on anything but the allowed instances)"
+                f"BUILD on {type(target).__name__} {what!r} (setting attributes on anything "
+                "but the allowed instances)"
             )
         own = getattr(type(target), "__setstate__", None) is not None  # its own method reads it
         plain = isinstance(state, dict) and all(type(k) is str for k in state)
