@@ -169,30 +169,44 @@ def read_metadata(folder: Path, data: bytes | None = None) -> dcp_md.Metadata:
 
 
 def _check_metadata(md: Any, path: Path) -> None:
-    ok = isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
-    ok = ok and isinstance(md.storage_data, dict)
-    bad = None if ok else "is not DCP Metadata"
-    for index, info in md.storage_data.items() if ok else ():
-        name = getattr(info, "relative_path", None)
-        where = (getattr(info, "offset", None), getattr(info, "length", None))
-        if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
-                and isinstance(index.fqn, str)
-                and all(isinstance(n, int) and n >= 0 for n in where)):  # fmt: skip
-            bad = "holds a malformed storage entry"
-        elif not name or name != Path(name).name or name in (".", "..", METADATA, MANIFEST):
-            bad = f"names {name!r}, which is not a file inside the folder"
-        elif getattr(info, "transform_descriptors", None):
-            bad = (f"stores {index.fqn!r} through the storage extensions "
-                   f"{info.transform_descriptors!r}, which rankwise does not read")
-        if bad:
-            break
-    entries = md.state_dict_metadata.items() if ok and not bad else ()
-    bad = bad or next((why for k, e in entries if (why := _bad_entry(k, e))), None)
-    bad = bad or (_missing_storage(md) if ok else None)
+    try:
+        bad = _why_malformed(md)
+    except (AttributeError, TypeError, ValueError) as exc:  # an object BUILD never filled
+        bad = f"is malformed ({type(exc).__name__}: {str(exc)[:120]})"
     if bad:
         raise ConfigError(f"{os.fspath(path)!r} {bad}",
                           fix="load only checkpoints written by torch.distributed.checkpoint "
                           "or rankwise.")  # fmt: skip
+
+
+def _why_malformed(md: Any) -> str | None:
+    if not (isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):  # fmt: skip
+        return "is not DCP Metadata"
+    for index, info in md.storage_data.items():
+        if why := _bad_storage(index, info):
+            return why
+    for key, entry in md.state_dict_metadata.items():
+        if why := _bad_entry(key, entry):
+            return why
+    return _missing_storage(md)
+
+
+def _bad_storage(index: Any, info: Any) -> str | None:
+    """Why a ``storage_data`` entry (where an item's bytes are) is not DCP's, or None."""
+    name = info.relative_path if isinstance(info, dcp_fs._StorageInfo) else None
+    where = (getattr(info, "offset", None), getattr(info, "length", None))
+    offset = getattr(index, "offset", ())
+    if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
+            and isinstance(index.fqn, str) and (offset is None or isinstance(offset, torch.Size))
+            and all(type(n) is int and n >= 0 for n in where)):  # fmt: skip
+        return "holds a malformed storage entry"
+    if not name or name != Path(name).name or name in (".", "..", METADATA, MANIFEST):
+        return f"names {name!r}, which is not a file inside the folder"
+    if getattr(info, "transform_descriptors", None):
+        return (f"stores {index.fqn!r} through the storage extensions "
+                f"{info.transform_descriptors!r}, which rankwise does not read")  # fmt: skip
+    return None
 
 
 def _bad_entry(key: Any, entry: Any) -> str | None:

@@ -113,8 +113,8 @@ def _check_files(folder: Path, md: dcp_md.Metadata) -> None:
     sizes = {}
     for name in sorted({info.relative_path for info in md.storage_data.values()}):
         path = folder / name
-        untrusted.inside(path, folder, "a file of the checkpoint")
-        sizes[name] = untrusted.regular(path, "a file of the checkpoint").st_size
+        untrusted.inside(path, folder, f"a file its {METADATA} names")
+        sizes[name] = untrusted.regular(path, f"a file its {METADATA} names").st_size
     for index, info in md.storage_data.items():
         if info.offset + info.length > sizes[info.relative_path]:
             raise ConfigError(
@@ -302,14 +302,15 @@ class Reader:
         except Exception as exc:  # torch's reasons vary by version: name the file and the item
             raise ConfigError(
                 f"cannot read {key!r} from {os.fspath(path)!r} (bytes {info.offset}.."
-                f"{info.offset + info.length}): {type(exc).__name__}: {str(exc)[:200]}",
+                f"{info.offset + info.length}, as {METADATA} says): {type(exc).__name__}: "
+                f"{str(exc)[:200]}",
                 fix="the file is damaged or holds an object outside torch's weights_only "
                 "allow-list; load an earlier checkpoint.",
             ) from None
         if saved is not None and not (isinstance(value, torch.Tensor)
                                       and tuple(value.shape) == saved.sizes):  # fmt: skip
             raise ConfigError(f"{os.fspath(path)!r} holds for {key!r} something other than the "
-                              f"{saved.sizes} chunk its metadata names",
+                              f"{saved.sizes} chunk its {METADATA} names",
                               fix="load an earlier checkpoint.")  # fmt: skip
         return value
 
