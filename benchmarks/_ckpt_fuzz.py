@@ -151,20 +151,32 @@ def classify(kind: str, path: Path, name: str, reference: Any, scratch: Path) ->
     return ("identical", "") if same(reference, got) else ("silent", "loaded other values")
 
 
-def _worker(conn: Any, kinds: dict[str, str], scratch: str, sabotage: bool) -> None:
-    """Answer ``(kind, file, position, xor)`` with ``(class, note)`` until told to stop."""
-    warnings.simplefilter("ignore")
-    if sabotage:  # the harness must see what an unchecked load does (its self-test)
-        from rankwise.checkpoint.sharded import read
+def _sabotage(how: str) -> None:
+    """The harness's self-tests: ``unchecked`` skips the item checksums (changed tensor bytes
+    must show as ``silent``), ``stall`` makes every load sleep (as ``hang``)."""
+    import time
 
+    import rankwise as rw
+    from rankwise.checkpoint.sharded import read
+
+    if how == "unchecked":
         original = read.Reader.__init__
 
-        def unchecked(self, folder):
+        def unchecked(self: Any, folder: Path) -> None:
             original(self, folder)
             self.items = None
 
         read.Reader.__init__ = unchecked
+    elif how == "stall":
+        rw.load_checkpoint = lambda *a, **k: time.sleep(3600)
+
+
+def _worker(conn: Any, kinds: dict[str, str], scratch: str, sabotage: str | None) -> None:
+    """Answer ``(kind, file, position, xor)`` with ``(class, note)`` until told to stop."""
+    warnings.simplefilter("ignore")
     refs = {k: attempt(k, Path(p), Path(scratch)) for k, p in kinds.items()}
+    if sabotage:
+        _sabotage(sabotage)
     conn.send("ready")
     while (job := conn.recv()) is not None:
         kind, file, pos, xor = job
@@ -206,7 +218,7 @@ class Runner:
     """Trials in a worker process, each under ``timeout`` seconds."""
 
     def __init__(self, kinds: dict[str, Path], scratch: Path, timeout: float = 30.0,
-                 sabotage: bool = False) -> None:  # fmt: skip
+                 sabotage: str | None = None) -> None:  # fmt: skip
         self.kinds = {k: os.fspath(p) for k, p in kinds.items()}
         self.scratch, self.timeout, self.sabotage = os.fspath(scratch), timeout, sabotage
         self.ctx = mp.get_context("spawn")
@@ -277,14 +289,18 @@ def jobs_for(kind: str, file: Path, sample: int | None, rng: random.Random) -> l
 
 
 def run(kinds: dict[str, Path], scratch: Path, *, sample: int | None = None, seed: int = 0,
-        timeout: float = 30.0, sabotage: bool = False, progress: Any = None) -> Report:  # fmt: skip
-    """Fuzz every file of each checkpoint in ``kinds`` (``sample`` trials per file, or all)."""
+        timeout: float = 30.0, sabotage: str | None = None, progress: Any = None,
+        only: set[str] | None = None) -> Report:  # fmt: skip
+    """Fuzz every file of each checkpoint in ``kinds`` (``sample`` trials per file, or all;
+    ``only``: the files of these names)."""
     rng = random.Random(seed)
     report = Report()
     runner = Runner(kinds, scratch, timeout, sabotage)
     try:
         for kind, path in kinds.items():
             for file in files_of(kind, path):
+                if only is not None and file.name not in only:
+                    continue
                 original = file.read_bytes()
                 for job in jobs_for(kind, file, sample, rng):
                     outcome, note = runner.one(job, original)
