@@ -78,9 +78,9 @@ def make_checkpoints(root: Path) -> dict[str, Path]:
     out = {
         "sharded": rw.save_checkpoint(root / "sharded", model=model, optimizer=opt,
                                       scheduler=sched, step=42, epoch=3, sharded=True,
-                                      note="fuzz"),  # fmt: skip
+                                      note="fuzz"),
         "single": rw.save_checkpoint(root / "single.pt", model=model, optimizer=opt,
-                                     scheduler=sched, step=42, epoch=3, note="fuzz"),  # fmt: skip
+                                     scheduler=sched, step=42, epoch=3, note="fuzz"),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
@@ -146,7 +146,7 @@ def classify(kind: str, path: Path, name: str, reference: Any, scratch: Path) ->
     except rw.ConfigError as exc:
         text = str(exc)
         return ("refused" if name in text else "refused, another file named"), text[:300]
-    except Exception as exc:  # noqa: BLE001 (what is counted: anything but ConfigError)
+    except Exception as exc:  # what is counted: anything but a ConfigError
         return "raw", f"{type(exc).__name__}: {str(exc)[:300]}"
     return ("identical", "") if same(reference, got) else ("silent", "loaded other values")
 
@@ -206,9 +206,9 @@ class Report:
         self.tries += 1
         per = self.counts.setdefault(where, dict.fromkeys(CLASSES, 0))
         per[outcome] += 1
-        if outcome in FAILURES or outcome == "refused, another file named":
-            if len(self.failures) < 50:
-                self.failures.append(f"{where} byte {job[2]} xor {job[3]:#04x}: {outcome}: {note}")
+        worth = outcome in FAILURES or outcome == "refused, another file named"
+        if worth and len(self.failures) < 50:
+            self.failures.append(f"{where} byte {job[2]} xor {job[3]:#04x}: {outcome}: {note}")
 
     def total(self, outcome: str) -> int:
         return sum(per[outcome] for per in self.counts.values())
