@@ -280,3 +280,10 @@ def test_an_item_shorter_than_its_chunk_or_past_its_file_is_refused(tmp_path):
     _resign(folder, md)
     with pytest.raises(rw.ConfigError, match=rf"which holds {size} bytes"):
         rw.load_checkpoint(folder, model=_net())
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_as_a_single_file_checkpoint_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "model.pt")
+    with pytest.raises(rw.ConfigError, match=r"model\.pt' is a FIFO \(named pipe\), not a regular"):
+        rw.load_checkpoint(tmp_path / "model.pt", model=_net())
