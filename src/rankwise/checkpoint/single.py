@@ -207,11 +207,9 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """The file a path refers to: itself, or for a directory the one ``latest`` names.
-
-    A ``latest`` that names a missing file, or one outside its folder, is an error naming it:
-    loading never falls back silently to another checkpoint (docs/checkpoints.md).
-    """
+    """The file a path refers to: itself, or for a directory the one ``latest`` names. A
+    ``latest`` that names a missing file, or one outside its folder, is an error naming it:
+    loading never falls back silently to another checkpoint (docs/checkpoints.md)."""
     p = Path(path)
     if p.is_dir():
         return files.read_latest(p)
