@@ -1,10 +1,14 @@
 """Reading a DCP checkpoint folder: each rank reads the saved chunks that overlap what it holds.
 
 ``Reader`` opens a folder written by rankwise or by ``torch.distributed.checkpoint`` (FSDP2's
-``dcp.save``): the metadata is read without running code (``dcp_meta.read_metadata``), each
-item's bytes are checked against ``rankwise.json``'s checksum before torch parses them (a
-checkpoint written by another tool has none), and every item is read with
-``torch.load(weights_only=True)``. ``fill`` copies the overlap of each saved chunk with each
+``dcp.save``) and refuses it, before anything is allocated or read, unless it is complete and
+consistent (docs/checkpoints.md, "what is checked"): ``rankwise.json`` carries a checksum of
+itself and of ``.metadata`` (a folder without it is read as a plain DCP checkpoint, saying so,
+unless rankwise's own keys show it lost its manifest); ``.metadata`` is read under its size cap
+without running code, and every tensor's chunks tile it exactly (``dcp_meta.read_metadata``);
+every file it names is a regular file inside the folder holding the bytes declared
+(``untrusted``). Each item's bytes are then checked against ``rankwise.json``'s checksum before
+torch parses them, and every item is read with ``torch.load(weights_only=True)``. ``fill`` copies the overlap of each saved chunk with each
 wanted ``Piece`` straight into the piece's view: one saved chunk in memory at a time, whatever
 the world size or mesh either side.
 """
