@@ -67,6 +67,18 @@ def test_an_index_of_plain_names_loads(tmp_path):
     assert torch.equal(model.weight.detach(), _tensors()["weight"])
 
 
+def test_an_index_past_its_cap_is_refused(tmp_path, monkeypatch):
+    from rankwise.checkpoint.pretrained import source
+
+    folder = _indexed(tmp_path / "m", {"weight": "a.safetensors", "bias": "b.safetensors"})
+    size = (folder / "model.safetensors.index.json").stat().st_size
+    assert source.MAX_INDEX_BYTES == 64 << 20  # the documented cap, lowered for the test
+    monkeypatch.setattr(source, "MAX_INDEX_BYTES", size - 1)
+    with pytest.raises(rw.ConfigError, match=rf"index.json' is {size} bytes or more; at most "
+                                             rf"{size - 1}"):  # fmt: skip
+        rw.load_pretrained(_model(), folder)
+
+
 _CHILD = """
 import sys, time
 import rankwise as rw, torch
