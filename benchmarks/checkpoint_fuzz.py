@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sample", type=int, default=None, help="positions per file (default all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per trial (a hang)")
+    parser.add_argument("--kinds", default="sharded,single,plain-dcp",
+                        help="which checkpoints (comma-separated; default all three)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import torch
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        kinds = fuzz.make_checkpoints(root / "checkpoints")
+        kinds = {k: p for k, p in fuzz.make_checkpoints(root / "checkpoints").items()
+                 if k in args.kinds.split(",")}  # fmt: skip
         (root / "scratch").mkdir()
         sizes = {f"{k}/{f.name}": f.stat().st_size for k, p in kinds.items()
                  for f in fuzz.files_of(k, p)}  # fmt: skip
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "of .metadata xor 0x01 and xor 0xFF; the other files every byte xor 0x01, every "
                 f"second byte past {fuzz.SMALL} bytes), then loaded; counts per file and outcome",
         "sample_per_file": args.sample,
+        "kinds": sorted(kinds),
         "file_bytes": sizes,
         "counts": report.counts,
         "totals": totals,

@@ -287,3 +287,15 @@ def test_a_fifo_as_a_single_file_checkpoint_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "model.pt")
     with pytest.raises(rw.ConfigError, match=r"model\.pt' is a FIFO \(named pipe\), not a regular"):
         rw.load_checkpoint(tmp_path / "model.pt", model=_net())
+
+
+def test_metadata_whose_objects_refuse_their_state_is_a_config_error(tmp_path, monkeypatch):
+    # a flipped byte inside TensorProperties' state made its __setstate__ raise RuntimeError
+    folder, _ = _save(tmp_path / "ckpt")
+    md = dcp_meta.read_metadata(folder)
+    monkeypatch.setattr(dcp_md.TensorProperties, "__getstate__", lambda self: (torch.float32, torch.strided, False, "x", False))
+    data = dcp_meta.dumps(md)
+    monkeypatch.undo()
+    (folder / ".metadata").write_bytes(data)
+    with pytest.raises(rw.ConfigError, match=r"cannot read '.*\.metadata': RuntimeError"):
+        dcp_meta.read_metadata(folder)
