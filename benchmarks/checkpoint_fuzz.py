@@ -32,6 +32,21 @@ import _ckpt_fuzz as fuzz
 from _report import emit
 
 
+def _commit() -> str | None:
+    """The checkout's commit (``+changes`` when the tree differs from it), or None."""
+    import subprocess
+
+    here = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "src",
+                                "benchmarks"], capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sample", type=int, default=None, help="positions per file (default all)")
@@ -78,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_after": os.getloadavg(),
         "cpus": os.cpu_count(),
         "torch": str(torch.__version__),
+        "commit": _commit(),
         "note": "plain-dcp: only .metadata is changed (DCP stores no checksum of a tensor's "
                 "bytes: a change there loads undetected). The machine is shared with other "
                 "jobs: the duration is not a speed figure.",
