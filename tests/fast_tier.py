@@ -34,6 +34,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_check_crossfile.py", "test_check_multinode.py", "test_check_rules.py",
             "test_check_session_api.py", "test_checkpoint.py", "test_claims.py", "test_checkpoint_reliability.py",
             "test_checkpoint_sharded_unit.py", "test_checkpoint_verify.py",
+            "test_checkpoint_refusals.py", "test_untrusted_inputs.py",
             "test_cli_consistency.py", "test_data_parallel.py",
             "test_ddp_single.py", "test_ddp_torch_compat.py", "test_device_paths.py",
             "test_diagnose_report.py", "test_doctor.py", "test_dp_pieces.py", "test_env.py",

@@ -19,6 +19,12 @@ uninitialised memory as weights with no error (``test_the_directory_bit_*``).
 A checkpoint saved by ``rt.save`` on a data 2 x tensor 2 mesh (4 Gloo ranks, a tiny GPT with
 AdamW) gets the same over a random sample of its positions, and the directory bit set on every
 entry of its zip directory.
+
+Every file of a sharded checkpoint, a single file and a plain DCP folder, through the user's
+load (``benchmarks/_ckpt_fuzz.py``, whole in ``benchmarks/checkpoint_fuzz.py``): a seeded
+sample of its trials, each in a worker under a timeout, finds no silent change, no raw error,
+no hang, and every refusal names the changed file; the harness itself sees a silent change
+when the item checksums are skipped and a hang when a load stalls.
 """
 
 from __future__ import annotations
@@ -336,3 +342,66 @@ def test_a_mesh_checkpoint_fails_by_name_or_loads_unchanged(tmp_path):
     print(f"mesh checkpoint, {len(fuzz.original)} bytes, {len(directory)} records: 500 of "
           f"{len(structure)} structure positions, 300 data positions and the directory bit of "
           f"every entry: {dict(fuzz.outcomes)}")  # fmt: skip
+
+
+@pytest.fixture
+def ckpt_fuzz(monkeypatch):
+    # a plain import from sys.path: the fuzz's spawned worker imports it the same way
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import _ckpt_fuzz
+
+    return _ckpt_fuzz
+
+
+@pytest.mark.timeout(900)
+def test_a_seeded_sample_of_the_checkpoint_fuzz_finds_nothing_silent_raw_or_hung(tmp_path,
+                                                                                 ckpt_fuzz):  # fmt: skip
+    kinds = ckpt_fuzz.make_checkpoints(tmp_path / "checkpoints")
+    (tmp_path / "scratch").mkdir()
+    report = ckpt_fuzz.run(kinds, tmp_path / "scratch", sample=60, seed=1, timeout=120)
+    assert [f for f in report.failures] == []  # silent, raw, hang, or another file named
+    assert set(report.counts) == {"sharded/.metadata", "sharded/__0_0.distcp",
+                                  "sharded/rankwise.json", "single/single.pt",
+                                  "plain-dcp/.metadata"}  # fmt: skip
+    for where, per in report.counts.items():
+        assert sum(per.values()) == 60 and per["refused"] >= 40, (where, per)
+
+
+def _weight_bytes(folder: Path) -> tuple[Path, int]:
+    """The shard file and the offset of ``model.0.weight``'s 48 bytes of data in it."""
+    import io
+
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from rankwise.checkpoint.sharded.dcp_meta import read_metadata
+
+    info = read_metadata(folder).storage_data[dcp_md.MetadataIndex("model.0.weight",
+                                                                   torch.Size([0, 0]))]  # fmt: skip
+    item = (folder / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        (record,) = [r for r in z.infolist() if r.filename.endswith("/data/0")]
+    nlen, xlen = struct.unpack_from("<HH", item, record.header_offset + 26)
+    return folder / info.relative_path, info.offset + record.header_offset + 30 + nlen + xlen
+
+
+@pytest.mark.timeout(600)
+def test_the_checkpoint_fuzz_sees_a_silent_change_and_a_hang(tmp_path, ckpt_fuzz):
+    kinds = ckpt_fuzz.make_checkpoints(tmp_path / "checkpoints")
+    (tmp_path / "scratch").mkdir()
+    sharded = {"sharded": kinds["sharded"]}
+    shard, at = _weight_bytes(kinds["sharded"])
+    original = shard.read_bytes()
+    jobs = [("sharded", str(shard), at + i, 0x01) for i in range(0, 48, 8)]
+    for sabotage, want in ((None, "refused"), ("unchecked", "silent")):
+        runner = ckpt_fuzz.Runner(sharded, tmp_path / "scratch", timeout=120, sabotage=sabotage)
+        try:
+            got = [runner.one(job, original)[0] for job in jobs]
+        finally:
+            runner.close()
+        assert got == [want] * len(jobs), (sabotage, got)
+    metadata = kinds["sharded"] / ".metadata"
+    before = metadata.read_bytes()
+    stalled = ckpt_fuzz.run(sharded, tmp_path / "scratch", sample=2, seed=2, timeout=5,
+                            sabotage="stall", only={".metadata"})  # fmt: skip
+    assert stalled.counts["sharded/.metadata"]["hang"] == 2, stalled.counts
+    assert metadata.read_bytes() == before  # put back by the parent, the worker killed

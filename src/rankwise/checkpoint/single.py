@@ -28,7 +28,7 @@ from ..comm import wire
 from ..errors import ConfigError, DistributedError
 from ..job import devices
 from ..version import __version__
-from . import files, rng, verify
+from . import files, rng, untrusted, verify
 from .files import LATEST, list_checkpoints
 from .state_dict import model_class_name, model_state, strip_prefixes, unwrap_model
 
@@ -207,14 +207,14 @@ def _write_on_master(path: Path, keep_last: int, payload: dict, step: int | None
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """The file a path refers to: itself, or for a directory the one ``latest`` names.
-
-    A ``latest`` that names a missing file, or one outside its folder, is an error naming it:
-    loading never falls back silently to another checkpoint (docs/checkpoints.md).
-    """
+    """The file a path refers to: itself, or for a directory the one ``latest`` names. A
+    ``latest`` that names a missing file, or one outside its folder, is an error naming it:
+    loading never falls back silently to another checkpoint (docs/checkpoints.md)."""
     p = Path(path)
     if p.is_dir():
         return files.read_latest(p)
+    if os.path.lexists(p) and not p.is_file():  # a FIFO, a device: refused, never opened
+        untrusted.regular(p, "checkpoint")
     if not p.is_file():
         raise ConfigError(
             f"checkpoint {os.fspath(path)!r} does not exist",

@@ -97,7 +97,7 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike) -> Path:
     with Reader(source) as reader:
         refs: list[TensorRef] = []
         manifest = reader.manifest or {}
-        meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata")}
+        meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata", "digest")}
         own = _own(reader)
         payload = {
             "format": FORMAT, "version": VERSION,

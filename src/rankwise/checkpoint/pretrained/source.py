@@ -6,8 +6,11 @@ byte of a tensor is read, and the files are untrusted input:
 - each file's header is parsed by safetensors itself (bounded size, offsets that cover the
   file exactly): a truncated or corrupt file is a ``ConfigError`` naming it;
 - the index is JSON of a bounded size, a map of names to plain file names inside its folder
-  (no ``../``, no absolute path, no link out of the folder), each shard present and holding
-  the tensors the index assigns to it.
+  (no ``../``, no absolute path), each shard present and holding the tensors the index
+  assigns to it;
+- every file read from a folder is a regular file (a FIFO would block the open in native
+  code) inside it once links are followed, or in the ``blobs`` of the Hugging Face cache
+  repository the folder is a snapshot of (``untrusted``).
 
 Tensors are read one at a time (``Source.slice``): the file is opened for that tensor and closed
 after, so the memory map's pages this rank touched are released at once.
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from .. import untrusted
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -83,29 +87,36 @@ def read_header(file: Path) -> dict[str, Entry]:
 
 
 def _plain_name(folder: Path, name: Any, index: Path) -> Path:
-    """``name`` from an index, as a file inside ``folder``; a ConfigError for anything else.
-    (A plain name may be a link: Hugging Face's cache links each snapshot's files to blobs.)"""
+    """``name`` from an index, as a file inside ``folder``; a ConfigError for anything else."""
     if isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name:
         return folder / name
     raise ConfigError(
-        f"{os.fspath(index)!r} names the shard file {str(name)[:120]!r}, which is not a plain "
-        f"file name inside {os.fspath(folder)!r}",
+        f"{os.fspath(index)!r} names the shard file {str(name)[:120]!r} "
+        f"({type(name).__name__}), which is not a plain file name inside {os.fspath(folder)!r}",
         fix="an index names its shards by bare file name (model-00001-of-00002.safetensors) "
         "next to it; save the model again, or fix the index by hand if you trust it.",
     )
 
 
+def _cache_blobs(folder: Path) -> tuple[Path, ...]:
+    """Where else a file of ``folder`` may lie once links are followed: Hugging Face's cache
+    links ``<repo>/snapshots/<revision>/<file>`` to ``<repo>/blobs/<hash>``."""
+    return (folder.parent.parent / "blobs",) if folder.parent.name == "snapshots" else ()
+
+
+def _member(folder: Path, path: Path, what: str) -> Path:
+    """``path``, a file of the model's folder: inside it (or its cache's blobs), regular."""
+    untrusted.inside(path, folder, what, also=_cache_blobs(folder))
+    untrusted.regular(path, what)
+    return path
+
+
 def read_index(index: Path) -> dict[str, Path]:
     """Tensor name -> shard file, from HF's ``model.safetensors.index.json`` (validated)."""
+    raw = untrusted.read_capped(index, MAX_INDEX_BYTES, "safetensors index")
     try:
-        size = index.stat().st_size
-        if size > MAX_INDEX_BYTES:
-            raise ConfigError(
-                f"{os.fspath(index)!r} is {size} bytes; an index is at most {MAX_INDEX_BYTES}",
-                fix="pass the folder of a model saved with save_pretrained.",
-            )
-        data = json.loads(index.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(
             f"{os.fspath(index)!r} is not a readable index (JSON): {type(exc).__name__}: {exc}",
             fix="save the model again, or pass one .safetensors file.",
@@ -117,20 +128,22 @@ def read_index(index: Path) -> dict[str, Path]:
             fix='an index is {"metadata": {...}, "weight_map": {"name": "file"}}; save '
             "the model again with save_pretrained.",
         )
-    shards = {name: _plain_name(index.parent, name, index) for name in set(weight_map.values())}
-    return {key: shards[name] for key, name in weight_map.items()}
+    out = {key: _plain_name(index.parent, name, index) for key, name in weight_map.items()}
+    for file in set(out.values()):
+        _member(index.parent, file, "shard file")
+    return out
 
 
 def _files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     """The files to read, and the index's assignment (None for a single file)."""
     if path.is_dir():
-        if (path / INDEX).is_file():
-            return _files(path / INDEX)
-        if (path / SINGLE).is_file():
-            return [path / SINGLE], None
+        if os.path.lexists(path / INDEX):
+            return _files(_member(path, path / INDEX, "safetensors index"))
+        if os.path.lexists(path / SINGLE):
+            return [_member(path, path / SINGLE, "safetensors file")], None
         found = sorted(p.name for p in path.glob("*.safetensors"))
         if len(found) == 1:
-            return [path / found[0]], None
+            return [_member(path, path / found[0], "safetensors file")], None
         pickles = sorted({p.name for pattern in _PICKLES for p in path.glob(pattern)})
         hint = (
             f" It holds {pickles[:4]}: pickle files, which rankwise never loads (loading one can "
@@ -153,6 +166,8 @@ def _files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
             fix="pass a .safetensors file or the folder save_pretrained wrote; pickle-based "
             "files (.bin, .pt) are not loaded (loading one can run code).",
         )
+    if os.path.lexists(path):  # a FIFO would block safetensors' open, in native code
+        untrusted.regular(path, "safetensors file")
     return [path], None
 
 

@@ -126,3 +126,34 @@ class Split:
             out.append((Box(tuple(offsets), tuple(sizes)), a - box.offsets[self.dim], stop - a))
             a = stop
         return out
+
+
+def tiling_problem(shape: Shape, boxes: Sequence[Box]) -> str | None:
+    """Why ``boxes`` do not tile a tensor of ``shape`` exactly (each inside it, none
+    overlapping another, together every element), or None when they do. A chunk listed twice,
+    one that overlaps another or a gap would make a load copy some elements twice and leave
+    others as they were: uninitialised memory, in a fresh tensor."""
+    if any(d < 0 for d in shape):
+        return f"has the negative shape {list(shape)}"
+    for b in boxes:
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(b.offsets, b.sizes, shape,
+                                                                strict=True)):  # fmt: skip
+            return f"has a chunk at {list(b.offsets)} of size {list(b.sizes)} outside its shape"
+    filled = [b for b in boxes if b.numel]
+    if not shape:  # a scalar: one chunk
+        return None if len(filled) == 1 else f"has {len(filled)} chunks for one scalar"
+    # sweep along the dimension where the chunks start at the most places: few comparisons
+    dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in filled}))
+    order = sorted(filled, key=lambda b: b.offsets[dim])
+    for i, a in enumerate(order):
+        end = a.offsets[dim] + a.sizes[dim]
+        for b in order[i + 1 :]:
+            if b.offsets[dim] >= end:
+                break
+            if overlap(a, b) is not None:
+                return (f"has overlapping chunks at {list(a.offsets)} (size {list(a.sizes)}) "
+                        f"and {list(b.offsets)} (size {list(b.sizes)})")  # fmt: skip
+    covered = sum(b.numel for b in filled)
+    if covered != numel(shape):
+        return f"has chunks covering {covered} of its {numel(shape)} elements"
+    return None

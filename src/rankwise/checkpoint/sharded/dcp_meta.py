@@ -32,6 +32,9 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from ...errors import ConfigError
+from .. import untrusted
+from ..untrusted import RestrictedUnpickler
+from .boxes import Box, tiling_problem
 
 METADATA = ".metadata"
 MANIFEST = "rankwise.json"
@@ -124,7 +127,11 @@ def dumps(metadata: dcp_md.Metadata) -> bytes:
 # -- reading --------------------------------------------------------------------------------
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(RestrictedUnpickler):
+    BUILD_TYPES = (dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata,
+                   dcp_md.ChunkStorageMetadata, dcp_md.TensorProperties, dcp_md.MetadataIndex,
+                   dcp_md.StorageMeta, dcp_fs._StorageInfo)  # fmt: skip
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
@@ -136,25 +143,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(folder: Path, data: bytes | None = None) -> dcp_md.Metadata:
-    """The checkpoint's ``Metadata``, unpickling DCP's metadata classes only. A file that
+    """The checkpoint's ``Metadata``, unpickling DCP's metadata classes only (``BUILD`` on
+    their instances only), then checked: storage entries name files inside the folder, every
+    tensor's chunks tile it exactly, every chunk and object has its storage entry. A file that
     names anything else, or does not parse, is a ``ConfigError`` naming it."""
     path = folder / METADATA
+    if data is None:
+        data = untrusted.read_capped(path, MAX_METADATA_BYTES, "DCP metadata")
     try:
-        if data is None:
-            if path.stat().st_size > MAX_METADATA_BYTES:
-                raise ConfigError(f"{os.fspath(path)!r} is larger than 1 GiB",
-                                  fix="this is not DCP metadata; check the folder.")  # fmt: skip
-            data = path.read_bytes()
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
         raise ConfigError(
             f"{os.fspath(path)!r} names {exc}, which DCP metadata never holds; unpickling it "
-            "could run code, so it is refused",
+            "could run code or change a class, so it is refused",
             fix="load only checkpoints written by torch.distributed.checkpoint or rankwise.",
         ) from None
-    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+    except Exception as exc:  # whatever the allowed classes raise on a malformed state
         raise ConfigError(
-            f"cannot read {os.fspath(path)!r}: {type(exc).__name__}: {exc}",
+            f"cannot read {os.fspath(path)!r}: {type(exc).__name__}: {str(exc)[:200]}",
             fix="the folder is not a complete DCP checkpoint; load an earlier one.",
         ) from None
     _check_metadata(md, path)
@@ -162,26 +168,44 @@ def read_metadata(folder: Path, data: bytes | None = None) -> dcp_md.Metadata:
 
 
 def _check_metadata(md: Any, path: Path) -> None:
-    ok = isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
-    ok = ok and isinstance(md.storage_data, dict)
-    bad = None if ok else "is not DCP Metadata"
-    for index, info in md.storage_data.items() if ok else ():
-        name = getattr(info, "relative_path", None)
-        where = (getattr(info, "offset", None), getattr(info, "length", None))
-        if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
-                and isinstance(index.fqn, str)
-                and all(isinstance(n, int) and n >= 0 for n in where)):  # fmt: skip
-            bad = "holds a malformed storage entry"
-        elif not name or name != Path(name).name or name in (".", ".."):
-            bad = f"names {name!r}, which is not a file inside the folder"
-        if bad:
-            break
-    entries = md.state_dict_metadata.items() if ok and not bad else ()
-    bad = bad or next((why for k, e in entries if (why := _bad_entry(k, e))), None)
+    try:
+        bad = _why_malformed(md)
+    except (AttributeError, TypeError, ValueError) as exc:  # an object BUILD never filled
+        bad = f"is malformed ({type(exc).__name__}: {str(exc)[:120]})"
     if bad:
         raise ConfigError(f"{os.fspath(path)!r} {bad}",
                           fix="load only checkpoints written by torch.distributed.checkpoint "
                           "or rankwise.")  # fmt: skip
+
+
+def _why_malformed(md: Any) -> str | None:
+    if not (isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):  # fmt: skip
+        return "is not DCP Metadata"
+    for index, info in md.storage_data.items():
+        if why := _bad_storage(index, info):
+            return why
+    for key, entry in md.state_dict_metadata.items():
+        if why := _bad_entry(key, entry):
+            return why
+    return _missing_storage(md)
+
+
+def _bad_storage(index: Any, info: Any) -> str | None:
+    """Why a ``storage_data`` entry (where an item's bytes are) is not DCP's, or None."""
+    name = info.relative_path if isinstance(info, dcp_fs._StorageInfo) else None
+    where = (getattr(info, "offset", None), getattr(info, "length", None))
+    offset = getattr(index, "offset", ())
+    if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
+            and isinstance(index.fqn, str) and (offset is None or isinstance(offset, torch.Size))
+            and all(type(n) is int and n >= 0 for n in where)):  # fmt: skip
+        return "holds a malformed storage entry"
+    if not name or name != Path(name).name or name in (".", "..", METADATA, MANIFEST):
+        return f"names {name!r}, which is not a file inside the folder"
+    if getattr(info, "transform_descriptors", None):
+        return (f"stores {index.fqn!r} through the storage extensions "
+                f"{info.transform_descriptors!r}, which rankwise does not read")  # fmt: skip
+    return None
 
 
 def _bad_entry(key: Any, entry: Any) -> str | None:
@@ -202,9 +226,26 @@ def _bad_entry(key: Any, entry: Any) -> str | None:
     )  # fmt: skip
     if dims < 0 or not isinstance(dtype, torch.dtype) or not chunks_ok:
         return f"describes {key!r} with a malformed shape, dtype or chunk list"
+    boxes = [Box(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+    why = tiling_problem(tuple(entry.size), boxes)
+    return None if why is None else f"says {key!r} (shape {list(entry.size)}) {why}"
+
+
+def _missing_storage(md: dcp_md.Metadata) -> str | None:
+    """Why some chunk or object of ``md`` has no storage entry (where its bytes are), or None."""
+    for key, entry in md.state_dict_metadata.items():
+        wanted = ([dcp_md.MetadataIndex(key, c.offsets) for c in entry.chunks]
+                  if isinstance(entry, dcp_md.TensorStorageMetadata)
+                  else [dcp_md.MetadataIndex(key)])  # fmt: skip
+        for index in wanted:
+            if index not in md.storage_data:
+                at = "" if index.offset is None else f" chunk at {list(index.offset)}"
+                return f"lists {key!r}{at} without saying where its bytes are"
     return None
 
 
 def is_sharded(path: Path) -> bool:
-    """True for a folder holding a DCP checkpoint (its ``.metadata``)."""
-    return path.is_dir() and (path / METADATA).is_file()
+    """True for a folder holding a DCP checkpoint (its ``.metadata``; a ``.metadata`` that is
+    not a regular file is refused by name when the folder is read, not taken for something
+    else)."""
+    return path.is_dir() and os.path.lexists(path / METADATA)

@@ -61,7 +61,7 @@ def load_sharded(
             rng.restore(reader.blob(mine))
         extra = reader.blob(own["extra"]) if "extra" in own else {}
         manifest = reader.manifest or {}
-    meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata")}
+    meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata", "digest")}
     return {
         "step": manifest.get("step"),
         "epoch": _resume_epoch(manifest.get("epoch"), loader),
@@ -98,8 +98,8 @@ def _load_model(model: nn.Module, reader: Reader, strict: bool) -> None:
     unexpected = [] if _holds_part(model) else sorted(saved - set(shapes))
     if strict and (missing or unexpected):
         raise ConfigError(
-            f"checkpoint {os.fspath(reader.folder)!r} does not fit "
-            f"{type(root_module(model)).__name__}: missing keys {missing[:8]}"
+            f"checkpoint {os.fspath(reader.folder)!r} (the keys its {dcp_meta.METADATA} lists) "
+            f"does not fit {type(root_module(model)).__name__}: missing keys {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''}",
             fix="load into the same architecture that was saved, or pass strict=False to load "

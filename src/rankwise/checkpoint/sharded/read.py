@@ -1,10 +1,14 @@
 """Reading a DCP checkpoint folder: each rank reads the saved chunks that overlap what it holds.
 
 ``Reader`` opens a folder written by rankwise or by ``torch.distributed.checkpoint`` (FSDP2's
-``dcp.save``): the metadata is read without running code (``dcp_meta.read_metadata``), each
-item's bytes are checked against ``rankwise.json``'s checksum before torch parses them (a
-checkpoint written by another tool has none), and every item is read with
-``torch.load(weights_only=True)``. ``fill`` copies the overlap of each saved chunk with each
+``dcp.save``) and refuses it, before anything is allocated or read, unless it is complete and
+consistent (docs/checkpoints.md, "what is checked"): ``rankwise.json`` carries a checksum of
+itself and of ``.metadata`` (a folder without it is read as a plain DCP checkpoint, saying so,
+unless rankwise's own keys show it lost its manifest); ``.metadata`` is read under its size cap
+without running code, and every tensor's chunks tile it exactly (``dcp_meta.read_metadata``);
+every file it names is a regular file inside the folder holding the bytes declared
+(``untrusted``). Each item's bytes are then checked against ``rankwise.json``'s checksum before
+torch parses them, and every item is read with ``torch.load(weights_only=True)``. ``fill`` copies the overlap of each saved chunk with each
 wanted ``Piece`` straight into the piece's view: one saved chunk in memory at a time, whatever
 the world size or mesh either side.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,19 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from ...errors import ConfigError
+from .. import untrusted
 from . import digests
-from .boxes import Box, Split, overlap
-from .dcp_meta import METADATA, OPTIM, read_metadata
+from .boxes import Box, Split, numel, overlap
+from .dcp_meta import MANIFEST, MAX_METADATA_BYTES, METADATA, OPTIM, OWN, read_metadata
 from .pieces import Piece
 
 FORMAT = "rankwise-dcp"
+MANIFEST_VERSION = 2
+"""``rankwise.json``'s format version: 2 carries its own checksum (``digest``)."""
+MANIFEST_DIGEST = "digest"
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest lists a checksum per item: tens of MB for the largest models. More is not one."""
+_EARLIER = "the checkpoint is damaged or incomplete; load an earlier one."
 
 
 def item_id(key: str, offsets: Any) -> str:
@@ -34,17 +46,39 @@ def item_id(key: str, offsets: Any) -> str:
     return key if offsets is None else f"{key}@{','.join(map(str, offsets))}"
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The checksum ``rankwise.json`` carries of itself: ``xxh3_128`` of everything else in it,
+    as canonical JSON (sorted keys, no spaces), so that a changed step, epoch or item checksum
+    is caught and bytes JSON ignores (spaces between values) are not counted."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    return _digest128(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """``rankwise.json`` (None for a checkpoint another tool wrote)."""
-    path = folder / "rankwise.json"
-    if not path.is_file():
+    """``rankwise.json``, its own checksum checked first (None for a folder without one)."""
+    path = folder / MANIFEST
+    if not os.path.lexists(path):
         return None
+    untrusted.inside(path, folder, "the manifest")
+    raw = untrusted.read_capped(path, MAX_MANIFEST_BYTES, "rankwise manifest")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"cannot read {os.fspath(path)!r}: {exc}",
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"cannot read {os.fspath(path)!r}: {type(exc).__name__}: {exc}",
                           fix="the checkpoint is damaged; load an earlier one.") from None  # fmt: skip
-    ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    want = manifest.get(MANIFEST_DIGEST) if isinstance(manifest, dict) else None
+    if not isinstance(want, str):
+        raise ConfigError(
+            f"{os.fspath(path)!r} carries no checksum of itself ({MANIFEST_DIGEST!r}): it is "
+            "damaged, or was written by a rankwise older than the format version "
+            f"{MANIFEST_VERSION}",
+            fix="load an earlier checkpoint; one written by an older rankwise loads with that "
+            "version (`rankwise checkpoint consolidate` there makes one file of it).",
+        )
+    got = manifest_digest(manifest)
+    if got != want:
+        raise digests.damaged(path, "the manifest", got, want)
+    ok = manifest.get("format") == FORMAT
     items = manifest.get("items") if ok else None
     ok = ok and isinstance(items, dict) and all(isinstance(v, str) for v in items.values())
     ok = ok and isinstance(manifest.get("files", {}), dict)
@@ -55,24 +89,81 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def _plain_dcp(folder: Path, md: dcp_md.Metadata) -> None:
+    """A folder without ``rankwise.json``: torch's ``dcp.save`` wrote it (read, saying what is
+    not checked), unless rankwise's own keys say rankwise did (then the manifest is lost)."""
+    own = sorted(k for k in md.state_dict_metadata if k.startswith(OWN + "."))
+    if own:
+        raise ConfigError(
+            f"{os.fspath(folder)!r} holds rankwise's own keys ({own[:2]}) but no {MANIFEST}: "
+            "the checksums of this rankwise checkpoint are missing, so it cannot be checked",
+            fix=f"copy the whole folder again ({MANIFEST} included) or load an earlier "
+            "checkpoint.",
+        )
+    warnings.warn(
+        f"{os.fspath(folder)!r} has no {MANIFEST}: read as a plain DCP checkpoint (torch's "
+        "dcp.save writes no checksums). Its chunks are checked to tile every tensor and its "
+        "files to hold every item .metadata declares, but a changed byte inside an item "
+        "cannot be detected.",
+        stacklevel=5,  # the caller of rw.load_checkpoint
+    )
+
+
+def _check_files(folder: Path, md: dcp_md.Metadata) -> None:
+    """Every file ``.metadata`` names is a regular file inside the folder holding the bytes it
+    declares, each tensor chunk's item at least the chunk's data: checked before anything is
+    allocated or read, so a declared shape never asks for more memory than the files hold."""
+    where = os.fspath(folder / METADATA)
+    sizes = {}
+    for name in sorted({info.relative_path for info in md.storage_data.values()}):
+        path = folder / name
+        untrusted.inside(path, folder, f"a file its {METADATA} names")
+        sizes[name] = untrusted.regular(path, f"a file its {METADATA} names").st_size
+    for index, info in md.storage_data.items():
+        if info.offset + info.length > sizes[info.relative_path]:
+            raise ConfigError(
+                f"{where!r} says {index.fqn!r} lies at bytes {info.offset}.."
+                f"{info.offset + info.length} of {info.relative_path!r}, which holds "
+                f"{sizes[info.relative_path]} bytes", fix=_EARLIER,
+            )  # fmt: skip
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, dcp_md.TensorStorageMetadata):
+            continue
+        for chunk in entry.chunks:
+            info = md.storage_data[dcp_md.MetadataIndex(key, chunk.offsets)]
+            need = numel(chunk.sizes) * entry.properties.dtype.itemsize
+            if info.length < need:
+                raise ConfigError(
+                    f"{where!r} declares the chunk of {key!r} at {list(chunk.offsets)} as "
+                    f"{list(chunk.sizes)} {entry.properties.dtype} ({need} bytes), but its item "
+                    f"in {info.relative_path!r} is {info.length} bytes", fix=_EARLIER,
+                )  # fmt: skip
+
+
 class Reader:
-    """One checkpoint folder, opened for reading (``with Reader(folder) as r:``)."""
+    """One checkpoint folder, opened for reading (``with Reader(folder) as r:``): the
+    manifest's and the metadata's checksums, the chunks' tiling and the files' sizes are
+    checked here, before anything is read."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._fds: dict[str, int] = {}
         self.manifest = read_manifest(folder)
-        data = (folder / METADATA).read_bytes()
+        untrusted.inside(folder / METADATA, folder, "DCP metadata")
+        data = untrusted.read_capped(folder / METADATA, MAX_METADATA_BYTES, "DCP metadata")
         if self.manifest is not None:
             want = self.manifest.get("metadata", {}).get(digests.FILE_DIGEST)
             got = _digest128(data)
             if want != got:
                 raise digests.damaged(folder / METADATA, "the file", got, str(want))
         self.md = read_metadata(folder, data)
+        if self.manifest is None:
+            _plain_dcp(folder, self.md)
+        _check_files(folder, self.md)
         self.entries: dict[str, Any] = self.md.state_dict_metadata
         self.items: dict[str, str] | None = (
             None if self.manifest is None else self.manifest["items"]
         )
-        self._fds: dict[str, int] = {}
 
     def __enter__(self) -> Reader:
         return self
@@ -193,12 +284,8 @@ class Reader:
     def _fd(self, name: str) -> int:
         if name not in self._fds:
             path = self.folder / name
-            try:
-                self._fds[name] = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise ConfigError(f"cannot open {os.fspath(path)!r}, a file of the checkpoint: "
-                                  f"{exc.strerror}", fix="copy the whole folder; load an "
-                                  "earlier checkpoint.") from None  # fmt: skip
+            untrusted.inside(path, self.folder, "a file of the checkpoint")
+            self._fds[name] = untrusted.open_regular(path, "a file of the checkpoint")
         return self._fds[name]
 
     def _load(self, index: dcp_md.MetadataIndex, key: str, saved: Box | None) -> Any:
@@ -219,14 +306,15 @@ class Reader:
         except Exception as exc:  # torch's reasons vary by version: name the file and the item
             raise ConfigError(
                 f"cannot read {key!r} from {os.fspath(path)!r} (bytes {info.offset}.."
-                f"{info.offset + info.length}): {type(exc).__name__}: {str(exc)[:200]}",
+                f"{info.offset + info.length}, as {METADATA} says): {type(exc).__name__}: "
+                f"{str(exc)[:200]}",
                 fix="the file is damaged or holds an object outside torch's weights_only "
                 "allow-list; load an earlier checkpoint.",
             ) from None
         if saved is not None and not (isinstance(value, torch.Tensor)
                                       and tuple(value.shape) == saved.sizes):  # fmt: skip
             raise ConfigError(f"{os.fspath(path)!r} holds for {key!r} something other than the "
-                              f"{saved.sizes} chunk its metadata names",
+                              f"{saved.sizes} chunk its {METADATA} names",
                               fix="load an earlier checkpoint.")  # fmt: skip
         return value
 

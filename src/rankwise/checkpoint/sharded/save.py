@@ -46,9 +46,9 @@ from . import dcp_meta, digests
 from .assign import assign, merged_names
 from .optim_pieces import optimizer_pieces
 from .pieces import Blob, Piece, model_pieces
-from .read import FORMAT, item_id
+from .read import FORMAT, MANIFEST_DIGEST, MANIFEST_VERSION, item_id, manifest_digest
 
-VERSION = 1
+VERSION = MANIFEST_VERSION
 
 
 @dataclass
@@ -274,6 +274,7 @@ def _publish(plan: Plan, results: list[dict[str, Any]]) -> list[str]:
         data = dcp_meta.dumps(dcp_meta.build(items, os.fspath(plan.target)))
         manifest = {**plan.manifest, "metadata": {"bytes": len(data),
                     digests.FILE_DIGEST: _digest128(data)}, "files": listed, "items": digest_of}  # fmt: skip
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)  # the step, the checksums: all
         _write_synced(plan.tmp / dcp_meta.MANIFEST, json.dumps(manifest, indent=1).encode())
         _write_synced(plan.tmp / dcp_meta.METADATA, data)
         files.publish_dir(plan.tmp, plan.target)

@@ -29,6 +29,7 @@ import ipaddress
 import pickle
 from typing import Any
 
+from ...checkpoint.untrusted import RestrictedUnpickler
 from ...errors import DistributedError
 
 BACKEND = "rankwise-c10d"
@@ -63,8 +64,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _OnlyRendezvousState(pickle.Unpickler):
-    """An unpickler that finds no global but the rendezvous state's own classes."""
+class _OnlyRendezvousState(RestrictedUnpickler):
+    """An unpickler that finds no global but the rendezvous state's own classes, and sets
+    attributes on nothing but their instances (``RestrictedUnpickler``)."""
+
+    BUILD_TYPES = ()  # filled below, from the classes themselves
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
@@ -75,11 +79,19 @@ class _OnlyRendezvousState(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference")
 
 
+def _state_types() -> tuple[type, ...]:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    return (dr._RendezvousState, dr._NodeDesc)
+
+
 def check_pickle(state: bytes) -> str:
     """Why ``state`` is not a plain rendezvous state ('' if it is): it is read once with the
     restricted unpickler, so torch's own ``pickle.loads`` of the same bytes finds only the
     classes the check allowed and runs nothing else."""
     try:
+        if not _OnlyRendezvousState.BUILD_TYPES:
+            _OnlyRendezvousState.BUILD_TYPES = _state_types()
         _OnlyRendezvousState(io.BytesIO(state)).load()
     except Exception as exc:  # whatever the bytes make the unpickler raise
         return f"{type(exc).__name__}: {exc}"[:200]
