@@ -128,6 +128,28 @@ def _epoch_loops(s: Script, name: str) -> list[ast.AST]:
     return found
 
 
+def _bare_samplers(s: Script) -> list[tuple[str, ast.Call]]:
+    """``sampler = DistributedSampler(ds)`` (torch's or ``rw.DistributedSampler``) iterated
+    by the script itself (``for i in sampler``) or through a wrapper built from it
+    (``BatchSampler(sampler, ...)``, a custom loader): (name iterated, sampler)."""
+    out = []
+    for c in s.calls:
+        if not s.is_api(c.func, "DistributedSampler", unresolved=True):
+            continue
+        shuffle = keyword(c, "shuffle")
+        if shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value:
+            continue
+        name = assigned_name(s, c)
+        names = [name] if name else []
+        for other in s.calls:  # one hop: a wrapper that takes the sampler
+            passed = (*other.args, *(k.value for k in other.keywords))
+            if name and other is not c and any(dotted(a) == name for a in passed):
+                if not (other in loader_calls(s)):  # DataLoaders: _named_loaders' business
+                    names += [n for n in [assigned_name(s, other)] if n]
+        out += [(n, c) for n in names]
+    return out
+
+
 @rule(
     "RW005",
     "missing-set-epoch",
@@ -135,10 +157,12 @@ def _epoch_loops(s: Script, name: str) -> list[ast.AST]:
     "epoch loop over a DistributedSampler without sampler.set_epoch(epoch)",
 )
 def missing_set_epoch(s: Script) -> Iterator[Hit]:
-    for name, sampler in [*_named_loaders(s), *_stored_loaders(s)]:
+    seen: set[ast.AST] = set()
+    for name, sampler in [*_named_loaders(s), *_stored_loaders(s), *_bare_samplers(s)]:
         for loop in _epoch_loops(s, name):
-            if set_epoch_in(s, loop):
+            if set_epoch_in(s, loop) or loop in seen:
                 continue
+            seen.add(loop)
             yield (
                 loop,
                 f"This loop goes over `{name}` (DistributedSampler at line {sampler.lineno}) "
