@@ -84,6 +84,14 @@ def _chain(s: Script, name: ast.Name, at: ast.AST) -> tuple[set[str], list[ast.A
             for n in s.nodes
             if isinstance(n, ast.AugAssign) and dotted(n.target) == current
         ]
+        found += [  # losses.append(loss.item())
+            a
+            for n in s.calls
+            if last_name(n.func) in ("append", "extend", "add", "update")
+            and isinstance(n.func, ast.Attribute)
+            and dotted(n.func.value) == current
+            for a in n.args
+        ]
         for value in found:
             exprs.append(value)
             for n in ast.walk(value):
