@@ -199,6 +199,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _where(url: str) -> str:
+    """'pytorch/pytorch#46821' for a GitHub thread, the site's name otherwise."""
+    gh = re.match(r"https?://github\.com/([^/]+/[^/]+)/(?:issues|pull)/(\d+)", url)
+    if gh:
+        return f"{gh.group(1)}#{gh.group(2)}"
+    return re.sub(r"^https?://(www\.)?", "", url).split("/")[0]
+
+
 def table(mistakes: list[Mistake]) -> str:
     """The docs/pitfalls.md table, from the scripts' headers alone."""
     rows = [
@@ -211,7 +219,7 @@ def table(mistakes: list[Mistake]) -> str:
             run = f"{', '.join(m.facts)}; fix: {', '.join(m.fixes)}"
         if m.depends:
             run = (run + " " if run else "") + f"(run-time side: the `{m.depends}` branch)"
-        where = re.sub(r"^https?://(www\.)?", "", m.source).split("/")[0]
+        where = _where(m.source)
         rows.append(
             f"| {i} | {_cell(m.mistake)} ([`{m.path.name}`](../tests/mistakes/{m.path.name})) "
             f"| [{where}]({m.source}) | {', '.join(m.rules) or '-'} | {_cell(run) or '-'} |"
