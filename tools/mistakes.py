@@ -24,6 +24,7 @@ the right thing before the guard counts as loud: the job would still fail at its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -124,10 +125,8 @@ def _has(text: str, words: tuple[str, ...]) -> bool:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

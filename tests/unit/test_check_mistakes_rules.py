@@ -25,7 +25,9 @@ model, opt = rt.prepare(torch.nn.Linear(8, 2), None)
 
 # ---- RW020: a per-rank metric printed as the job's ----------------------------------------------
 
-ACCURACY = HEAD + """
+ACCURACY = (
+    HEAD
+    + """
 correct = total = 0
 for x, y in loader:
     correct += (model(x).argmax(1) == y).sum().item()
@@ -34,6 +36,7 @@ acc = correct / total
 if rt.rank == 0:
     print(f"accuracy {acc:.3f}")
 """
+)
 
 
 def test_accuracy_from_item_printed_on_rank_0_is_found_with_a_reduction_as_fix():
@@ -45,7 +48,10 @@ def test_accuracy_from_item_printed_on_rank_0_is_found_with_a_reduction_as_fix()
 @pytest.mark.parametrize(
     "change",
     [
-        ("acc = correct / total", "t = torch.tensor([correct, total]); dist.all_reduce(t); acc = t[0] / t[1]"),
+        (
+            "acc = correct / total",
+            "t = torch.tensor([correct, total]); dist.all_reduce(t); acc = t[0] / t[1]",
+        ),
         ('print(f"accuracy {acc:.3f}")', 'print(f"rank {rt.rank} accuracy {acc:.3f}")'),
         ("acc = correct / total", "acc = rw.all_reduce_mean(torch.tensor(correct / total)).item()"),
     ],
@@ -69,12 +75,15 @@ def test_a_training_loss_printed_on_rank_0_is_not_a_metric_finding():
 
 # ---- RW021: an all-reduce sum printed as a mean -------------------------------------------------
 
-SUM = HEAD + """
+SUM = (
+    HEAD
+    + """
 loss = torch.tensor(0.3)
 dist.all_reduce(loss)
 if rt.rank == 0:
     print(f"mean loss {loss.item():.3f}")
 """
+)
 
 
 def test_all_reduce_sum_printed_is_found_with_the_division_as_fix():
@@ -151,13 +160,16 @@ def test_following_rw008s_old_advice_under_zero2_is_caught():
 
 # ---- RW005, RW019: rw.DistributedSampler, a model after prepare_loader, a reference model --------
 
-SAMPLER = HEAD + """
+SAMPLER = (
+    HEAD
+    + """
 sampler = rw.DistributedSampler(ds, shuffle=True)
 for epoch in range(3):
     {set_epoch}
     for i in sampler:
         model(ds[i][0]).sum().backward()
 """
+)
 
 
 def test_set_epoch_forgotten_on_a_hand_iterated_rw_sampler():
@@ -180,7 +192,10 @@ for x, y in loader:
 
 def test_a_model_built_after_prepare_loader_is_found():
     (f,) = _found(AFTER_LOADER.format(name="net"), "RW019")
-    assert "`net`" in f.message and "only the loader went through `rt.prepare_loader`, line 4" in f.message
+    assert (
+        "`net`" in f.message
+        and "only the loader went through `rt.prepare_loader`, line 4" in f.message
+    )
     assert "rt.prepare(net, opt)" in f.fix
 
 
@@ -223,5 +238,7 @@ model, opt, loader = rt.prepare(model, None, DataLoader(ds, batch_size={batch}))
     if found:
         assert f"gives each process {batch} samples" in got[0].message
         assert "rw.convert_sync_batchnorm(model)" in got[0].fix
-    synced = src.replace("model, opt, loader", "model = rw.convert_sync_batchnorm(model)\nmodel, opt, loader")
+    synced = src.replace(
+        "model, opt, loader", "model = rw.convert_sync_batchnorm(model)\nmodel, opt, loader"
+    )
     assert _found(synced.format(batch=batch), "RW024") == []

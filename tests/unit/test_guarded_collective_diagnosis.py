@@ -52,7 +52,9 @@ def test_a_zero3_forward_on_rank_0_is_named_with_its_fix_not_uneven_data(script)
     assert found.tag == "mismatch" and found.ranks == [0]
     assert "ZeRO-3" in found.sentence and "some ranks only" in found.sentence
     assert "train.py:7" in found.sentence and "inside `if rt.rank == 0`" in found.sentence
-    assert "every rank" in found.fix and "rt.full_parameters" in found.fix and "rt.save" in found.fix
+    assert (
+        "every rank" in found.fix and "rt.full_parameters" in found.fix and "rt.save" in found.fix
+    )
     assert "Uneven" not in found.sentence and "as many batches" not in found.fix
     msg, fix = report.failure_report(0, views[0].latest, views, "timed out", 5.0)
     assert "Uneven data" not in msg and fix == found.fix

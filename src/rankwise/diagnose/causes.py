@@ -191,7 +191,7 @@ FIX_GUARDED = (
 
 
 def _guard(rec: Record) -> str | None:
-    """"inside `if rt.rank == 0`" when ``rec``'s call site sits in a rank-dependent branch."""
+    """ "inside `if rt.rank == 0`" when ``rec``'s call site sits in a rank-dependent branch."""
     if rec.site is None:
         return None
     where = if_context(rec.site.file, rec.site.line)
@@ -213,14 +213,27 @@ def guarded_cause(views: Iterable[RankView]) -> Cause | None:
         label = rec.label or ""
         if _UNIT.match(label) or _GRADS.match(label):
             what = "a forward (or backward, or state_dict()) of the ZeRO-3 model"
-            return Cause("mismatch", f"Rank {v.rank} runs {what} on some ranks only ({at}): "
-                         "under ZeRO-3 it gathers each unit's parameters from every rank, and "
-                         "the other ranks never call it.", FIX_SHARDED_FORWARD, [v.rank])
+            return Cause(
+                "mismatch",
+                f"Rank {v.rank} runs {what} on some ranks only ({at}): "
+                "under ZeRO-3 it gathers each unit's parameters from every rank, and "
+                "the other ranks never call it.",
+                FIX_SHARDED_FORWARD,
+                [v.rank],
+            )
         if _OPT_STATE.match(label):
-            return Cause("mismatch", f"Rank {v.rank} calls the sharded optimizer's state_dict() "
-                         f"on some ranks only ({at}): under ZeRO it gathers every rank's shard "
-                         "of the optimizer state, and the other ranks never call it.",
-                         FIX_SHARDED_STATE, [v.rank])
-        return Cause("mismatch", f"Rank {v.rank} issued {at}: a collective on some ranks only.",
-                     FIX_GUARDED, [v.rank])
+            return Cause(
+                "mismatch",
+                f"Rank {v.rank} calls the sharded optimizer's state_dict() "
+                f"on some ranks only ({at}): under ZeRO it gathers every rank's shard "
+                "of the optimizer state, and the other ranks never call it.",
+                FIX_SHARDED_STATE,
+                [v.rank],
+            )
+        return Cause(
+            "mismatch",
+            f"Rank {v.rank} issued {at}: a collective on some ranks only.",
+            FIX_GUARDED,
+            [v.rank],
+        )
     return None

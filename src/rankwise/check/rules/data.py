@@ -136,16 +136,16 @@ def _bare_samplers(s: Script) -> list[tuple[str, ast.Call]]:
     for c in s.calls:
         if not s.is_api(c.func, "DistributedSampler", unresolved=True):
             continue
-        shuffle = keyword(c, "shuffle")
-        if shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value:
+        if _unshuffled(c):
             continue
         name = assigned_name(s, c)
         names = [name] if name else []
+        loaders = loader_calls(s)  # DataLoaders over the sampler: _named_loaders' business
         for other in s.calls:  # one hop: a wrapper that takes the sampler
             passed = (*other.args, *(k.value for k in other.keywords))
-            if name and other is not c and any(dotted(a) == name for a in passed):
-                if not (other in loader_calls(s)):  # DataLoaders: _named_loaders' business
-                    names += [n for n in [assigned_name(s, other)] if n]
+            takes = name and other is not c and any(dotted(a) == name for a in passed)
+            if takes and other not in loaders:
+                names += [n for n in [assigned_name(s, other)] if n]
         out += [(n, c) for n in names]
     return out
 
@@ -177,10 +177,15 @@ def _shuffled_sampler(s: Script, loader: ast.Call) -> ast.Call | None:
     sampler = sampler_of(s, loader)
     if sampler is None:
         return None
+    return None if _unshuffled(sampler) else sampler
+
+
+def _unshuffled(sampler: ast.Call) -> bool:
+    """``shuffle=False``: the same order whatever the epoch, so set_epoch changes nothing."""
     shuffle = keyword(sampler, "shuffle")
-    if shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value:
-        return None  # an unshuffled sampler gives the same order whatever the epoch
-    return sampler
+    return (
+        shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value
+    )
 
 
 def _named_loaders(s: Script) -> list[tuple[str, ast.Call]]:

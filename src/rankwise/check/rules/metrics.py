@@ -80,9 +80,7 @@ def _chain(s: Script, name: ast.Name, at: ast.AST) -> tuple[set[str], list[ast.A
         current, where, depth = todo.pop()
         found = [b.value for b in s.reaching(current, where)]
         found += [
-            n.value
-            for n in s.nodes
-            if isinstance(n, ast.AugAssign) and dotted(n.target) == current
+            n.value for n in s.nodes if isinstance(n, ast.AugAssign) and dotted(n.target) == current
         ]
         found += [  # losses.append(loss.item())
             a
@@ -173,9 +171,9 @@ def _divided_after(s: Script, name: str, call: ast.Call) -> bool:
             return True
         if isinstance(n, ast.BinOp) and isinstance(n.op, DIVIDES) and _mentions(name, n.left):
             return True
-        if isinstance(n, ast.Call) and last_name(n.func) in ("div_", "div", "mean"):
-            if _mentions(name, n):
-                return True
+        divides = isinstance(n, ast.Call) and last_name(n.func) in ("div_", "div", "mean")
+        if divides and _mentions(name, n):
+            return True
     return False
 
 
