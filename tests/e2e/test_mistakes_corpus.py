@@ -79,6 +79,7 @@ def test_the_harness_tells_right_wrong_silent_and_hang_apart(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 13 launcher runs: ~3 min on 2 quiet cores, more when loaded
 def test_the_corpus_is_loud_with_the_right_fix(tmp_path, capsys):
     verdicts, reasons = {}, {}
     for m in CORPUS:

@@ -1,7 +1,6 @@
 # https://discuss.pytorch.org/t/big-accuracy-gap-with-ddp/160455
 # mistake: the model goes through `rt.prepare`, the training loader does not: each process reads the whole data set
 # expect: check RW018
-# expect-run: no distributed sampler | each process reads the whole data set ; fix: rt.prepare_loader
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
