@@ -121,6 +121,7 @@ CALLS = {
     "optimizer": ('torch.save(opt.state_dict(), "o.pt")', 1),
     "model-state": ('torch.save(model.state_dict(), "m.pt")', 3),
     "forward": ("out = model(torch.randn(4, 8))", 3),
+    "full-parameters": ("with rt.full_parameters(model) as bare: pass", 3),
 }
 
 

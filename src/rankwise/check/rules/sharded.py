@@ -65,6 +65,9 @@ def _what(s: Script, c: ast.Call, models: set[str], opts: set[str], stage: int) 
             return "the ZeRO-3 model's state_dict() (it gathers every unit's parameters)"
     if stage == 3 and isinstance(f, ast.Name) and f.id in models:
         return "a forward of the ZeRO-3 model (it gathers each unit's parameters)"
+    gathers = isinstance(f, ast.Attribute) and f.attr == "full_parameters"
+    if stage == 3 and gathers and dotted(f.value) in runtimes(s):
+        return "`rt.full_parameters` under zero3 (it gathers every unit's parameters)"
     return None
 
 
