@@ -102,3 +102,20 @@ def test_mismatch_reports_prefer_the_guard_too(script):
                1: _rec(script, 13, 9, None, op="barrier")}  # fmt: skip
     found = report.mismatch_cause(present)
     assert "ZeRO-3" in found.sentence and "rt.full_parameters" in found.fix
+
+
+def test_a_rank_busy_under_a_guard_is_named_from_the_waiting_ranks_side(script):
+    # Rank 1 waits in the world group's barrier; rank 0 never reached it and is running the
+    # guarded block (its ZeRO all-gather is on another group, invisible here).
+    waiting = RankView(1, _rec(script, 6, 9, None, op="barrier"), True)
+    busy = RankView(0, _rec(script, 5, 5, "gradients of unit 0", state="done"), True,
+                    frame=Site(script, 8, "<module>"))  # fmt: skip
+    found = report.decide(waiting.latest, [busy, waiting])
+    assert found.tag == "behind" and found.ranks == [0]
+    assert found.sentence.startswith("Rank(s) 0 never reached #6. Rank 0 is running code inside")
+    assert "`if rt.rank == 0` (train.py:8)" in found.sentence
+    assert "rt.save(path, model=model, optimizer=opt) on every rank" in found.fix
+    assert "rt.full_parameters" in found.fix and "raise the timeout" in found.fix
+    outside = RankView(0, busy.latest, True, frame=Site(script, 5, "<module>"))
+    plain = report.decide(waiting.latest, [outside, waiting])
+    assert plain.sentence == "Rank(s) 0 never reached #6." and plain.fix == report.FIX_BEHIND

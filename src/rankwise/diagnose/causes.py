@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .records import RankView, Record, if_context
+from .records import RankView, Record, Site, if_context
 
 
 class Cause(NamedTuple):
@@ -192,16 +192,46 @@ FIX_GUARDED = (
 
 def _guard(rec: Record) -> str | None:
     """ "inside `if rt.rank == 0`" when ``rec``'s call site sits in a rank-dependent branch."""
-    if rec.site is None:
-        return None
-    where = if_context(rec.site.file, rec.site.line)
+    return None if rec.site is None else _guard_at(rec.site)
+
+
+def _guard_at(site: Site) -> str | None:
+    where = if_context(site.file, site.line)
     return where if where and _RANK_GUARD.search(where) else None
+
+
+FIX_GUARDED_ELSEWHERE = (
+    "every rank must call each collective: the rank(s) named above run code that the others "
+    "skip (the rank guard above). If that code issues a collective (a barrier, rt.save, a "
+    "metric's all-reduce; under ZeRO a forward or a state_dict() of the model or optimizer), "
+    "call it on every rank and keep only the rank-0 work (print, write) under the guard: "
+    "rt.save(path, model=model, optimizer=opt) on every rank; under zero3 enter "
+    "`with rt.full_parameters(model) as bare:` on every rank. If it is only slow work, raise "
+    "the timeout: rw.init(timeout=...)."
+)
+
+
+def guarded_elsewhere(views: list[RankView], behind: list[int]) -> tuple[str, str] | None:
+    """Seen from a waiting rank: a rank that never reached the collective and is running code
+    under a rank guard (its heartbeat's frame): maybe a collective the others skip (under ZeRO a
+    unit's all-gather, on another group), maybe only slow work. A sentence and a fix saying both."""
+    for v in views:
+        where = _guard_at(v.frame) if v.rank in behind and v.frame is not None else None
+        if where:
+            return (
+                f"Rank {v.rank} is running code {where} ({v.frame.short()}) that the other "
+                "ranks skip: a collective there would wait for ranks that never come, and "
+                "slow work there keeps them waiting here.",
+                FIX_GUARDED_ELSEWHERE,
+            )
+    return None
 
 
 def guarded_cause(views: Iterable[RankView]) -> Cause | None:
     """A rank waiting in a collective issued from inside ``if rank == 0:`` (its own call site,
     read from its own file): the collective runs on some ranks only. Under ZeRO the
     collective is the sharded model's forward or the optimizer's state dict, named as such."""
+    views = list(views)
     for v in views:
         rec = v.latest
         if rec is None or v.finished or v.raised or rec.state == "done":

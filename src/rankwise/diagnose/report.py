@@ -25,6 +25,7 @@ from .causes import (
     batch_sentence,
     fix_raised,
     guarded_cause,
+    guarded_elsewhere,
     is_step,
     raised_sentence,
     uneven_sentence,
@@ -170,8 +171,11 @@ def decide(failed: Record, views: list[RankView]) -> Cause:
             called,
         )
     if behind:
-        return Cause("behind", f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND,
-                     behind)  # fmt: skip
+        sentence, fix = f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND
+        elsewhere = guarded_elsewhere(views, behind)  # busy under `if rank == 0:`?
+        if elsewhere:
+            sentence, fix = f"{sentence} {elsewhere[0]}", elsewhere[1]
+        return Cause("behind", sentence, fix, behind)
     return Cause(
         "unknown", "",
         "check the backend error above and every rank's log; raise the timeout if the work is slow.",
