@@ -141,13 +141,26 @@ def _bare_samplers(s: Script) -> list[tuple[str, ast.Call]]:
         name = assigned_name(s, c)
         names = [name] if name else []
         loaders = loader_calls(s)  # DataLoaders over the sampler: _named_loaders' business
-        for other in s.calls:  # one hop: a wrapper that takes the sampler
+        for other in s.calls:  # one hop: a sampler or loader of the script's that wraps it
             passed = (*other.args, *(k.value for k in other.keywords))
             takes = name and other is not c and any(dotted(a) == name for a in passed)
-            if takes and other not in loaders:
+            wraps = (last_name(other.func) or "").lower().endswith(("sampler", "loader"))
+            if takes and wraps and other not in loaders:
                 names += [n for n in [assigned_name(s, other)] if n]
         out += [(n, c) for n in names]
     return out
+
+
+def _iterating_epoch_loops(s: Script, name: str) -> list[ast.AST]:
+    """The loops around a ``for ... in name`` of this function: a sampler iterated by hand. A
+    sampler passed to a function is not followed (another file may call set_epoch on it)."""
+    found: list[ast.AST] = []
+    for n in s.nodes:
+        if isinstance(n, ast.For | ast.AsyncFor) and name in names_in(n.iter):
+            outer = [lp for lp in s.ctx[n].loops if name not in names_in(_head(lp))]
+            if outer and outer[-1] not in found:
+                found.append(outer[-1])
+    return found
 
 
 @rule(
@@ -158,8 +171,10 @@ def _bare_samplers(s: Script) -> list[tuple[str, ast.Call]]:
 )
 def missing_set_epoch(s: Script) -> Iterator[Hit]:
     seen: set[ast.AST] = set()
-    for name, sampler in [*_named_loaders(s), *_stored_loaders(s), *_bare_samplers(s)]:
-        for loop in _epoch_loops(s, name):
+    loaders = [(n, smp, _epoch_loops) for n, smp in [*_named_loaders(s), *_stored_loaders(s)]]
+    bare = [(n, smp, _iterating_epoch_loops) for n, smp in _bare_samplers(s)]
+    for name, sampler, epoch_loops in [*loaders, *bare]:
+        for loop in epoch_loops(s, name):
             if set_epoch_in(s, loop) or loop in seen:
                 continue
             seen.add(loop)

@@ -105,7 +105,8 @@ def _reduced(s: Script, names: set[str], exprs: list[ast.AST]) -> bool:
             return True
     for c in s.calls:
         if last_name(c.func) in REDUCTIONS:
-            passed = (*c.args, *(k.value for k in c.keywords))
+            receiver = c.func.value if isinstance(c.func, ast.Attribute) else None
+            passed = (*c.args, *(k.value for k in c.keywords), *([receiver] if receiver else []))
             if any(isinstance(n, ast.Name) and n.id in names for a in passed for n in ast.walk(a)):
                 return True
     return False
