@@ -130,8 +130,11 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_verdict(m: Mistake, workdir: Path) -> tuple[str, str, float]:
-    """The launcher's side: run the script on 2 processes and read what it says."""
+def run_verdict(
+    m: Mistake, workdir: Path, output: list[str] | None = None
+) -> tuple[str, str, float]:
+    """The launcher's side: run the script on 2 processes and read what it says (appended to
+    ``output`` when given)."""
     if not m.runs:
         return "right", "", 0.0
     env = {**os.environ, "RANKWISE_STALL_REPORT_S": STALL_S, "PYTHONUNBUFFERED": "1", **m.env}
@@ -164,6 +167,8 @@ def run_verdict(m: Mistake, workdir: Path) -> tuple[str, str, float]:
         _kill(proc)
     reader.join(timeout=5)
     text, took = "".join(out), time.monotonic() - start
+    if output is not None:
+        output.append(text)
     low = text.lower()
     bad = [w for w in m.wrong if w.lower() in low]
     if bad:

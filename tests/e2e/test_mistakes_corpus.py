@@ -7,6 +7,7 @@ The harness is tools/mistakes.py (`python tools/mistakes.py` prints the figure b
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -96,3 +97,17 @@ def test_the_corpus_is_loud_with_the_right_fix(tmp_path, capsys):
     assert count["wrong"] == 0, reasons
     assert count["hang"] == 0, reasons
     assert count["right"] >= 0.9 * len(CORPUS), figure
+
+
+@pytest.mark.slow
+def test_a_rank_guarded_zero_collective_is_reported_before_the_stall_delay(tmp_path):
+    """Item 4: `torch.save(opt.state_dict())` under `if rank == 0:` under zero2 hangs; with the
+    stall delay at 120 s, the report still comes after GUARDED_SHARDED_S and names it right."""
+    (m,) = [m for m in CORPUS if m.path.name.startswith("m04_")]
+    m = dataclasses.replace(m, env={"RANKWISE_STALL_REPORT_S": "120"})
+    out: list[str] = []
+    verdict, why, _ = mistakes.run_verdict(m, tmp_path, out)
+    assert verdict == "right", why
+    waited = re.search(r"have been waiting in for (\d+)s", out[0])
+    assert waited and int(waited.group(1)) < 120, out[0][-2000:]
+    assert "optimizer's state_dict() on some ranks only" in out[0]

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from rankwise.diagnose import records, report
+from rankwise.diagnose import causes, records, report
 from rankwise.diagnose.records import RankView, Record, Site
 
 SCRIPT = textwrap.dedent("""
@@ -119,3 +119,11 @@ def test_a_rank_busy_under_a_guard_is_named_from_the_waiting_ranks_side(script):
     outside = RankView(0, busy.latest, True, frame=Site(script, 5, "<module>"))
     plain = report.decide(waiting.latest, [outside, waiting])
     assert plain.sentence == "Rank(s) 0 never reached #6." and plain.fix == report.FIX_BEHIND
+
+
+def test_only_a_sharded_collective_under_a_guard_is_reported_early(script):
+    assert causes.sharded_under_guard(_rec(script, 7, 7, "parameters of unit 0"))
+    assert causes.sharded_under_guard(_rec(script, 7, 8, "optimizer state of unit 3"))
+    assert not causes.sharded_under_guard(_rec(script, 7, 5, "parameters of unit 0"))  # no guard
+    assert not causes.sharded_under_guard(_rec(script, 7, 8, None, op="barrier"))  # not ZeRO's
+    assert not causes.sharded_under_guard(_rec(script, 7, 8, "rt.save: replica fingerprints"))

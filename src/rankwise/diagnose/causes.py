@@ -227,6 +227,18 @@ def guarded_elsewhere(views: list[RankView], behind: list[int]) -> tuple[str, st
     return None
 
 
+GUARDED_SHARDED_S = 10.0
+"""A ZeRO collective issued under a rank guard is reported after this long (or the configured
+stall delay, when shorter): it has no balanced twin on the other ranks to wait for."""
+
+
+def sharded_under_guard(rec: Record) -> bool:
+    """A ZeRO unit's gather or the sharded optimizer's state, issued inside ``if rank == 0:``."""
+    label = rec.label or ""
+    sharded = _UNIT.match(label) or _GRADS.match(label) or _OPT_STATE.match(label)
+    return bool(sharded) and _guard(rec) is not None
+
+
 def guarded_cause(views: Iterable[RankView]) -> Cause | None:
     """A rank waiting in a collective issued from inside ``if rank == 0:`` (its own call site,
     read from its own file): the collective runs on some ranks only. Under ZeRO the
