@@ -8,7 +8,9 @@ the report is out within a minute; 0 turns the reports off), the lowest waiting 
 one report naming the waiting ranks, the missing ones and where they are (their call site,
 or "running user code at file:line"). Nothing is
 raised: the job goes on waiting, and still fails at the timeout if the stall does not end.
-Each collective is reported once.
+Each collective is reported once. A ZeRO collective issued under a rank guard
+(``if rank == 0: model(x)`` under zero3) is reported after ``causes.GUARDED_SHARDED_S``
+already: nothing on the other ranks balances it.
 """
 
 from __future__ import annotations
