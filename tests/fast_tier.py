@@ -51,6 +51,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_strategies.py", "test_tensor_parallel_unit.py", "test_topology.py",
             "test_trackers.py",
             "test_updates_unit.py", "test_zero_api.py", "test_zero_unit.py",
+            "test_check_mistakes_rules.py", "test_guarded_collective_diagnosis.py",
         )
     ),
     "docs: the convention, and the pages whose blocks run in one process": (
@@ -107,6 +108,7 @@ FAST: dict[str, tuple[str, ...]] = {
         DOCS + "test_blocks_run[bench.md]",
         E2E + "test_bench.py::test_comm_bench_rows",
         E2E + "test_check_module.py::test_python_dash_m_rankwise_check",
+        E2E + "test_mistakes_corpus.py::test_the_pitfalls_table_is_generated_from_the_corpus",
     ),
 }
 """Feature area -> the fast tests that cover it (a file, or a test by name)."""

@@ -90,5 +90,5 @@ def test_register_adds_the_check_subcommand(capsys: pytest.CaptureFixture[str]) 
 def test_list_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--list-rules"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 19  # RW001..RW019
+    assert len(out) == 24  # RW001..RW024
     assert out[0].split()[:3] == ["RW001", "error", "ddp-before-device"]

@@ -17,7 +17,8 @@ DESCRIPTION = (
     "Statically check PyTorch training scripts for the classic data-parallel pitfalls "
     "(DDP before .to(device), init twice, sampler+shuffle, module. keys, rank-0 guards, hangs, "
     "--local_rank, torch.load, DP batch size, global rank as device, local-rank saves, AMP "
-    "clipping, per-rank resume; --list-rules). Exit status: 0 clean (warnings allowed), "
+    "clipping, per-rank resume, unreduced metrics, ZeRO state on rank 0, padded evaluation, "
+    "BatchNorm on small batches; --list-rules). Exit status: 0 clean (warnings allowed), "
     "1 errors found (or warnings with --strict), 2 a file could not be read or parsed."
 )
 

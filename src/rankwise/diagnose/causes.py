@@ -11,6 +11,11 @@ common causes leave recognisable traces:
   (``rw.loader``, ``rt.prepare``) or ``join()``;
 - **per-rank batch sizes**: the same collective with tensors that differ only in their first
   dimension (a batch of another size on each rank), fixed by the same prepared loader;
+- **a sharded model or optimizer used on some ranks only**: under ZeRO a forward, a backward,
+  ``state_dict()`` or ``opt.state_dict()`` is itself a collective (it gathers the units' shards),
+  so ``if rank == 0: model(x)`` waits for ranks that never come; the record's call site sits
+  inside a rank guard, which uneven data never does; the fix is every rank calling it
+  (``rt.full_parameters``, ``rt.save``), not padding the data;
 - otherwise a collective issued on some ranks only, or in another order (``if rank == 0:``).
 
 Pure functions over records (no torch.distributed).
@@ -22,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .records import RankView, Record
+from .records import RankView, Record, Site, if_context
 
 
 class Cause(NamedTuple):
@@ -156,3 +161,121 @@ def batch_sentence(records: dict[int, Record]) -> str | None:
         f"Per-rank batch sizes: the tensors differ only in their first dimension ({sizes}): "
         "each rank's batch has another size."
     )
+
+
+_RANK_GUARD = re.compile(r"\b(rank|local_rank|is_master|is_main\w*|is_rank_zero|global_rank)\b")
+_UNIT = re.compile(r"^(?:updated )?parameters of unit \d+$")
+_OPT_STATE = re.compile(r"^optimizer state of unit \d+$")
+_GRADS = re.compile(r"^gradients of unit \d+$")
+
+FIX_SHARDED_FORWARD = (
+    "under ZeRO-3 the model's forward (and its state_dict()) is a collective: every rank must "
+    "call it. Evaluate on every rank (each on its share of the data, rt.prepare_loader(loader, "
+    "evaluation=True)) and print on rank 0 with rt.print; for work on rank 0 alone, enter "
+    "`with rt.full_parameters(model) as bare:` on every rank and call bare(x) inside "
+    "`if rt.rank == 0:`; to save, call rt.save(path, model=model, optimizer=opt) on every rank "
+    "(rank 0 writes). Padding the data or join() does not help here."
+)
+FIX_SHARDED_STATE = (
+    "under ZeRO (zero1, zero2, zero3) the optimizer's state_dict() gathers every rank's shard: "
+    "every rank must call it. Call rt.save(path, model=model, optimizer=opt) on every rank "
+    "(rank 0 writes, the others take part), or call opt.state_dict() on every rank and only "
+    "torch.save it under `if rt.rank == 0:`."
+)
+FIX_GUARDED = (
+    "every rank must call each collective: this one runs inside a rank guard (named above). "
+    "Call it on every rank and use its result on rank 0 only (`if rt.rank == 0:` around the "
+    "print or the write, not around the collective); rt.save and rw.save_checkpoint are "
+    "called on every rank."
+)
+
+
+def _guard(rec: Record) -> str | None:
+    """ "inside `if rt.rank == 0`" when ``rec``'s call site sits in a rank-dependent branch."""
+    return None if rec.site is None else _guard_at(rec.site)
+
+
+def _guard_at(site: Site) -> str | None:
+    where = if_context(site.file, site.line)
+    return where if where and _RANK_GUARD.search(where) else None
+
+
+FIX_GUARDED_ELSEWHERE = (
+    "every rank must call each collective: the rank(s) named above run code that the others "
+    "skip (the rank guard above). If that code issues a collective (a barrier, rt.save, a "
+    "metric's all-reduce; under ZeRO a forward or a state_dict() of the model or optimizer), "
+    "call it on every rank and keep only the rank-0 work (print, write) under the guard: "
+    "rt.save(path, model=model, optimizer=opt) on every rank; under zero3 enter "
+    "`with rt.full_parameters(model) as bare:` on every rank. If it is only slow work, raise "
+    "the timeout: rw.init(timeout=...)."
+)
+
+
+def guarded_elsewhere(views: list[RankView], behind: list[int]) -> tuple[str, str] | None:
+    """Seen from a waiting rank: a rank that never reached the collective and is running code
+    under a rank guard (its heartbeat's frame): maybe a collective the others skip (under ZeRO a
+    unit's all-gather, on another group), maybe only slow work. A sentence and a fix saying both."""
+    for v in views:
+        where = _guard_at(v.frame) if v.rank in behind and v.frame is not None else None
+        if where:
+            return (
+                f"Rank {v.rank} is running code {where} ({v.frame.short()}) that the other "
+                "ranks skip: a collective there would wait for ranks that never come, and "
+                "slow work there keeps them waiting here.",
+                FIX_GUARDED_ELSEWHERE,
+            )
+    return None
+
+
+GUARDED_SHARDED_S = 10.0
+"""A ZeRO collective issued under a rank guard is reported after this long (or the configured
+stall delay, when shorter): it has no balanced twin on the other ranks to wait for."""
+
+
+def sharded_under_guard(rec: Record) -> bool:
+    """A ZeRO unit's gather or the sharded optimizer's state, issued inside ``if rank == 0:``."""
+    label = rec.label or ""
+    sharded = _UNIT.match(label) or _GRADS.match(label) or _OPT_STATE.match(label)
+    return bool(sharded) and _guard(rec) is not None
+
+
+def guarded_cause(views: Iterable[RankView]) -> Cause | None:
+    """A rank waiting in a collective issued from inside ``if rank == 0:`` (its own call site,
+    read from its own file): the collective runs on some ranks only. Under ZeRO the
+    collective is the sharded model's forward or the optimizer's state dict, named as such."""
+    views = list(views)
+    for v in views:
+        rec = v.latest
+        if rec is None or v.finished or v.raised or rec.state == "done":
+            continue
+        where = _guard(rec)
+        if where is None:
+            continue
+        at = f"{rec.op} #{rec.seq} from {rec.site.short()}, {where}"
+        label = rec.label or ""
+        if _UNIT.match(label) or _GRADS.match(label):
+            what = "a forward (or backward, or state_dict()) of the ZeRO-3 model"
+            return Cause(
+                "mismatch",
+                f"Rank {v.rank} runs {what} on some ranks only ({at}): "
+                "under ZeRO-3 it gathers each unit's parameters from every rank, and "
+                "the other ranks never call it.",
+                FIX_SHARDED_FORWARD,
+                [v.rank],
+            )
+        if _OPT_STATE.match(label):
+            return Cause(
+                "mismatch",
+                f"Rank {v.rank} calls the sharded optimizer's state_dict() "
+                f"on some ranks only ({at}): under ZeRO it gathers every rank's shard "
+                "of the optimizer state, and the other ranks never call it.",
+                FIX_SHARDED_STATE,
+                [v.rank],
+            )
+        return Cause(
+            "mismatch",
+            f"Rank {v.rank} issued {at}: a collective on some ranks only.",
+            FIX_GUARDED,
+            [v.rank],
+        )
+    return None

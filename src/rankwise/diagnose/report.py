@@ -24,6 +24,8 @@ from .causes import (
     Cause,
     batch_sentence,
     fix_raised,
+    guarded_cause,
+    guarded_elsewhere,
     is_step,
     raised_sentence,
     uneven_sentence,
@@ -137,6 +139,9 @@ def decide(failed: Record, views: list[RankView]) -> Cause:
     raised = raised_sentence(views)
     if raised:
         return Cause("raised", raised[0], fix_raised(raised[1]), raised[1])
+    guarded = guarded_cause(views)  # a call site inside `if rank == 0:` is never uneven data
+    if guarded:
+        return guarded
     uneven = uneven_sentence(failed, views)
     if uneven:
         return Cause("uneven", uneven[0], FIX_UNEVEN, uneven[1])
@@ -166,8 +171,11 @@ def decide(failed: Record, views: list[RankView]) -> Cause:
             called,
         )
     if behind:
-        return Cause("behind", f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND,
-                     behind)  # fmt: skip
+        sentence, fix = f"Rank(s) {_ranks(behind)} never reached #{want}.", FIX_BEHIND
+        elsewhere = guarded_elsewhere(views, behind)  # busy under `if rank == 0:`?
+        if elsewhere:
+            sentence, fix = f"{sentence} {elsewhere[0]}", elsewhere[1]
+        return Cause("behind", sentence, fix, behind)
     return Cause(
         "unknown", "",
         "check the backend error above and every rank's log; raise the timeout if the work is slow.",
@@ -236,6 +244,9 @@ def mismatch_cause(present: dict[int, Record]) -> Cause:
     """Why the ranks' records of one collective number differ: uneven data (one is a training
     step's, another not), per-rank batch sizes, or another collective."""
     views = [RankView(r, rec, True) for r, rec in sorted(present.items())]
+    guarded = guarded_cause(views)
+    if guarded:
+        return guarded
     want = next((rec for rec in present.values() if is_step(rec)), None)
     uneven = uneven_sentence(want, views) if want is not None else None
     if uneven:

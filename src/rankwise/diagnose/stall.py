@@ -8,7 +8,9 @@ the report is out within a minute; 0 turns the reports off), the lowest waiting 
 one report naming the waiting ranks, the missing ones and where they are (their call site,
 or "running user code at file:line"). Nothing is
 raised: the job goes on waiting, and still fails at the timeout if the stall does not end.
-Each collective is reported once.
+Each collective is reported once. A ZeRO collective issued under a rank guard
+(``if rank == 0: model(x)`` under zero3) is reported after ``causes.GUARDED_SHARDED_S``
+already: nothing on the other ranks balances it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from typing import Any
 
 from ..job import env as envmod
-from . import nodes, report
+from . import causes, nodes, report
 from .channel import gather
 
 _config: dict[str, float | None] = {"after_s": None}
@@ -48,6 +50,13 @@ def _oldest_pending(g: Any) -> Any | None:
     return None
 
 
+def _sharded_guard_overdue(e: Any, waited: float) -> bool:
+    """A ZeRO collective under ``if rank == 0:`` is reported early: nothing balances it on the
+    other ranks, so waiting the full stall delay only delays the same report. The call site is
+    read (from this rank's own file) only once it has waited that long."""
+    return waited >= causes.GUARDED_SHARDED_S and causes.sharded_under_guard(e.record())
+
+
 def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> str | None:
     """Report the first collective pending longer than ``after_s()``; returns the report."""
     limit = after_s()
@@ -56,7 +65,9 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
     now = time.time()
     for g in groups:
         e = _oldest_pending(g)
-        if e is None or now - e.t0 < limit or getattr(g, "stall_reported", 0) >= e.seq:
+        if e is None or getattr(g, "stall_reported", 0) >= e.seq:
+            continue
+        if now - e.t0 < limit and not _sharded_guard_overdue(e, now - e.t0):
             continue
         g.stall_reported = e.seq
         node = getattr(watchdog, "node", None)

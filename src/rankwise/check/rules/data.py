@@ -128,6 +128,41 @@ def _epoch_loops(s: Script, name: str) -> list[ast.AST]:
     return found
 
 
+def _bare_samplers(s: Script) -> list[tuple[str, ast.Call]]:
+    """``sampler = DistributedSampler(ds)`` (torch's or ``rw.DistributedSampler``) iterated
+    by the script itself (``for i in sampler``) or through a wrapper built from it
+    (``BatchSampler(sampler, ...)``, a custom loader): (name iterated, sampler)."""
+    out = []
+    for c in s.calls:
+        if not s.is_api(c.func, "DistributedSampler", unresolved=True):
+            continue
+        if _unshuffled(c):
+            continue
+        name = assigned_name(s, c)
+        names = [name] if name else []
+        loaders = loader_calls(s)  # DataLoaders over the sampler: _named_loaders' business
+        for other in s.calls:  # one hop: a sampler or loader of the script's that wraps it
+            passed = (*other.args, *(k.value for k in other.keywords))
+            takes = name and other is not c and any(dotted(a) == name for a in passed)
+            wraps = (last_name(other.func) or "").lower().endswith(("sampler", "loader"))
+            if takes and wraps and other not in loaders:
+                names += [n for n in [assigned_name(s, other)] if n]
+        out += [(n, c) for n in names]
+    return out
+
+
+def _iterating_epoch_loops(s: Script, name: str) -> list[ast.AST]:
+    """The loops around a ``for ... in name`` of this function: a sampler iterated by hand. A
+    sampler passed to a function is not followed (another file may call set_epoch on it)."""
+    found: list[ast.AST] = []
+    for n in s.nodes:
+        if isinstance(n, ast.For | ast.AsyncFor) and name in names_in(n.iter):
+            outer = [lp for lp in s.ctx[n].loops if name not in names_in(_head(lp))]
+            if outer and outer[-1] not in found:
+                found.append(outer[-1])
+    return found
+
+
 @rule(
     "RW005",
     "missing-set-epoch",
@@ -135,10 +170,14 @@ def _epoch_loops(s: Script, name: str) -> list[ast.AST]:
     "epoch loop over a DistributedSampler without sampler.set_epoch(epoch)",
 )
 def missing_set_epoch(s: Script) -> Iterator[Hit]:
-    for name, sampler in [*_named_loaders(s), *_stored_loaders(s)]:
-        for loop in _epoch_loops(s, name):
-            if set_epoch_in(s, loop):
+    seen: set[ast.AST] = set()
+    loaders = [(n, smp, _epoch_loops) for n, smp in [*_named_loaders(s), *_stored_loaders(s)]]
+    bare = [(n, smp, _iterating_epoch_loops) for n, smp in _bare_samplers(s)]
+    for name, sampler, epoch_loops in [*loaders, *bare]:
+        for loop in epoch_loops(s, name):
+            if set_epoch_in(s, loop) or loop in seen:
                 continue
+            seen.add(loop)
             yield (
                 loop,
                 f"This loop goes over `{name}` (DistributedSampler at line {sampler.lineno}) "
@@ -153,10 +192,15 @@ def _shuffled_sampler(s: Script, loader: ast.Call) -> ast.Call | None:
     sampler = sampler_of(s, loader)
     if sampler is None:
         return None
+    return None if _unshuffled(sampler) else sampler
+
+
+def _unshuffled(sampler: ast.Call) -> bool:
+    """``shuffle=False``: the same order whatever the epoch, so set_epoch changes nothing."""
     shuffle = keyword(sampler, "shuffle")
-    if shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value:
-        return None  # an unshuffled sampler gives the same order whatever the epoch
-    return sampler
+    return (
+        shuffle is not None and isinstance(shuffle.value, ast.Constant) and not shuffle.value.value
+    )
 
 
 def _named_loaders(s: Script) -> list[tuple[str, ast.Call]]:

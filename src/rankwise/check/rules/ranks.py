@@ -165,9 +165,25 @@ def save_without_rank_guard(s: Script) -> Iterator[Hit]:
             f"`{s.snippet(c)}` runs on every rank: world_size processes write the same file at "
             "once (wasted I/O, and a torn file when writes interleave); the replicas are "
             "identical, so rank 0's copy is the checkpoint.",
-            f"{GUARD_FIX} and call `dist.barrier()` after it (outside the guard) before any rank "
-            "reads the file; or use `rw.save_checkpoint(...)` on every rank.",
+            _save_fix(s),
         )
+
+
+def _save_fix(s: Script) -> str:
+    """RW008's fix, right under every strategy: with rankwise, ``rt.save`` on every rank (under
+    zero1-3 the state dicts are collectives, so a rank-0 guard around them hangs)."""
+    if runtimes(s):
+        return (
+            "Call `rt.save(path, model=model, optimizer=opt)` on every rank (not under a rank "
+            "guard): rank 0 writes, and under zero1-3 every rank must take part because "
+            "`opt.state_dict()` (and, under zero3, `model.state_dict()`) gathers the shards."
+        )
+    return (
+        "Take the state dicts on every rank, then write under `if rank == 0:` (or `if "
+        "rt.is_master:`) and call `dist.barrier()` after it (outside the guard) before any rank "
+        "reads the file (under FSDP/ZeRO the state dicts are collectives: never compute them "
+        "inside the guard); or use `rw.save_checkpoint(...)` on every rank."
+    )
 
 
 def runtimes(s: Script) -> set[str]:

@@ -11,6 +11,7 @@ torch's own DDP scripts) and under ``strategy="single"`` or ``"dp"`` (one proces
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from ...strategies import STRATEGIES
@@ -195,19 +196,41 @@ def _prepared_names(s: Script, prepares: list[ast.Call]) -> set[str]:
     return out
 
 
+REFERENCE = re.compile(
+    r"(^|_)(ref|reference|baseline|oracle|local|single|serial|expected|eager|plain|cpu)(_|$|\d)",
+    re.IGNORECASE,
+)
+"""Names of a deliberate local copy (a one-process oracle to compare against): not drift."""
+
+
+def _deliberate(s: Script, model: str, opt: ast.Call) -> bool:
+    """A local reference model on purpose: named as one, or built and stepped on one rank."""
+    return bool(REFERENCE.search(model.split(".")[-1])) or s.ctx[opt].polarity != 0
+
+
+def _seen(prepares: list[ast.Call], first: int) -> str:
+    if all(c.func.attr == "prepare_loader" for c in prepares):
+        return f"only the loader went through `rt.prepare_loader`, line {first}"
+    return f"line {first}"
+
+
 def _foreign_optimizers(s: Script, prepares: list[ast.Call]) -> Iterator[Hit]:
-    """Optimizers built on a model no prepare call saw."""
+    """Optimizers built on a model no prepare call saw (``prepares`` may hold only
+    ``rt.prepare_loader`` calls: then the model was built after the loader and never prepared)."""
     prepared = _prepared_names(s, prepares)
     first = min(c.lineno for c in prepares)
     for opt in _optimizer_calls(s):
         for model, where in _trained_models(s, opt):
             if _prefixes(model) & prepared or model in ("self", "super()"):
                 continue
+            if _deliberate(s, model, opt):
+                continue
             yield (
                 where,
                 f"`{s.snippet(opt.func)}` updates `{model}`, which never goes through "
-                f"`rt.prepare` (line {first}): its gradients are not averaged across ranks, so "
-                "each rank's copy drifts apart with no error (rt.save refuses drifted copies).",
+                f"`rt.prepare` ({_seen(prepares, first)}): its gradients are not averaged "
+                "across ranks, so each rank's copy drifts apart with no error (rt.save refuses "
+                "drifted copies).",
                 f"Prepare the model you train and build its optimizer from it: `{model}, opt = "
                 f"rt.prepare({model}, opt)` with `opt` over `{model}.parameters()`.",
             )
@@ -234,8 +257,10 @@ def _loops_before(s: Script, call: ast.Call) -> Iterator[ast.AST]:
     "a model trained outside rt.prepare (an optimizer over another model, or steps before it)",
 )
 def model_outside_prepare(s: Script) -> Iterator[Hit]:
-    prepares = [c for c in _applies(s) if c.func.attr == "prepare"]
-    if not prepares:
+    applies = _applies(s)
+    prepares = [c for c in applies if c.func.attr == "prepare"]
+    if not prepares:  # only rt.prepare_loader: a model trained here was never prepared
+        yield from _foreign_optimizers(s, applies) if applies else ()
         return
     yield from _foreign_optimizers(s, prepares)
     for call in prepares:

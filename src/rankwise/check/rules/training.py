@@ -128,7 +128,9 @@ def _restores_state(s: Script, body: list[ast.stmt]) -> bool:
     for stmt in body:
         for part in (stmt, *s.local_callees(stmt)):
             for n in ast.walk(part):
-                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Subscript):
+                if isinstance(n, ast.Assign) and any(  # epoch = ckpt["epoch"] (+ 1)
+                    isinstance(x, ast.Subscript) for x in ast.walk(n.value)
+                ):
                     return True
     return False
 

@@ -1,0 +1,9 @@
+# BatchNorm over 4 samples per process, no SyncBatchNorm.
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import rankwise as rw
+
+rt = rw.init()
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))  # expect: RW024
+ds = TensorDataset(torch.randn(64, 8), torch.randn(64, 16))
+model, opt, loader = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(ds, batch_size=4))
