@@ -16,6 +16,7 @@ named. What peers publish is JSON (a list of numbers), read as untrusted data: n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -229,8 +230,6 @@ def _hook_shutdown() -> None:
 
 
 def _at_shutdown() -> None:
-    try:
+    with contextlib.suppress(Exception):  # the store may be gone already
         late_notes(wait=WAIT_S)
-    except Exception:
-        pass
     STATE.pending.clear()
