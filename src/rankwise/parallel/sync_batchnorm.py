@@ -78,7 +78,7 @@ class _Normalise(torch.autograd.Function):
     """y = (x - mean) * invstd * weight + bias with the global batch's mean and invstd."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, mean, invstd, total: int, group: Any):  # noqa: ANN001
+    def forward(ctx: Any, x, weight, bias, mean, invstd, total: int, group: Any):
         compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         x_hat = (x.to(compute) - _view(mean.to(compute), x)) * _view(invstd.to(compute), x)
         y = x_hat
@@ -92,7 +92,7 @@ class _Normalise(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor):  # noqa: ANN205
+    def backward(ctx: Any, dy: torch.Tensor):
         x_hat, invstd, weight = ctx.saved_tensors
         dy = dy.to(x_hat.dtype)
         dims = _channel_dims(dy)
@@ -141,7 +141,7 @@ class SyncBatchNorm(_BatchNorm):
                          **more)  # fmt: skip
         self.process_group = process_group
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002 (torch's name)
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ConfigError(
                 f"SyncBatchNorm expects input (N, C, ...) with at least 2 dimensions, got shape "
@@ -157,7 +157,7 @@ class SyncBatchNorm(_BatchNorm):
             return False
         return dist.get_world_size(self._group()) > 1
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (torch's name)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self._synced():
             return super().forward(input)
