@@ -150,3 +150,46 @@ def test_without_conversion_the_same_training_is_far_from_one_process():
                             init=False, timeout=180)  # fmt: skip
     want = _one_process(per_rank, world, steps)
     assert max((ranks[0][k].float() - want[k].float()).abs().max() for k in want) > 1e-2
+
+
+def _prepared_warnings(strategy, per_rank, convert, with_loader):
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rt = rw.init(strategy=strategy)
+    model = rw.convert_sync_batchnorm(_net()) if convert else _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8 * per_rank, 4), torch.randn(8 * per_rank, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if with_loader:
+            model, opt, loader = rt.prepare(model, opt, DataLoader(data, batch_size=per_rank))
+            x, y = next(iter(loader))
+        else:
+            model, opt = rt.prepare(model, opt)
+            x, y = data[:per_rank]
+        F.mse_loss(model(x), y).backward()
+    rw.shutdown()
+    return [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+
+
+@pytest.mark.parametrize("strategy,with_loader", [("ddp", True), ("zero2", False)])
+def test_prepare_warns_when_batchnorm_meets_a_small_per_rank_batch(strategy, with_loader):
+    said = run_distributed(_prepared_warnings, 2, args=(strategy, 4, False, with_loader),
+                           init=False, timeout=180)  # fmt: skip
+    (message,) = said[0]
+    assert "1 (BatchNorm1d)" in message  # the layer
+    assert "own 4 sample(s)" in message and "below 16" in message  # the batch, the threshold
+    assert "rw.convert_sync_batchnorm(model)" in message  # the fix
+    assert said[1] == []  # rank 0 says it for the job
+
+
+def _quiet_cases():
+    # Converted, or a batch of 16 per rank: nothing to say.
+    return (_prepared_warnings("ddp", 4, True, True), _prepared_warnings("ddp", 16, False, True))
+
+
+def test_prepare_says_nothing_with_sync_batchnorm_or_a_large_batch():
+    for converted, large in run_distributed(_quiet_cases, 2, init=False, timeout=180):
+        assert converted == [] and large == []

@@ -286,6 +286,7 @@ def prepare(
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
     prepared = None if loader is None else _training_loader(rt, loader, global_batch_size, agree=True)
+    guards.warn_small_batchnorm(rt, model, wrapped, None if prepared is None else prepared.batch_size)
     guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
