@@ -328,6 +328,12 @@ def set_launcher_pid_for_workers(pid: int) -> None:
     os.environ["RANKWISE_LAUNCHER_PID"] = str(pid)
 
 
+def set_summary_quotes_for_workers(quotes: bool) -> None:
+    """``RANKWISE_SUMMARY_QUOTES`` for the workers: 1 when the launcher's summary, on the same
+    console, will quote a failing worker's traceback (the worker then prints it only there)."""
+    os.environ["RANKWISE_SUMMARY_QUOTES"] = "1" if quotes else "0"
+
+
 def set_diag_dir_for_workers(folder: str) -> None:
     """``RANKWISE_DIAG_DIR`` for the workers this process starts (see ``diag_dir``)."""
     os.environ["RANKWISE_DIAG_DIR"] = folder

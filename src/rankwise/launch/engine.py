@@ -148,6 +148,9 @@ def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
     envmod.set_rank_prefix_for_workers(opts.prefix_output)
     # The agent runs in this process and starts the workers: they die with it (bootstrap).
     envmod.set_launcher_pid_for_workers(os.getpid())
+    # Output on this console, no restart: a failing worker's traceback is printed once, in
+    # the summary (bootstrap._live); with --log-dir each worker's file keeps its own.
+    envmod.set_summary_quotes_for_workers(opts.log_dir is None)
     return diag
 
 
