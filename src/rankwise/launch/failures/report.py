@@ -256,19 +256,7 @@ def summarize(
     first = {r for r, _ in raisers or []}
     shown: dict[str, int] = {}  # an exception's text -> the rank whose traceback shows it
     for f in sorted(failed, key=lambda f: f.rank not in first):  # who raised comes first
-        lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
-        tail = [ln for ln in f.traceback.rstrip().splitlines() if ln.strip() and not _carets(ln)]
-        said = _exception_text(tail)
-        if f.rank == quoted:
-            lines.append("    (its diagnosis is below)")
-        elif said and said in shown:  # every rank raising the same error: its text once
-            lines.append(f"    raised the same error as rank {shown[said]} (above)")
-        else:
-            shown.setdefault(said, f.rank)
-            keep = len(tail) if len(tail) <= WHOLE_TRACEBACK else TRACEBACK_LINES
-            lines.extend(f"    {line}" for line in tail[-keep:])
-        if not tail and f.exitcode < 0:
-            lines.extend(_no_traceback(f))
+        lines.extend(_failure_lines(f, quoted, shown))
     if stopped:
         lines.append(
             f"  stopped by the launcher: rank(s) {', '.join(str(f.rank) for f in stopped)}"
@@ -279,6 +267,25 @@ def summarize(
         lines.append("  diagnosis:")
         lines.extend(f"    {line}" for line in text.splitlines())
     return "\n".join(lines), fix
+
+
+def _failure_lines(f: RankFailure, quoted: int | None, shown: dict[str, int]) -> list[str]:
+    """One failed rank: its cause and its traceback (whole when short, else its last lines),
+    or a pointer to its diagnosis, or to the same error shown for an earlier rank."""
+    lines = [f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}"]
+    tail = [ln for ln in f.traceback.rstrip().splitlines() if ln.strip() and not _carets(ln)]
+    said = _exception_text(tail)
+    if f.rank == quoted:
+        lines.append("    (its diagnosis is below)")
+    elif said and said in shown:  # every rank raising the same error: its text once
+        lines.append(f"    raised the same error as rank {shown[said]} (above)")
+    else:
+        shown.setdefault(said, f.rank)
+        keep = len(tail) if len(tail) <= WHOLE_TRACEBACK else TRACEBACK_LINES
+        lines.extend(f"    {line}" for line in tail[-keep:])
+    if not tail and f.exitcode < 0:
+        lines.extend(_no_traceback(f))
+    return lines
 
 
 def _exception_text(tail: list[str]) -> str:
