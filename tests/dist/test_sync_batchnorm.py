@@ -1,7 +1,7 @@
 """rw.SyncBatchNorm equals one process's BatchNorm on the concatenated global batch (issue 43
 item 3): forward output, input gradient, weight/bias gradients and running statistics, on
 CPU/Gloo, at world 2 and 3 with uneven per-rank batches (one rank empty), for BatchNorm1d/2d/3d
-converted by rw.convert_sync_batchnorm; and training under rt.prepare (ddp, zero2) equals the
+converted by rw.convert_sync_batchnorm; and training under rt.prepare (ddp, zero2, zero3) equals the
 one-process run on the global batch."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _one_process(per_rank, world, steps):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_training_with_sync_batchnorm_under_prepare_equals_one_process(strategy):
     per_rank, world, steps = 2, 2, 3  # 2 samples per rank: plain BatchNorm would be far off
     ranks = run_distributed(_train_prepared, world, args=(strategy, per_rank, steps),
