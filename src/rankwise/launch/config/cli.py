@@ -48,13 +48,21 @@ def config_command(args: argparse.Namespace) -> int:
     st.write(path, values)
     shown = ", ".join(f"{k} = {st.show_value(v)}" for k, v in values.items()) or "no setting"
     table = " [tool.rankwise]" if path.name == st.PYPROJECT else ""
-    print(f"rankwise config: wrote {path}{table}: {shown}")
+    print(f"rankwise config: wrote {_relative(path)}{table}: {shown}")
     print(f"rankwise run reads it in {path.resolve().parent}; flags on its command line win.")
     hidden = st.shadowed(Path.cwd(), path if path.parent.resolve() == Path.cwd().resolve()
                          else None, args.config)  # fmt: skip
     if hidden:
         print(f"rankwise config: note: {st.Settings({}, {}, shadowed=hidden).shadow_line()}")
     return 0
+
+
+def _relative(path: Path) -> Path:
+    """``path`` as the user would write it: relative to the current folder when inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def _current(path: Path) -> dict[str, Any]:
