@@ -104,6 +104,15 @@ FAST: dict[str, tuple[str, ...]] = {
         E2E + "test_digits.py::test_readme_command_trains_to_95_percent_with_two_processes",
         E2E + "test_doctor_cli.py::test_doctor_json_exits_nonzero_on_a_busy_port",
     ),
+    "metrics that cannot lie, SyncBatchNorm, settings and launcher errors (issue 43)": (
+        DIST + "test_print_crosscheck.py::test_a_print_on_rank_0_alone_does_not_hang_and_adds_nothing",
+        DIST + "test_print_crosscheck.py::test_accuracy_from_item_on_each_rank_says_ranks_differ_and_the_mean[2]",
+        DIST + "test_eval_loader_counts.py::test_an_unnamed_unshuffled_loader_that_pads_says_how_many_duplicates",
+        DIST + "test_sync_batchnorm.py::test_sync_batchnorm_equals_one_process_on_the_global_batch[sizes1]",
+        UNIT + "test_settings_file.py",
+        E2E + "test_launch_errors_once.py::test_a_syntax_error_is_reported_once_before_any_worker_starts",
+        DOCS + "test_every_block_runs_alone_or_says_what_it_continues",
+    ),
     "the benchmark and the checker as commands": (
         DOCS + "test_blocks_run[bench.md]",
         E2E + "test_bench.py::test_comm_bench_rows",

@@ -57,6 +57,8 @@ _LAZY: dict[str, str] = {
     "Session": ".session",
     "ShardedIterable": ".data",
     "ShardedDataParallel": ".parallel",
+    "SyncBatchNorm": ".parallel",
+    "convert_sync_batchnorm": ".parallel",
     "shutdown": ".runtime",
     "Slot": ".topology",
     "split": ".pipeline",
@@ -112,7 +114,13 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .job.mesh import DeviceMesh, init_mesh
     from .output.log import get_logger, print0
     from .output.progress import progress
-    from .parallel import DataParallel, DistributedDataParallel, ShardedDataParallel
+    from .parallel import (
+        DataParallel,
+        DistributedDataParallel,
+        ShardedDataParallel,
+        SyncBatchNorm,
+        convert_sync_batchnorm,
+    )
     from .parallel.tensor import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -146,6 +154,7 @@ __all__ = [
     "ShardedDataParallel",
     "ShardedIterable",
     "Slot",
+    "SyncBatchNorm",
     "Topology",
     "VocabParallelEmbedding",
     "__version__",
@@ -156,6 +165,7 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_object",
+    "convert_sync_batchnorm",
     "gather_for_metrics",
     "gather_object",
     "get_logger",

@@ -11,6 +11,7 @@ Part of the ground floor: imports nothing but ``errors``; engines are named, nev
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,7 +197,23 @@ def unknown(name: object) -> ConfigError:
             "pass strategy='auto' (ddp when launched, dp on several GPUs, else single), "
             f"or name one of {others}."
         )
+    close = closest(name)
+    if close is not None:
+        fix = f"did you mean {close!r}? Or {fix}"
     return ConfigError(f"strategy={name!r} is not one of {', '.join(map(repr, NAMES))}", fix=fix)
+
+
+def closest(name: object) -> str | None:
+    """The strategy a misspelt ``name`` most likely meant ('zer03', 'ZeRO-3' -> 'zero3'), or
+    None. A zero typed for the letter o, case and dashes are forgiven first."""
+    if not isinstance(name, str):
+        return None
+    plain = name.strip().lower().replace("-", "").replace("_", "")
+    for guess in (plain, plain.replace("0", "o")):
+        if guess in NAMES and guess != name:
+            return guess
+    found = difflib.get_close_matches(plain, NAMES, n=1, cutoff=0.75)
+    return found[0] if found and found[0] != name else None
 
 
 def resolve_auto(world_size: int, *, devices_given: bool, several: bool) -> Strategy:

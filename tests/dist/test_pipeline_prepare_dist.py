@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -314,7 +315,7 @@ def test_an_nn_sequential_trains_with_loss_fn():
     assert set(got) == set(net.state_dict()) and _worst(got, net.state_dict()) <= PARAM_TOL
 
 
-def _tensor_stages(schedule: str) -> dict:
+def _tensor_stages(schedule: str, tmp: str) -> dict:
     import mesh_cases as mc
 
     from rankwise.models import GPT as TinyGPT
@@ -334,7 +335,7 @@ def _tensor_stages(schedule: str) -> dict:
         opt.step()
         opt.zero_grad()
     try:
-        rt.save("unused-ckpt/", model=model, optimizer=opt)
+        rt.save(os.path.join(tmp, "unused-ckpt"), model=model, optimizer=opt)  # never the cwd
     except rw.ConfigError as exc:
         assert "tensor-parallel" in str(exc)
     else:
@@ -344,12 +345,13 @@ def _tensor_stages(schedule: str) -> dict:
 
 @pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule):
+def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule, tmp_path: Path):
     import mesh_cases as mc
 
     from rankwise.models import GPT as TinyGPT
 
-    results = run_distributed(_tensor_stages, 4, args=(schedule,), init=False, timeout=400)
+    results = run_distributed(_tensor_stages, 4, args=(schedule, str(tmp_path)), init=False,
+                              timeout=400)
     torch.manual_seed(0)
     model = TinyGPT(mc.CFG)
     opt = mc.adamw(model.parameters())

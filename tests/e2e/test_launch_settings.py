@@ -25,3 +25,18 @@ def test_run_reads_rankwise_toml_and_a_flag_overrides_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[0] == "world 1 rank 0"
     assert "the command line overrides --nproc-per-node 1 (the file's 2)" in proc.stderr
+
+
+def test_config_merges_into_pyproject_and_the_job_starts_its_processes(tmp_path):
+    """Issue 43: `[tool.rankwise] nproc-per-node = 2`, then `rankwise config --max-restarts 2`
+    wrote a rankwise.toml over it and the job silently started 1 process."""
+    (tmp_path / "show.py").write_text(SCRIPT)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.rankwise]\nnproc-per-node = 2\n')
+    done = subprocess.run([sys.executable, "-m", "rankwise", "config", "--max-restarts", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "rankwise.toml").exists()
+    proc = _run(tmp_path, "--no-prefix")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["world 2 rank 0", "world 2 rank 1"]
+    assert "nproc-per-node = 2, max-restarts = 2" in proc.stderr

@@ -503,3 +503,51 @@ def test_session_unknown_strategy_message_is_the_real_one() -> None:
         rw.init(strategy="fsdp")
     real = [ln for ln in str(refused.value).splitlines() if ln.strip()]
     assert quoted[0] == f"ConfigError: {real[0]}" and quoted[1] == real[1], (quoted, real)
+
+
+def _alone_or_continued(block: db.Block, page: list[db.Block]) -> str | None:
+    """None when the python block runs alone, or names with `# continues:` the block(s) that
+    define what it uses; else what is wrong (issue 43: blocks that worked only in page order)."""
+    if block.lang != "python" or block.reason is not None or block.mistake is not None:
+        return None
+    try:
+        tree = ast.parse("\n".join(b.code for b in _chain(block, page)))
+    except (SyntaxError, AssertionError):  # reported by the tests that run or check headers
+        return None
+    missing = _undefined(tree, set())
+    if not missing:
+        return None
+    if block.continues is None:
+        return (f"{block.where}: uses {', '.join(missing)} from blocks above it; define them in "
+                "the block or say `# continues: <file>.py` (naming the block that does)")
+    return f"{block.where}: uses {', '.join(missing)}, which the blocks it continues do not define"
+
+
+def test_every_block_runs_alone_or_says_what_it_continues() -> None:
+    """A reader who copies one block gets a block that runs, or is told which one comes first."""
+    wrong = [said for p in PAGES for page in [db.code_blocks(p)] for b in page
+             if (said := _alone_or_continued(b, page)) is not None]
+    assert not wrong, "\n".join(wrong)
+
+
+def _git_status() -> str | None:
+    """``git status --porcelain`` of the checkout (untracked files too); None without git."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+_STATUS_BEFORE = _git_status()
+"""The checkout's state when this module was collected, before any block ran."""
+
+
+def test_the_blocks_wrote_nothing_into_the_checkout() -> None:
+    """Runs after the blocks (last in this module): every file they wrote is in a temporary
+    folder, so the reader's checkout (here, the repository) is as it was."""
+    after = _git_status()
+    if _STATUS_BEFORE is None or after is None:
+        pytest.skip("not a git checkout (or no git here)")
+    assert after == _STATUS_BEFORE, f"git status before:\n{_STATUS_BEFORE}\nafter:\n{after}"

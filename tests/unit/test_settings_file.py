@@ -129,14 +129,79 @@ def test_config_show_says_where_each_value_comes_from(here, monkeypatch, capsys)
     assert any(line.split() == ["nproc-per-node", "2", "rankwise.toml"] for line in table.splitlines())
 
 
-def test_config_into_pyproject_appends_a_table_once(here, monkeypatch, capsys):
+def test_config_into_pyproject_appends_a_table_once_then_merges(here, monkeypatch, capsys):
     (here / "pyproject.toml").write_text('[project]\nname = "x"\n')
     _config(["--config", "pyproject.toml", "--nproc-per-node", "2"], None, monkeypatch, capsys)
     doc = tomllib.loads((here / "pyproject.toml").read_text())
     assert doc == {"project": {"name": "x"}, "tool": {"rankwise": {"nproc-per-node": 2}}}
     assert _options().nproc_per_node == 2
-    assert main(["config", "--config", "pyproject.toml", "--nproc-per-node", "3"]) == 2
-    assert "already has a [tool.rankwise] table" in capsys.readouterr().err
+    _config(["--config", "pyproject.toml", "--nproc-per-node", "3"], None, monkeypatch, capsys)
+    doc = tomllib.loads((here / "pyproject.toml").read_text())
+    assert doc == {"project": {"name": "x"}, "tool": {"rankwise": {"nproc-per-node": 3}}}
+
+
+_PYPROJECT = """[project]
+name = "x"  # the package
+
+[tool.rankwise]
+# two processes on this machine
+nproc_per_node = 2
+debug = false
+
+[tool.ruff]
+line-length = 100
+"""
+
+
+def test_config_merges_into_the_pyproject_table_that_holds_the_settings(here, monkeypatch, capsys):
+    """Issue 43: `[tool.rankwise] nproc-per-node = 2`, then `rankwise config --max-restarts 2`
+    wrote a rankwise.toml that silently overrode it (the job started 1 process)."""
+    (here / "pyproject.toml").write_text(_PYPROJECT)
+    out = _config(["--max-restarts", "2"], None, monkeypatch, capsys)
+    assert not (here / "rankwise.toml").exists()
+    assert "wrote " in out and "pyproject.toml [tool.rankwise]" in out
+    text = (here / "pyproject.toml").read_text()
+    doc = tomllib.loads(text)
+    assert doc["tool"]["rankwise"] == {"nproc_per_node": 2, "debug": False, "max-restarts": 2}
+    assert doc["tool"]["ruff"] == {"line-length": 100} and doc["project"] == {"name": "x"}
+    assert "# two processes on this machine\n" in text and 'name = "x"  # the package' in text
+    opts = _options()
+    assert (opts.nproc_per_node, opts.max_restarts) == (2, 2)  # the job starts 2 processes
+    _config(["--nproc-per-node", "4"], None, monkeypatch, capsys)  # on its line, its spelling
+    assert tomllib.loads((here / "pyproject.toml").read_text())["tool"]["rankwise"] == {
+        "nproc_per_node": 4, "debug": False, "max-restarts": 2}
+
+
+def test_a_rankwise_toml_that_hides_the_pyproject_table_is_said(here, monkeypatch, capsys):
+    (here / "pyproject.toml").write_text(_PYPROJECT)
+    (here / "rankwise.toml").write_text("max-restarts = 1\n")
+    shown = _config(["--show"], None, monkeypatch, capsys)
+    assert "pyproject.toml [tool.rankwise] is not read" in shown and "nproc-per-node = 2" in shown
+    as_json = json.loads(_config(["--show", "--json"], None, monkeypatch, capsys))
+    assert as_json["not_read"] == {"nproc-per-node": 2, "debug": False}
+    from rankwise.launch.config.settings import resolve
+
+    line = resolve({}, here).announce()
+    assert "settings from rankwise.toml: max-restarts = 1" in line
+    assert "pyproject.toml [tool.rankwise] is not read" in line and "nproc-per-node = 2" in line
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("nproc-per-node = 0", ["nproc-per-node = 0", "at least 1"]),
+        ("nnodes = 0", ["nnodes = 0", "at least 1"]),
+        ('nnodes = "3:1"', ["nnodes = '3:1'", "1 <= MIN <= MAX"]),
+        ("master-port = 70000", ["master-port = 70000", "between 1 and 65535"]),
+        ("max-restarts = -1", ["max-restarts = -1", "at least 0"]),
+    ],
+)
+def test_config_show_refuses_values_out_of_range(here, line, named, capsys):
+    (here / "rankwise.toml").write_text(line + "\n")
+    assert main(["config", "--show"]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in named), err
+    assert "Fix:" in err
 
 
 def test_missing_config_file_is_named(here, capsys):

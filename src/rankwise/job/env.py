@@ -318,8 +318,7 @@ def rank_prefix_env(prefixed: bool) -> dict[str, str]:
 
 
 def set_collective_debug() -> None:
-    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this process and the workers it starts: torch then
-    checks op, shapes and dtypes of every collective (docs/diagnose.md)."""
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` here and in the workers: torch checks every collective."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
 
 
@@ -328,9 +327,10 @@ def set_launcher_pid_for_workers(pid: int) -> None:
     os.environ["RANKWISE_LAUNCHER_PID"] = str(pid)
 
 
-def set_diag_dir_for_workers(folder: str) -> None:
-    """``RANKWISE_DIAG_DIR`` for the workers this process starts (see ``diag_dir``)."""
+def set_diag_dir_for_workers(folder: str, *, summary_quotes: bool = False) -> None:
+    """``RANKWISE_DIAG_DIR`` (``diag_dir``), ``RANKWISE_SUMMARY_QUOTES`` (bootstrap) for workers."""
     os.environ["RANKWISE_DIAG_DIR"] = folder
+    os.environ["RANKWISE_SUMMARY_QUOTES"] = "1" if summary_quotes else "0"
 
 
 def fingerprints_enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import hashlib
 import io
 import json
 import os
@@ -128,23 +129,51 @@ def _user_traceback(exc: BaseException) -> str:
     return shown_traceback(exc, tuple(ours))
 
 
-def _live(exc: BaseException, text: str) -> str:
-    """What this worker prints as it fails. A diagnosis the launcher's summary will quote
-    (written to ``RANKWISE_DIAG_DIR``; no restart pending, which reports failures in a line
-    each) is printed once, there: here only its first clause and a pointer to it."""
+def _live(exc: BaseException, text: str, recorded: bool) -> str:
+    """What this worker prints as it fails. With no restart pending and the output on the
+    launcher's console (``RANKWISE_SUMMARY_QUOTES``), the launcher's summary quotes the
+    traceback ``recorded`` in the error file, so it is printed once, there: here a pointer
+    (nothing on a rank whose error another rank of this node already pointed at). A
+    diagnosis the summary will quote (written to ``RANKWISE_DIAG_DIR``) likewise."""
     folder, rank = os.environ.get("RANKWISE_DIAG_DIR"), os.environ.get("RANK", "")
+    final = os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"
     quoted = folder and os.path.exists(os.path.join(folder, f"rank{rank}.txt"))
-    if not (_diagnosed(exc) and quoted and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+    if _diagnosed(exc) and quoted and final:
+        first = (str(exc).splitlines() or [""])[0]
+        head = first.split("): ", 1)[0] + ")" if "): " in first else first[:200]
+        return f"{type(exc).__name__}: {head}; the diagnosis is quoted in rankwise run's summary\n"
+    if not (recorded and final and folder and os.environ.get("RANKWISE_SUMMARY_QUOTES") == "1"):
         return text
-    first = (str(exc).splitlines() or [""])[0]
-    head = first.split("): ", 1)[0] + ")" if "): " in first else first[:200]
-    return f"{type(exc).__name__}: {head}; the diagnosis is quoted in rankwise run's summary\n"
+    if not _first_to_say(exc, folder, rank):
+        return ""  # the same error, pointed at by another rank of this node
+    return f"{type(exc).__name__} raised here; its traceback is in rankwise run's summary\n"
 
 
-def _record(exc: BaseException, text: str) -> None:
+def _first_to_say(exc: BaseException, folder: str, rank: str) -> bool:
+    """True on the first rank of this node to fail with this exception (type and message) in
+    this attempt: it prints the traceback. An error in the script's arguments (a misspelt
+    strategy) is the same on every rank; N copies of one traceback bury it. The launcher's
+    summary still names every rank that failed."""
+    said = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+    digest = hashlib.sha256(said).hexdigest()[:20]
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        fd = os.open(os.path.join(folder, f"said-{attempt}-{digest}"),
+                     os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)  # fmt: skip
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no folder to agree in: say it
+    os.write(fd, rank.encode())
+    os.close(fd)
+    return True
+
+
+def _record(exc: BaseException, text: str) -> bool:
+    """Write the traceback where the launcher's summary reads it; False when it could not."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -155,7 +184,8 @@ def _record(exc: BaseException, text: str) -> None:
         with open(path, "w") as fp:
             json.dump(data, fp)
     except OSError:
-        pass  # the traceback still reaches stderr below
+        return False  # the traceback still reaches stderr
+    return True
 
 
 class _GroupWatch(threading.Thread):
@@ -268,8 +298,7 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         _ending_on(exc)
         text = _user_traceback(exc)
-        _record(exc, text)
-        sys.stderr.write(_live(exc, text))
+        sys.stderr.write(_live(exc, text, _record(exc, text)))
         sys.stderr.flush()
         # 1, what Python returns for an uncaught exception; without the interpreter's teardown
         # (seconds with torch loaded on a busy machine: the other nodes' launchers wait for it)

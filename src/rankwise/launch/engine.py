@@ -143,7 +143,9 @@ def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
     """What the workers learn from their environment; returns the diagnoses folder."""
     # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
     diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
-    envmod.set_diag_dir_for_workers(diag)
+    # Output on this console: a failing worker's traceback is printed once, in the summary
+    # (bootstrap._live); with --log-dir each worker's file keeps its own.
+    envmod.set_diag_dir_for_workers(diag, summary_quotes=opts.log_dir is None)
     # The rank-aware logger leaves out its own prefix when the launcher adds one.
     envmod.set_rank_prefix_for_workers(opts.prefix_output)
     # The agent runs in this process and starts the workers: they die with it (bootstrap).

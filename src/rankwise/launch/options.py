@@ -212,7 +212,8 @@ def parse_nnodes(value: str) -> tuple[int | None, int]:
 
 
 def check_script(opts: LaunchOptions, cwd: str) -> None:
-    """Fail before starting anything when the script does not exist (a module is left to Python)."""
+    """Fail before starting anything when the script does not exist or does not compile (a
+    module is left to Python)."""
     if opts.module:
         return
     path = opts.script if os.path.isabs(opts.script) else os.path.join(cwd, opts.script)
@@ -221,6 +222,27 @@ def check_script(opts: LaunchOptions, cwd: str) -> None:
             f"training script {opts.script!r} not found (looked for {path})",
             fix="check the path; to run a module instead use -m, e.g. rankwise run -m pkg.train.",
         )
+    preflight_compile(path, opts.script)
+
+
+def preflight_compile(path: str, shown: str) -> None:
+    """Compile the script (nothing runs): a syntax error is reported once, here, instead of
+    by every worker after the processes started and torch was imported N times."""
+    try:
+        with open(path, "rb") as fp:
+            compile(fp.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        text = (exc.text or "").rstrip("\n")
+        code = text.lstrip()
+        at = max((exc.offset or 1) - 1 - (len(text) - len(code)), 0)
+        where = f"{shown}:{exc.lineno}" if exc.lineno else shown
+        quoted = f"\n    {code}\n    {' ' * at}^" if code else ""
+        raise ConfigError(
+            f"{where}: {type(exc).__name__}: {exc.msg}{quoted}\nno worker was started",
+            fix=f"fix line {exc.lineno} of {shown} (python -m py_compile {shown} checks it).",
+        ) from None
+    except (OSError, ValueError):  # unreadable, or NUL bytes: Python itself will say so
+        return
 
 
 def require_options(opts: object) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from .. import validate
 from ..job import env as envmod
 from ..runtime import coords
-from . import console
+from . import console, crosscheck
 
 
 def _coords() -> tuple[int, int]:
@@ -38,9 +38,21 @@ def write(*args: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: 
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
-    """``print`` on global rank 0 only (flushed, so it is not lost when a run is killed)."""
+    """``print`` on global rank 0 only (flushed, so it is not lost when a run is killed).
+
+    Called on every rank, the numbers in the line are compared with the other ranks' through
+    the side channel (``crosscheck``, never a collective: calling it on rank 0 alone is fine):
+    where they differ the line ends with "(rank 0's value; ranks differ: mean X)".
+    ``ranks_agree=False`` skips that for numbers that differ by nature (a rank's own time).
+    """
+    compare = kwargs.pop("ranks_agree", True)
+    sep = " " if kwargs.get("sep") is None else kwargs["sep"]
+    text = sep.join(str(a) for a in args) if compare else ""
+    note = crosscheck.compare("print", text) if compare else None
     if _coords()[0] == 0:
         kwargs.setdefault("flush", True)
+        if note is not None:
+            args, kwargs["sep"] = (f"{text} ({note})",), sep
         write(*args, **kwargs)  # through an open progress bar, never into it
 
 

@@ -26,6 +26,7 @@ import torch
 from .. import runtime, trackers
 from ..comm import collectives as comm
 from ..errors import ConfigError
+from . import crosscheck
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -70,6 +71,18 @@ def reduce_metrics(values: dict[str, float], op: str) -> dict[str, float]:
     else:
         reduced = comm.all_reduce_(packed.to(comm._comm_device()), op, group=group, label="rt.log")
     return {n: float(v) for n, v in zip(names, reduced.tolist(), strict=True)}
+
+
+def _compare_unreduced(values: dict[str, float], step: int) -> None:
+    """Metrics logged without ``reduce`` are rank 0's: say so when other ranks hold other
+    values (``crosscheck``: the side channel, never a collective; no sync point)."""
+    names = sorted(values)
+    note = crosscheck.compare(
+        "log", f"rt.log step {step}", [repr(values[n]) for n in names], names
+    )
+    if note is not None:
+        print(f"rankwise: rt.log at step {step}: {note}. Fix: rt.log(..., reduce='mean') "
+              "(or 'sum' for counts) logs the job's value.", file=sys.stderr, flush=True)
 
 
 class MetricsLogger:
@@ -140,6 +153,8 @@ class MetricsLogger:
         if reduce is not None:
             values = reduce_metrics(values, reduce)
         step = self._step if step is None else int(step)
+        if reduce is None:
+            _compare_unreduced(values, step)
         self._step = step + 1
         now = time.time()
         for tracker in self._trackers.values():

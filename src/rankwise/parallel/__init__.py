@@ -10,12 +10,15 @@ from .dp.data_parallel import DataParallel
 from .dp.parallel_apply import parallel_apply
 from .dp.replicate import replicate
 from .dp.scatter_gather import gather, scatter
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .zero.sharded import ShardedDataParallel
 
 __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "ShardedDataParallel",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
     "gather",
     "parallel_apply",
     "replicate",

@@ -43,6 +43,7 @@ from ..training import precision
 from ..training.loop import LoopState, TrainingLoop
 from . import first_batch, formats, guards, saving
 from .auto import settle as settle_auto
+from .evaluation import evaluation_reason, padding_warning
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import (
     agreed_for,
@@ -146,15 +147,26 @@ class Session(runtime.Runtime, TrainingLoop):
         return contextlib.nullcontext(unwrap_model(model))
 
     def prepare_loader(
-        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool = False
+        self, loader: Any, *, global_batch_size: int | None = None, evaluation: bool | None = None
     ) -> Any:
         """``prepare_loader(rt, ...)``: a loader split over the replicas, batches on the
-        device; ``evaluation``: each sample once. No sync point."""
-        if evaluation:
+        device; ``evaluation=True``: each sample once. Left out (None), an unshuffled loader
+        named as evaluation data (``test``/``val``/``eval`` on the calling line, a data set
+        with ``train=False``) is exact, and another unshuffled one that pads says so
+        (``evaluation.py``; docs/data.md). No sync point."""
+        if evaluation not in (None, True, False):
+            validate.fail("evaluation", evaluation, "True, False or None", where=
+                          "rt.prepare_loader()", fix="pass evaluation=True for each sample once.")
+        reason = evaluation_reason(loader) if evaluation is None else None
+        if evaluation or reason is not None:
             return prepare_loader(self, loader, global_batch_size=global_batch_size,
-                                  evaluation=True)  # fmt: skip
+                                  evaluation=True, recognised=reason)  # fmt: skip
         guards.refuse_prepared_twice(self.prepared, "rt.prepare_loader", loader=loader)
-        return _training_loader(self, loader, global_batch_size, agree=False)
+        prepared = _training_loader(self, loader, global_batch_size, agree=False)
+        said = padding_warning(loader, prepared) if evaluation is None else None
+        if said is not None and self.rank == 0:
+            guards.warn_at_user(said)
+        return prepared
 
     print = staticmethod(print0)
     """Alias of ``rw.print0``: ``print`` on rank 0 only."""
@@ -274,6 +286,7 @@ def prepare(
         rt.loop.schedulers.append(scheduler)
     tail = () if scheduler is None else (scheduler,)
     prepared = None if loader is None else _training_loader(rt, loader, global_batch_size, agree=True)
+    guards.warn_small_batchnorm(rt, model, wrapped, None if prepared is None else prepared.batch_size)
     guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)

@@ -193,3 +193,66 @@ def refuse_batch_size_without_loader(loader: Any, global_batch_size: int | None)
             f"global_batch_size={global_batch_size} was given without a loader",
             fix="pass the loader too: rt.prepare(model, optimizer, loader, global_batch_size=...).",
         )
+
+
+SMALL_BATCH = 16
+"""Per-rank batches below this many samples make BatchNorm's statistics a poor estimate of the
+global batch's (the usual rule: 16 to 32 samples per normalisation group)."""
+
+
+def _plain_batchnorms(model: torch.nn.Module) -> list[str]:
+    """Names of the BatchNorm layers that normalise each rank's batch on its own."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from ..parallel.sync_batchnorm import SyncBatchNorm
+
+    synced = (SyncBatchNorm, torch.nn.SyncBatchNorm)
+    return [
+        f"{name or 'model'} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, synced)
+    ]
+
+
+def small_batch_warning(model: torch.nn.Module, per_rank: int, ranks: int, strategy: str) -> str | None:
+    """The warning for BatchNorm on a small per-rank batch, or None."""
+    layers = _plain_batchnorms(model) if ranks > 1 and per_rank < SMALL_BATCH else []
+    if not layers:
+        return None
+    more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
+    return (
+        f"rankwise: BatchNorm meets a small per-rank batch: {layers[0]}{more} normalise each "
+        f"rank's own {per_rank} sample(s) (below {SMALL_BATCH}) under strategy={strategy!r} "
+        f"with {ranks} processes, not the global batch of {per_rank * ranks}: the statistics "
+        "are noisier and training differs from one process on that batch. Fix: model = "
+        "rw.convert_sync_batchnorm(model) before rt.prepare (statistics over the global "
+        f"batch), or a per-rank batch of at least {SMALL_BATCH}."
+    )
+
+
+def warn_small_batchnorm(
+    rt: Any, model: torch.nn.Module, wrapped: torch.nn.Module, per_rank: int | None
+) -> None:
+    """Warn (rank 0, once) when plain BatchNorm in ``model`` meets a per-rank batch below
+    ``SMALL_BATCH``: now when the loader says the batch size, else at the first training
+    forward of ``wrapped`` (its first input's length). No sync point."""
+    ranks = rt.world_size if rt.mesh is None else rt.mesh.sizes["data"]
+    if rt.rank != 0 or ranks < 2 or not _plain_batchnorms(model):
+        return
+    if per_rank is not None:
+        said = small_batch_warning(model, per_rank, ranks, rt.strategy)
+        if said is not None:
+            warn_at_user(said)
+        return
+    handle = None
+
+    def first_forward(module: torch.nn.Module, args: tuple) -> None:
+        if not module.training:
+            return
+        handle.remove()
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        said = None if first is None else small_batch_warning(model, first.shape[0], ranks, rt.strategy)
+        if said is not None:
+            warn_at_user(said)
+
+    handle = wrapped.register_forward_pre_hook(first_forward)

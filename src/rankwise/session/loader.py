@@ -151,6 +151,7 @@ def prepare_loader(
     global_batch_size: int | None = None,
     evaluation: bool = False,
     agree: bool = False,
+    recognised: str | None = None,
 ) -> DeviceLoader:
     """``loader`` split over the replicas with our sampler; batches arrive on ``rt.device``.
 
@@ -159,6 +160,7 @@ def prepare_loader(
     process; 'dp': the global batch, split over the devices) unless
     ``global_batch_size`` is given. The meaning is logged once, on rank 0. ``evaluation=True``
     visits each sample exactly once (for ``rw.gather_for_metrics``). An ``rw.loader`` is kept.
+    ``recognised``: why an evaluation loader was recognised as one (logged).
     ``agree`` (``rt.prepare``'s): compare the per-process batch sizes over the ranks
     (``agree.py``), and log the global batch they really make. Sync point only with ``agree``.
     """
@@ -182,9 +184,7 @@ def prepare_loader(
     line = describe_batch(rt.strategy, built, _source(rt, loader, global_batch_size))
     if batches is not None and batches.uneven:
         line = uneven_line(rt.strategy, batches)
-    if rt.mesh is not None and rt.mesh.world_size > rt.mesh.sizes["data"]:
-        line += f" (data ranks of the mesh {rt.mesh.describe()}: their peers read the same)"
-    get_logger("rankwise.session").info(line + (" (evaluation: each sample once)" * evaluation))
+    get_logger("rankwise.session").info(line + _line_notes(rt, evaluation, recognised))
     prepared = DeviceLoader(built, rt.device)
     if batches is not None:
         prepared.agreed_global_batch_size = batches.global_batch if batches.uneven else None
@@ -192,6 +192,18 @@ def prepare_loader(
         if said is not None and rt.rank == 0:
             warn_at_user(said)
     return prepared
+
+
+def _line_notes(rt: Runtime, evaluation: bool, recognised: str | None) -> str:
+    """What the prepare log line adds: a mesh's data ranks; evaluation, and why."""
+    notes = ""
+    if rt.mesh is not None and rt.mesh.world_size > rt.mesh.sizes["data"]:
+        notes += f" (data ranks of the mesh {rt.mesh.describe()}: their peers read the same)"
+    if evaluation:
+        notes += " (evaluation: each sample once" + (
+            f"; an unshuffled loader {recognised}: evaluation=False pads" if recognised else ""
+        ) + ")"
+    return notes
 
 
 def _loaders(name: str, doc: str) -> property:

@@ -42,18 +42,31 @@ def config_command(args: argparse.Namespace) -> int:
         return _show(args)
     given = {k: getattr(args, st.dest(k)) for k in st.DEFAULTS}
     given = {k: v for k, v in given.items() if v is not None}
-    path = Path(args.config or st.FILE_NAME)
+    path = st.target(Path.cwd(), args.config)  # the file that holds the settings already
     current = _current(path)
     values = {**current, **given} if given else ask(current, sys.stdin, sys.stdout)
     st.write(path, values)
     shown = ", ".join(f"{k} = {st.show_value(v)}" for k, v in values.items()) or "no setting"
-    print(f"rankwise config: wrote {path}: {shown}")
+    table = " [tool.rankwise]" if path.name == st.PYPROJECT else ""
+    print(f"rankwise config: wrote {_relative(path)}{table}: {shown}")
     print(f"rankwise run reads it in {path.resolve().parent}; flags on its command line win.")
+    hidden = st.shadowed(Path.cwd(), path if path.parent.resolve() == Path.cwd().resolve()
+                         else None, args.config)  # fmt: skip
+    if hidden:
+        print(f"rankwise config: note: {st.Settings({}, {}, shadowed=hidden).shadow_line()}")
     return 0
 
 
+def _relative(path: Path) -> Path:
+    """``path`` as the user would write it: relative to the current folder when inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
 def _current(path: Path) -> dict[str, Any]:
-    if not path.is_file() or path.name == st.PYPROJECT:
+    if not path.is_file():
         return {}
     return st.check(st.find(path.parent, str(path))[1], path)  # type: ignore[index]
 
@@ -105,11 +118,12 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         rows = {k: {"value": v, "from": s.sources[k]} for k, v in s.values.items()}
         file = None if s.path is None else str(s.path.resolve())
-        print(json.dumps({"file": file, "settings": rows},
-                         indent=2))
+        print(json.dumps({"file": file, "settings": rows, "not_read": s.shadowed}, indent=2))
         return 0
     print(f"settings file: {s.where}" if s.path else
           f"settings file: none ({st.FILE_NAME} or [tool.rankwise] in {st.PYPROJECT} here)")
+    if s.shadow_line():
+        print(f"note: {s.shadow_line()}")
     print(f"{'setting':<16} {'value':<18} from")
     for key, value in s.values.items():
         shown = "-" if value is None else st.show_value(value)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..options import DEFAULT_RDZV_TIMEOUT_S
+from . import pyproject
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +71,16 @@ class Settings:
     path: Path | None = None
     """The file read, if any."""
     from_file: dict[str, Any] = field(default_factory=dict)
+    shadowed: dict[str, Any] = field(default_factory=dict)
+    """``[tool.rankwise]`` of ``pyproject.toml`` when ``rankwise.toml`` wins over it (not read)."""
+
+    def shadow_line(self) -> str | None:
+        """What the file read hides, said (None when it hides nothing)."""
+        if not self.shadowed:
+            return None
+        hidden = ", ".join(f"{k} = {show_value(v)}" for k, v in self.shadowed.items())
+        return (f"{PYPROJECT} [tool.rankwise] is not read: {FILE_NAME} wins over it "
+                f"(it sets {hidden}; move those into {FILE_NAME} or delete one of the two)")
 
     @property
     def where(self) -> str:
@@ -92,7 +103,9 @@ class Settings:
         over = [f"--{k} {show_value(self.values[k])} (the file's {show_value(v)})"
                 for k, v in self.from_file.items() if self.sources[k] == "command line"]
         line = f"{command}: settings from {where}: {', '.join(used) or 'none used'}"
-        return line + (f"; the command line overrides {', '.join(over)}" if over else "")
+        line += f"; the command line overrides {', '.join(over)}" if over else ""
+        hidden = self.shadow_line()
+        return line + (f"; {hidden}" if hidden else "")
 
 
 def show_value(value: Any) -> str:
@@ -173,7 +186,30 @@ def _checked(key: str, value: Any, path: Path) -> Any:
     if not ok:
         raise ConfigError(f"{path}: {key} = {value!r} ({type(value).__name__}) is not {want}",
                           fix=f"write e.g. {key} = {show_value(_example(key))}.")
+    _check_range(key, value, path)
     return value
+
+
+_LEAST = {"nproc-per-node": 1, "nnodes": 1, "node-rank": 0, "master-port": 1,
+          "rdzv-timeout": 1, "max-restarts": 0}  # fmt: skip
+"""The smallest value each count takes (a job of 0 processes starts nothing)."""
+
+
+def _check_range(key: str, value: Any, path: Path | str) -> None:
+    """A count inside its range; ``MIN:MAX`` nodes with 1 <= MIN <= MAX."""
+    if key == "nnodes" and isinstance(value, str) and ":" in value:
+        low, high = (int(v) for v in value.split(":"))
+        if not 1 <= low <= high:
+            raise ConfigError(f"{path}: nnodes = {value!r} is not MIN:MAX with 1 <= MIN <= MAX",
+                              fix='write e.g. nnodes = "1:4".')
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or key not in _LEAST:
+        return
+    high = 65535 if key == "master-port" else None
+    if value < _LEAST[key] or (high is not None and value > high):
+        bound = f"between {_LEAST[key]} and {high}" if high else f"at least {_LEAST[key]}"
+        raise ConfigError(f"{path}: {key} = {value} is not {bound}",
+                          fix=f"write e.g. {key} = {show_value(_example(key))}.")
 
 
 def normal(key: str, value: Any) -> Any:
@@ -197,11 +233,33 @@ def resolve(given: dict[str, Any], cwd: Path, explicit: str | None = None) -> Se
     for key, default in DEFAULTS.items():
         if given.get(dest(key)) is not None:
             values[key], sources[key] = normal(key, given[dest(key)]), "command line"
+            _check_range(key, values[key], f"--{key}")
         elif key in from_file:
             values[key], sources[key] = from_file[key], path.name  # type: ignore[union-attr]
         else:
             values[key], sources[key] = default, "default"
-    return Settings(values, sources, path, from_file)
+    return Settings(values, sources, path, from_file, shadowed(cwd, path, explicit))
+
+
+def shadowed(cwd: Path, path: Path | None, explicit: str | None) -> dict[str, Any]:
+    """The ``[tool.rankwise]`` settings that ``./rankwise.toml`` hides (empty when none)."""
+    other = cwd / PYPROJECT
+    if explicit is not None or path is None or path.name != FILE_NAME or not other.is_file():
+        return {}
+    try:
+        return check(_table(other), other)
+    except ConfigError:
+        return {"(unreadable)": str(other)}
+
+
+def target(cwd: Path, explicit: str | None = None) -> Path:
+    """The file ``rankwise config`` writes: ``--config``'s, else the file ``rankwise run``
+    reads here (so a setting is merged where the others are, never shadowed by a new file),
+    else a new ``./rankwise.toml``."""
+    if explicit is not None:
+        return Path(explicit)
+    found = find(cwd)
+    return cwd / FILE_NAME if found is None else found[0]
 
 
 def to_toml(values: dict[str, Any]) -> str:
@@ -215,19 +273,17 @@ def to_toml(values: dict[str, Any]) -> str:
 
 def write(path: Path, values: dict[str, Any]) -> Path:
     """Write ``values`` to ``path``: a ``rankwise.toml`` (any name but ``pyproject.toml``) is
-    replaced whole, atomically; a ``pyproject.toml`` gets a ``[tool.rankwise]`` table appended
-    (refused when it has one: that file is the user's to edit)."""
+    replaced whole, atomically; in a ``pyproject.toml`` the ``[tool.rankwise]`` table is
+    merged line by line (``pyproject.merge``: the rest of the file kept as it is), or
+    appended when it has none."""
     checked = check(values, path)
     if path.name == PYPROJECT:
         text = path.read_text() if path.exists() else ""
         if path.exists() and "rankwise" in tomllib.loads(text).get("tool", {}):
-            raise ConfigError(
-                f"{path} already has a [tool.rankwise] table",
-                fix="edit it by hand, or write ./rankwise.toml (which wins over it) with "
-                "rankwise config.",
-            )
-        body = text + ("\n" if text and not text.endswith("\n") else "")
-        body += f"{chr(10) if text else ''}[tool.rankwise]\n{to_toml(checked)}"
+            body = pyproject.merge(text, checked, lambda k, v: to_toml({k: v}).rstrip("\n"))
+        else:
+            body = text + ("\n" if text and not text.endswith("\n") else "")
+            body += f"{chr(10) if text else ''}[tool.rankwise]\n{to_toml(checked)}"
     else:
         body = (
             "# rankwise run's settings (written by rankwise config): each key is a flag of\n"

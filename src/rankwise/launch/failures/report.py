@@ -20,7 +20,9 @@ __all__ = [
 ]  # fmt: skip
 
 TRACEBACK_LINES = 8
-"""How many of the last traceback lines of each failed rank the summary shows."""
+"""How many of the last traceback lines of each failed rank the summary shows, when it has
+more than ``WHOLE_TRACEBACK`` (a shorter one is shown whole: its first frame is the user's)."""
+WHOLE_TRACEBACK = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +110,8 @@ class JobFailed(DistributedError):
         if self.raisers:
             rank = self.raisers[0][0]
             return (
-                f"rank {rank}'s exception is the cause: read its traceback (above; its lines "
-                f"start with [rank{rank}]:) and fix that error. The other ranks failed or were "
+                f"rank {rank}'s exception is the cause: read its traceback (above) and fix "
+                f"that error. The other ranks failed or were "
                 f"stopped only because rank {rank} left the job."
             )
         if self._specific() and diagnosis_fix:
@@ -252,15 +254,9 @@ def summarize(
     quoted = _quoted(failed, diagnoses)
     lines = [_headline(failed, world_size, node_rank, blamed, finished, raisers or [], cause)]
     first = {r for r, _ in raisers or []}
+    shown: dict[str, int] = {}  # an exception's text -> the rank whose traceback shows it
     for f in sorted(failed, key=lambda f: f.rank not in first):  # who raised comes first
-        lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}")
-        tail = [ln for ln in f.traceback.rstrip().splitlines() if ln.strip() and not _carets(ln)]
-        if f.rank == quoted:
-            lines.append("    (its diagnosis is below)")
-        else:
-            lines.extend(f"    {line}" for line in tail[-TRACEBACK_LINES:])
-        if not tail and f.exitcode < 0:
-            lines.extend(_no_traceback(f))
+        lines.extend(_failure_lines(f, quoted, shown))
     if stopped:
         lines.append(
             f"  stopped by the launcher: rank(s) {', '.join(str(f.rank) for f in stopped)}"
@@ -271,6 +267,32 @@ def summarize(
         lines.append("  diagnosis:")
         lines.extend(f"    {line}" for line in text.splitlines())
     return "\n".join(lines), fix
+
+
+def _failure_lines(f: RankFailure, quoted: int | None, shown: dict[str, int]) -> list[str]:
+    """One failed rank: its cause and its traceback (whole when short, else its last lines),
+    or a pointer to its diagnosis, or to the same error shown for an earlier rank."""
+    lines = [f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): {f.cause}"]
+    tail = [ln for ln in f.traceback.rstrip().splitlines() if ln.strip() and not _carets(ln)]
+    said = _exception_text(tail)
+    if f.rank == quoted:
+        lines.append("    (its diagnosis is below)")
+    elif said and said in shown:  # every rank raising the same error: its text once
+        lines.append(f"    raised the same error as rank {shown[said]} (above)")
+    else:
+        shown.setdefault(said, f.rank)
+        keep = len(tail) if len(tail) <= WHOLE_TRACEBACK else TRACEBACK_LINES
+        lines.extend(f"    {line}" for line in tail[-keep:])
+    if not tail and f.exitcode < 0:
+        lines.extend(_no_traceback(f))
+    return lines
+
+
+def _exception_text(tail: list[str]) -> str:
+    """The exception's own lines at the end of a traceback (after its last frame's source
+    line), or '' for a traceback without frames."""
+    frames = [i for i, line in enumerate(tail) if line.lstrip().startswith('File "')]
+    return "\n".join(tail[frames[-1] + 2 :]) if frames else ""
 
 
 def _carets(line: str) -> bool:
