@@ -1,7 +1,6 @@
 # https://stackoverflow.com/questions/64920956/validation-epoch-end-with-ddp-pytorch-lightning
 # mistake: accuracy from `.item()` on each rank, printed on rank 0 as the job's
 # expect: check RW020
-# depends: metrics
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

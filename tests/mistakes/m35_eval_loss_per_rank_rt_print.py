@@ -1,7 +1,7 @@
 # https://github.com/huggingface/accelerate/issues/2375
 # mistake: each rank averages its own evaluation losses and rt.print shows rank 0's as "Average Evaluation Loss"
 # expect: check RW020
-# depends: metrics
+# expect-run: Average Evaluation Loss | rank 0's value | ranks differ ; fix: mean
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -1,7 +1,7 @@
 # https://github.com/huggingface/accelerate/issues/575
 # mistake: `rt.prepare_loader(DataLoader(test))` on 101 samples, gathered for the metric: a padded duplicate is counted (102)
 # expect: check RW023
-# depends: metrics
+# expect-run: over 101 samples | evaluation: each sample once ; fix: evaluation=False pads
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -1,7 +1,7 @@
 # https://discuss.pytorch.org/t/training-performance-degrades-with-distributeddataparallel/47152
 # mistake: BatchNorm with 4 samples per process and no SyncBatchNorm: the statistics cover 4 samples, not the global batch
 # expect: check RW024
-# depends: metrics
+# expect-run: BatchNorm meets a small per-rank batch | 4 sample(s) ; fix: rw.convert_sync_batchnorm(model)
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
