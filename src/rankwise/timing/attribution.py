@@ -23,6 +23,7 @@ gather densely), so it is tested without processes.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -82,6 +83,8 @@ class Flag:
     deltas: dict[str, float]
     cpu_ratio: tuple[float, float]
     """(this rank's CPU seconds per busy second, what is expected)."""
+    who: tuple[str, int] = ("rank", -1)
+    """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
 
 
 def _expect(ranks: list[dict[str, float]], i: int, key: Any, own: deque) -> float | None:
@@ -109,7 +112,7 @@ class Attributor:
 
     settings: Settings = field(default_factory=Settings)
     named: Straggler | None = None
-    suspect: int | None = None
+    suspect: tuple[str, int] | None = None
     hits: int = 0
     misses: int = 0
     dense_left: int = 0
@@ -171,6 +174,8 @@ class Attributor:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
         f = self.flag(ranks)
+        if f is not None:
+            f.who = self._who(f, ranks)
         self.dense_left = max(0, self.dense_left - 1) if dense else self.dense_left
         events = self._named_state(step, f, ranks)
         self._remember(ranks, f)
@@ -183,8 +188,8 @@ class Attributor:
         if f is None:
             self._drop_suspicion()
             return []
-        if self.suspect != f.rank:
-            self.suspect, self.hits, self.misses, self.first_flag = f.rank, 0, 0, step
+        if self.suspect != f.who:
+            self.suspect, self.hits, self.misses, self.first_flag = f.who, 0, 0, step
             self.dense_left = self.settings.dense_steps
         self.hits += 1
         if self.hits < self.settings.confirm:
@@ -202,7 +207,7 @@ class Attributor:
     def _while_named(self, step: int, f: Flag | None, ranks: list[dict[str, float]]) -> list[dict]:
         named = self.named
         assert named is not None
-        if f is not None and f.rank == named.rank:
+        if f is not None and f.who == (named.scope, named.node if named.scope == "node" else named.rank):
             self.quiet = 0
             cost = f.excess * 1e3
             self.named = replace(named, cost_ms=cost, step_ms=_step_ms(ranks),
@@ -216,21 +221,27 @@ class Attributor:
 
     def _chronic(self, step: int, s: Straggler) -> bool:
         seen = list(self.named_at)
-        times = sum(1 for a, b in zip(seen, seen[1:], strict=False) if a is None and b == s.rank)
+        times = sum(1 for a, b in itertools.pairwise(seen) if a is None and b == s.rank)
         long = step - s.since_step >= self.settings.chronic_steps
         return long or times >= self.settings.chronic_times
 
     def _name(self, step: int, f: Flag, ranks: list[dict[str, float]]) -> Straggler:
         kind, why = self.kind(f, ranks)
         node = int(ranks[f.rank]["node"])
-        on_node = [i for i, r in enumerate(ranks) if int(r["node"]) == node]
         scope, rank = "rank", f.rank
-        nodes = {int(r["node"]) for r in ranks}
-        if len(on_node) > 1 and len(nodes) > 1 and self._all_slow(on_node, ranks):
-            scope, rank = "node", min(on_node)
+        if f.who[0] == "node":
+            scope, rank = "node", min(i for i, r in enumerate(ranks) if int(r["node"]) == node)
         s = Straggler(rank, node, kind, f.excess * 1e3, self.first_flag, False, scope, why,
                       _step_ms(ranks))  # fmt: skip
         return replace(s, chronic=self._chronic(step, s))
+
+    def _who(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, int]:
+        node = int(ranks[f.rank]["node"])
+        on_node = [i for i, r in enumerate(ranks) if int(r["node"]) == node]
+        nodes = {int(r["node"]) for r in ranks}
+        if len(on_node) > 1 and len(nodes) > 1 and self._all_slow(on_node, ranks):
+            return ("node", node)
+        return ("rank", f.rank)
 
     def _all_slow(self, on_node: list[int], ranks: list[dict[str, float]]) -> bool:
         """Every rank of a node above the busy median of the ranks elsewhere, by the bar."""
