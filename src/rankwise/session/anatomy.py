@@ -13,7 +13,7 @@ optimizer without torch's step hooks, nor the asynchronous strategy (its ranks s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from ..output.log import write
 from ..timing import clock
 from ..timing.recorder import Recorder
 
-if TYPE_CHECKING:
-    from . import Session
+Session = Any
+"""``rankwise.session.Session``, which calls these functions: named, not imported (a cycle)."""
 
 SERIES = ("data", "forward", "backward", "comm", "wait", "optimizer", "other", "total")
 """The per-rank series sent to the trackers, in milliseconds (``timing/rank{r}/{name}_ms``)."""
