@@ -41,8 +41,8 @@ class StepSample:
     phases: dict[str, float]
     total: float
     cpu: float
-    """Process CPU seconds during the step (all threads): low against wall time on a host
-    whose CPU is throttled or shared."""
+    """CPU seconds of the loop's thread during the step, outside its waits for peers (Gloo
+    polls while it waits): low against the busy time on a host whose CPU is throttled."""
     lag: float
     """Seconds from this rank's arrival at the step's longest wait for peers to its end: the
     rank that arrives last has the smallest lag (its peers waited for it)."""
@@ -101,7 +101,9 @@ class StepClock:
 
     def _restart(self, now: float) -> None:
         self.start = now
-        self.cpu0 = time.process_time()
+        self.cpu0 = time.thread_time()
+        self.cpu_blocked = 0.0  # the loop thread's CPU seconds inside its blocked spans
+        self._cpu_since: float | None = None
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.stack: list[list[Any]] = []  # [phase, since] of the open spans, innermost last
         self.arrived: float = 0.0
@@ -120,6 +122,8 @@ class StepClock:
         self.stack.append([phase, now])
         if phase == "blocked":
             self._blocked_since = now
+            if self._cpu_since is None and self.mine():
+                self._cpu_since = time.thread_time()
         elif self.armed and self.device is not None and phase in DEVICE_PHASES:
             self.device.start(phase)
 
@@ -137,8 +141,14 @@ class StepClock:
             if self.synced is None or now - self._blocked_since > self.synced - self.arrived:
                 self.arrived, self.synced = self._blocked_since, now
             self._blocked_since = None
+            if self._cpu_since is not None and self.mine() and not self._in_blocked():
+                self.cpu_blocked += time.thread_time() - self._cpu_since
+                self._cpu_since = None
         elif self.armed and self.device is not None and phase in DEVICE_PHASES:
             self.device.stop(phase)
+
+    def _in_blocked(self) -> bool:
+        return any(name == "blocked" for name, _ in self.stack)
 
     def bucket_ready(self) -> None:
         """A gradient bucket of this pass is complete (the first one starts ``ready_lag``)."""
@@ -157,7 +167,8 @@ class StepClock:
         synced = self.synced if self.synced is not None else now
         arrived = self.arrived if self.synced is not None else synced
         first = min(self.first_ready or arrived, arrived)
-        sample = StepSample(phases, now - self.start, time.process_time() - self.cpu0,
+        cpu = time.thread_time() - self.cpu0 - self.cpu_blocked
+        sample = StepSample(phases, now - self.start, max(0.0, cpu),
                             max(0.0, synced - arrived), max(0.0, synced - first))  # fmt: skip
         reopen = [name for name, _ in self.stack]
         self._restart(now)
