@@ -59,7 +59,7 @@ CASES = [("compute", 1, "ddp"), ("input", 0, "ddp"), ("memory", 1, "ddp"),
 def test_an_injected_straggler_is_named_with_its_rank_and_kind(tmp_path, capfd, inject, slow,
                                                                strategy):
     env = {"RANKWISE_RUN_DIR": str(tmp_path), "RANKWISE_PROFILE_STEPS": "5"}
-    run_distributed(tc.train, 2, args=(strategy, 40, inject, slow, 10), init=False,
+    run_distributed(tc.train, 2, args=(strategy, 40, inject, ((10, 40, slow),)), init=False,
                     timeout=300, env=env)  # fmt: skip
     events = read_jsonl(tmp_path / "events.jsonl")
     named = [e for e in events if e["event"] == "straggler"]
@@ -76,7 +76,29 @@ def test_an_injected_straggler_is_named_with_its_rank_and_kind(tmp_path, capfd, 
                     "and cgroup cpu) to throttle one rank")  # fmt: skip
 def test_a_throttled_rank_is_named_as_a_host_straggler(tmp_path):
     env = {"RANKWISE_RUN_DIR": str(tmp_path), "RANKWISE_PROFILE_STEPS": "5"}
-    run_distributed(tc.train, 2, args=("ddp", 40, "host", 1, 10), init=False, timeout=300,
-                    env=env)  # fmt: skip
+    run_distributed(tc.train, 2, args=("ddp", 40, "host", ((10, 40, 1),)), init=False,
+                    timeout=300, env=env)  # fmt: skip
     named = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "straggler"]
     assert named and (named[0]["rank"], named[0]["kind"]) == (1, "host"), named
+
+
+def _hang_for_a_while() -> None:
+    import time
+
+    import rankwise as rw
+    from rankwise.diagnose import stall
+
+    rt = rw.init()
+    stall.configure(1.0)  # report a collective waiting for a second
+    if rt.rank == 1:
+        time.sleep(8)  # rank 0 waits in the all-reduce meanwhile
+    rw.all_reduce_mean(1.0)
+    rw.shutdown()
+
+
+def test_a_stall_report_is_a_hang_event_of_the_run_directory(tmp_path):
+    run_distributed(_hang_for_a_while, 2, init=False, timeout=120,
+                    env={"RANKWISE_RUN_DIR": str(tmp_path)})  # fmt: skip
+    hangs = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert hangs, "no hang event"
+    assert hangs[0]["rank"] == 0 and "rank 1" in hangs[0]["text"], hangs

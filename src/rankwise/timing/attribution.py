@@ -142,11 +142,20 @@ class Attributor:
                 mine = _parts(r)
                 deltas = {k: mine[k] - (v or 0.0) for k, v in expect.items()}
                 best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"] or 0.0))
-        return best
+        return best or self._memory_flag(ranks)
+
+    def _memory_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
+        """A rank whose memory grows while its peers' does not, even before it slows."""
+        for i, r in enumerate(ranks):
+            if self.memory_growth(i):
+                peers = [busy(p) for j, p in enumerate(ranks) if j != i] or [busy(r)]
+                excess = max(0.0, busy(r) - statistics.median(peers))
+                return Flag(i, excess, {"data": 0.0, "compute": 0.0}, (1.0, 1.0))
+        return None
 
     def kind(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, str]:
         """The kind of flagged rank's slowness, and a few words on the evidence."""
-        if f.deltas["data"] >= 0.5 * f.excess:
+        if f.excess > 0 and f.deltas["data"] >= 0.5 * f.excess:
             return "input", f"data wait +{f.deltas['data'] * 1e3:.1f} ms"
         grown = self.memory_growth(f.rank)
         if grown:

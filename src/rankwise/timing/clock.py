@@ -97,6 +97,8 @@ class StepClock:
         self.armed = False
         """Time device phases with CUDA events this step (set for the steps that are gathered)."""
         self.device = DeviceSpans() if device_type == "cuda" else None
+        self.step = 0
+        """Steps finished so far (what a hang report's event names)."""
         self._restart(time.perf_counter())
 
     def _restart(self, now: float) -> None:
@@ -170,6 +172,7 @@ class StepClock:
         cpu = time.thread_time() - self.cpu0 - self.cpu_blocked
         sample = StepSample(phases, now - self.start, max(0.0, cpu),
                             max(0.0, synced - arrived), max(0.0, synced - first))  # fmt: skip
+        self.step += 1
         reopen = [name for name, _ in self.stack]
         self._restart(now)
         self.stack = [[name, now] for name in reopen]
