@@ -102,3 +102,26 @@ def test_a_stall_report_is_a_hang_event_of_the_run_directory(tmp_path):
     hangs = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "hang"]
     assert hangs, "no hang event"
     assert hangs[0]["rank"] == 0 and "rank 1" in hangs[0]["text"], hangs
+
+
+def test_each_ranks_series_reach_the_trackers_and_the_summary_has_a_row_per_rank(tmp_path, capfd):
+    import csv
+
+    env = {"RANKWISE_RUN_DIR": str(tmp_path / "run"), "RANKWISE_PROFILE_STEPS": "5"}
+    logs = tmp_path / "logs"
+    run_distributed(tc.train, 2, args=("ddp", 10, None, (), str(logs)), init=False,
+                    timeout=240, env=env)  # fmt: skip
+    with open(logs / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    series = {(int(r["step"]), r["name"]) for r in rows}
+    for step in (5, 10):
+        for rank in (0, 1):
+            for name in ("total_ms", "wait_ms", "backward_ms", "mem_mib"):
+                assert (step, f"timing/rank{rank}/{name}") in series, (step, rank, name)
+    # rt.log's own steps are left alone: the loss at 0..9
+    assert sorted(int(r["step"]) for r in rows if r["name"] == "loss") == list(range(10))
+    out = capfd.readouterr().out
+    table = out[out.index("rankwise step anatomy"):].splitlines()
+    assert table[1].split()[:3] == ["rank", "data", "forward"]
+    assert [line.split()[0] for line in table[2:4]] == ["0", "1"]
+    assert (tmp_path / "run" / "summary.txt").read_text().strip() in out

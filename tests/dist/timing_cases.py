@@ -73,12 +73,15 @@ def _loss(rt, strategy: str, model, x, y) -> torch.Tensor:
 
 
 def train(strategy: str, steps: int, inject: str | None = None,
-          episodes: tuple[tuple[int, int, int], ...] = ()) -> int:
+          episodes: tuple[tuple[int, int, int], ...] = (), log_dir: str | None = None) -> int:
     """``steps`` steps of the README loop; in each episode ``(start, end, rank)`` that rank
-    is slowed by ``inject`` from step ``start`` to ``end``. Returns this rank."""
+    is slowed by ``inject`` from step ``start`` to ``end``; ``log_dir``: ``rt.log`` the loss
+    there (CSV). Returns this rank."""
     torch.set_num_threads(1)
     rt = _init(strategy)
     model, opt, loader = _prepared(rt, strategy, steps)
+    if log_dir is not None:
+        rt.log_to(log_dir, log_with=["csv"])
     mine = [(a, b) for a, b, r in episodes if r == rt.rank and inject is not None]
     held: list[torch.Tensor] = []
     undo = contextlib.ExitStack()
@@ -95,6 +98,8 @@ def train(strategy: str, steps: int, inject: str | None = None,
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if log_dir is not None:
+            rt.log({"loss": loss.item()})
         if sick and inject == "memory":
             held.append(torch.ones(4 << 20))  # 16 MiB, written: resident
         if step + 1 == steps:
