@@ -161,7 +161,7 @@ class Attributor:
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        if ratio < 0.7 * expected:
+        if ratio < 0.5 * expected:
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
