@@ -50,6 +50,8 @@ class Settings:
     """Records in a row without a flag that end a named straggler."""
     window: int = 20
     """Records remembered for the chronic test and the own baselines."""
+    warmup: int = 10
+    """Steps at the start that flag nobody (first allocations, the first checks of peers)."""
     chronic_steps: int = 50
     chronic_times: int = 3
     mem_growth: float = 0.1
@@ -182,6 +184,8 @@ class Attributor:
     def observe(self, step: int, ranks: list[dict[str, float]], dense: bool) -> list[dict]:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
+        if step <= self.settings.warmup:
+            return []
         f = self.flag(ranks)
         if f is not None:
             f.who = self._who(f, ranks)
