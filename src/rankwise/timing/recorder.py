@@ -73,7 +73,11 @@ class Recorder:
         self.step += 1
         if self.step % self.every == 0 or self.attributor.want_dense():
             t0, cpu0 = time.perf_counter(), time.thread_time()
-            self.record()
+            clocks.install(None)  # the record's own waits (its gather) mark no phase
+            try:
+                self.record()
+            finally:
+                clocks.install(self.clock)
             # The record's own time (its gather, rank 0's writes) is no phase of the next
             # step: benchmarks/step_anatomy.py measures it as timing's cost.
             self.clock.start += time.perf_counter() - t0
