@@ -69,7 +69,11 @@ class Recorder:
 
     def on_step(self) -> None:
         """The end of one optimizer step. Sync point: all ranks on a recorded step."""
-        self.window.add(self.clock.finish_step())
+        armed = self.clock.armed and self.clock.device is not None
+        sample = self.clock.finish_step()
+        self.window.add(sample)
+        if armed:
+            self.window.device = {k: sample.phases[k] for k in clocks.DEVICE_PHASES}
         self.step += 1
         if self.step % self.every == 0 or self.attributor.want_dense():
             t0, cpu0 = time.perf_counter(), time.thread_time()
