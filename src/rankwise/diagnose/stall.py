@@ -88,5 +88,18 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             "missing rank(s) arrive)"
         )
         print(text, file=sys.stderr, flush=True)
+        _hang_event(g.global_rank, text)
         return text
     return None
+
+
+def _hang_event(rank: int, text: str) -> None:
+    """The report as a ``hang`` event of the run directory (``rankwise top``, the dashboard)."""
+    from .. import timing
+    from ..timing import clock, files
+
+    folder = timing.settings_from_env()[1]
+    if folder:
+        c = clock.current()
+        files.append_event(folder, {"step": None if c is None else c.step, "event": "hang",
+                                    "text": text, "rank": rank})  # fmt: skip

@@ -34,6 +34,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         parser,
+        "profile-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="record every rank's step anatomy every N steps, in the job's run directory "
+        "(default 10; 1: every step, the dense view; 0: off)",
+    )
+    _flag(
+        parser,
         "monitor-interval",
         type=float,
         default=0.1,
@@ -187,6 +196,7 @@ def options_from_args(
         pass_local_rank=pass_local_rank,
         monitor_interval=args.monitor_interval,
         debug=s["debug"],
+        profile_steps=getattr(args, "profile_steps", None),
     )
 
 
