@@ -40,9 +40,9 @@ from ..job.plan import check_init_arguments
 from ..output.log import print0
 from ..parallel import deferred
 from ..timing import clock
-from ..training import precision
+from ..training import anatomy, precision
 from ..training.loop import LoopState, TrainingLoop
-from . import anatomy, first_batch, formats, guards, saving
+from . import first_batch, formats, guards, saving
 from .auto import settle as settle_auto
 from .evaluation import evaluation_reason, padding_warning
 from .loader import DeviceLoader, describe_batch, prepare_loader
@@ -273,13 +273,7 @@ def prepare(
     the ranks' batch sizes are gathered (``agree.py``). Once more, later: the prepared model's
     first training forward compares what the ranks read (``first_batch.py``).
     """
-    guards.refuse_loader_as_model(rt.prepared, model)  # before the type check: says the call
-    guards.check_arguments(model, optimizer, global_batch_size)
-    guards.refuse_batch_size_without_loader(loader, global_batch_size)
-    guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
-    refuse_wrapped(rt, model)
-    if optimizer is not None:
-        check_optimizer(optimizer, model)
+    _refuse_bad_arguments(rt, model, optimizer, loader, global_batch_size)
     given_optimizer = optimizer
     how = deferred.plan(model, init, exact_init)  # None: not built on the meta device
     wrapped, optimizer = _with_precision(rt, model, optimizer, wrap, how, pipeline)
@@ -294,6 +288,19 @@ def prepare(
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
     return (wrapped, optimizer, prepared, *tail)
+
+
+def _refuse_bad_arguments(
+    rt: Session, model: Any, optimizer: Any, loader: Any, global_batch_size: int | None
+) -> None:
+    """``rt.prepare``'s checks, before anything moves: each names the argument and the fix."""
+    guards.refuse_loader_as_model(rt.prepared, model)  # before the type check: says the call
+    guards.check_arguments(model, optimizer, global_batch_size)
+    guards.refuse_batch_size_without_loader(loader, global_batch_size)
+    guards.refuse_prepared_twice(rt.prepared, model=model, optimizer=optimizer, loader=loader)
+    refuse_wrapped(rt, model)
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
 
 
 def _training_loader(

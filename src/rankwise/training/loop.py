@@ -59,7 +59,7 @@ class LoopState:
     """The ``steps`` values whose global batch per optimizer step has been logged."""
     metrics: MetricsLogger | None = None
     timing: Any = None
-    """The step anatomy's ``rankwise.timing.recorder.Recorder`` (session/anatomy.py), or None."""
+    """The step anatomy's ``rankwise.timing.recorder.Recorder`` (training/anatomy.py), or None."""
 
 
 @dataclass(frozen=True)
