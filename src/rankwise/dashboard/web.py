@@ -1,0 +1,145 @@
+"""The dashboard's web server: a Flask app over a run directory, served by werkzeug in a thread.
+
+``rankwise run --dashboard`` starts it in the launcher (``serve`` returns a ``Server`` whose
+``close()`` stops it); ``rankwise dashboard RUN_DIR`` serves a finished run in the foreground.
+Bound to loopback by default. Bound elsewhere, every request must carry the token
+(``?token=...``, compared in constant time), or it gets 403: the page shows the job's hang
+diagnoses, which name hosts and paths.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .page import TEMPLATE
+from .records import STEPS_FILE, RunView
+from .summary import human_age, straggler_line, summarize
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORT = 8470
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+"""No script, nothing fetched from anywhere: the page is HTML, CSS and inline SVG."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Pictures:
+    """The page's SVGs, redrawn only when new records arrived (one lock: matplotlib's
+    text layout caches are shared between threads)."""
+
+    def __init__(self, view: RunView, last: int) -> None:
+        self.view, self.last = view, last
+        self._lock = threading.Lock()
+        self._drawn: tuple[int, dict[str, Any]] | None = None
+
+    def current(self) -> dict[str, Any]:
+        from . import plots
+
+        with self._lock:
+            self.view.poll()
+            if self._drawn is not None and self._drawn[0] == self.view.version:
+                return dict(self._drawn[1], s=summarize(self.view, self.last))
+            s = summarize(self.view, self.last)
+            steps = list(self.view.steps)
+            shown = plots.ranks_shown(s)
+            values = {
+                "bars": plots.anatomy_bars(s.ranks, s.straggler.rank if s.straggler else None),
+                "over_time": plots.anatomy_over_time(steps, shown),
+                "memory": plots.memory(steps, shown),
+                "throughput": plots.throughput(steps),
+                "shown": shown,
+            }
+            self._drawn = (self.view.version, values)
+            return dict(values, s=s)
+
+
+def create_app(run_dir: str, *, token: str | None = None, refresh_s: int = 2,
+               last: int = 20) -> Any:
+    """The Flask app serving ``run_dir``'s page (``/``) and its numbers (``/summary.json``)."""
+    from flask import Flask, abort, jsonify, render_template_string, request
+
+    app = Flask("rankwise.dashboard")
+    pictures = Pictures(RunView(run_dir), last)
+
+    @app.before_request
+    def _check_token() -> None:
+        given = request.args.get("token", "")
+        if token is not None and not hmac.compare_digest(given.encode(), token.encode()):
+            abort(403, "this dashboard needs its token: open the URL rankwise run printed")
+
+    @app.after_request
+    def _headers(response):
+        response.headers["Content-Security-Policy"] = CSP
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @app.get("/")
+    def index():
+        values = pictures.current()
+        age = values["s"].age_s
+        return render_template_string(
+            TEMPLATE, refresh=refresh_s, steps_file=f"{run_dir}/{STEPS_FILE}",
+            straggler_line=straggler_line(values["s"].straggler),
+            age="" if age is None else human_age(age), **values)
+
+    @app.get("/summary.json")
+    def summary_json():
+        pictures.view.poll()
+        return jsonify(asdict(summarize(pictures.view, last)))
+
+    return app
+
+
+@dataclass
+class Server:
+    """A running dashboard: its URL (with the token, when there is one) and ``close()``."""
+
+    url: str
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+def serve(run_dir: str, host: str = LOOPBACK, port: int = DEFAULT_PORT, *,
+          token: str | None = None, refresh_s: int = 2) -> Server:
+    """Start serving ``run_dir`` in a daemon thread; ``port=0`` picks a free port.
+
+    Raises ConfigError when bound off loopback without a token, or when the port is taken.
+    """
+    from werkzeug.serving import make_server
+
+    if token is None and not is_loopback(host):
+        raise ConfigError(
+            f"dashboard host: got {host!r}, which is not loopback, and no token",
+            fix="give the dashboard a token, or bind it to 127.0.0.1 and reach it through an "
+            "SSH tunnel",
+        )
+    app = create_app(run_dir, token=token, refresh_s=refresh_s)
+    try:
+        server = make_server(host, port, app, threaded=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"dashboard port: got {port} on {host}, which cannot be bound ({exc.strerror})",
+            fix="pass another --dashboard-port, or 0 for a free one",
+        ) from None
+    thread = threading.Thread(target=server.serve_forever, name="rankwise-dashboard", daemon=True)
+    thread.start()
+    shown = f"[{host}]" if ":" in host else host
+    query = f"/?token={token}" if token else "/"
+    return Server(f"http://{shown}:{server.server_port}{query}", server, thread)
