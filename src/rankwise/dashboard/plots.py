@@ -55,7 +55,7 @@ def anatomy_bars(ranks: Sequence[RankSummary], straggler: int | None) -> str:
     for p in PHASES:
         widths = [r.phases[p] * 1000 for r in ranks]
         ax.barh(ys, widths, left=left, color=COLOR[p], label=p, height=0.7)
-        left = [a + b for a, b in zip(left, widths)]
+        left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_yticks(ys, [f"rank {r.rank}" + (" \u25c0" if r.rank == straggler else "")
                        for r in ranks])
     ax.invert_yaxis()
@@ -68,7 +68,7 @@ def anatomy_over_time(steps: Sequence[Step], ranks: Sequence[int]) -> str:
     """One panel per rank: its phases stacked, in ms, at each recorded step."""
     fig = _figure(7.5, 0.6 + 1.1 * max(len(ranks), 1))
     axes = fig.subplots(max(len(ranks), 1), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
-    for ax, rank in zip(axes, ranks):
+    for ax, rank in zip(axes, ranks, strict=False):
         xs, per_phase = [], {p: [] for p in PHASES}
         for s in steps:
             entry = next((r for r in s.ranks if r.rank == rank), None)
@@ -95,7 +95,7 @@ def memory(steps: Sequence[Step], ranks: Sequence[int]) -> str:
         pts = [(s.step, r.mem / 2**20) for s in steps for r in s.ranks
                if r.rank == rank and r.mem is not None]
         if pts:
-            ax.plot(*zip(*pts), label=f"rank {rank}")
+            ax.plot(*zip(*pts, strict=True), label=f"rank {rank}")
     if ax.lines:
         ax.legend(ncol=4, fontsize=8, frameon=False)
     else:
@@ -111,12 +111,12 @@ def throughput(steps: Sequence[Step]) -> str:
     ax = fig.add_subplot()
     series = throughput_series(steps)
     if series:
-        ax.plot(*zip(*series), color="tab:blue", label="steps/s")
+        ax.plot(*zip(*series, strict=True), color="tab:blue", label="steps/s")
     ax.set_xlabel("step")
     ax.set_ylabel("steps/s", color="tab:blue")
     twin = ax.twinx()
     pts = [(s.step, max(r.total for r in s.ranks) * 1000) for s in steps if s.ranks]
     if pts:
-        twin.plot(*zip(*pts), color="tab:orange", label="ms/step")
+        twin.plot(*zip(*pts, strict=True), color="tab:orange", label="ms/step")
     twin.set_ylabel("ms per step", color="tab:orange")
     return _svg(fig)

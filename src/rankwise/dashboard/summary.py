@@ -7,6 +7,7 @@ Pure functions of the records: the terminal view (``terminal``) and the web page
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -95,7 +96,7 @@ def mean_step_s(steps: Sequence[Step]) -> float | None:
 def throughput_series(steps: Sequence[Step]) -> list[tuple[int, float]]:
     """(step, steps per second since the previous record) for each record after the first."""
     out = []
-    for a, b in zip(steps, steps[1:]):
+    for a, b in itertools.pairwise(steps):
         if b.t > a.t and b.step > a.step:
             out.append((b.step, (b.step - a.step) / (b.t - a.t)))
     return out
