@@ -81,8 +81,9 @@ def anatomy_over_time(steps: Sequence[Step], ranks: Sequence[int]) -> str:
             ax.stackplot(xs, *(per_phase[p] for p in PHASES), colors=[COLOR[p] for p in PHASES],
                          labels=list(PHASES), step="mid")
         ax.set_ylabel(f"rank {rank}\nms", fontsize=8)
-    axes[0].legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
-                   frameon=False)
+    if axes[0].collections:
+        axes[0].legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                       frameon=False)
     axes[-1].set_xlabel("step")
     return _svg(fig)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import socket
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -131,15 +132,18 @@ def serve(run_dir: str, host: str = LOOPBACK, port: int = DEFAULT_PORT, *,
             "SSH tunnel",
         )
     app = create_app(run_dir, token=token, refresh_s=refresh_s)
-    try:
-        server = make_server(host, port, app, threaded=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:  # bound here: werkzeug's own bind exits the process when the port is taken
+        sock = socket.create_server((host.strip("[]"), port), family=family)
     except OSError as exc:
         raise ConfigError(
             f"dashboard port: got {port} on {host}, which cannot be bound ({exc.strerror})",
             fix="pass another --dashboard-port, or 0 for a free one",
         ) from None
+    with sock:  # werkzeug serves a duplicate of this descriptor
+        server = make_server(host.strip("[]"), port, app, threaded=True, fd=sock.fileno())
     thread = threading.Thread(target=server.serve_forever, name="rankwise-dashboard", daemon=True)
     thread.start()
-    shown = f"[{host}]" if ":" in host else host
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
     query = f"/?token={token}" if token else "/"
-    return Server(f"http://{shown}:{server.server_port}{query}", server, thread)
+    return Server(f"http://{shown}:{server.port}{query}", server, thread)
