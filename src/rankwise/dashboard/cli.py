@@ -61,6 +61,9 @@ def top_command(args: argparse.Namespace) -> int:
         json.dump(asdict(summarize(view, args.last)), sys.stdout, indent=2)
         print()
         return 0
+    from .launcher import require
+
+    require("rich", "rankwise top")
     from rich.console import Console
 
     from . import terminal

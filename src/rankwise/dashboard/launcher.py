@@ -19,6 +19,15 @@ from ..job import env as envmod
 from .web import DEFAULT_PORT, Server, is_loopback, serve
 
 
+def require(module: str, what: str) -> None:
+    """ConfigError naming the extra to install when ``module`` is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{what} needs the {module!r} package: got none installed",
+                          fix="pip install 'rankwise[dashboard]'")
+
+
 def default_run_dir() -> Path | None:
     """The run directory of the job this process belongs to, when the environment says."""
     found = envmod.run_dir()
@@ -37,6 +46,8 @@ def run_dir_for_launch() -> Path:
 
 def start(run_dir: str | Path, host: str, port: int | None) -> Server:
     """Serve ``run_dir``; the default port, when taken, gives way to a free one."""
+    for module in ("flask", "matplotlib"):
+        require(module, "the dashboard")
     # werkzeug logs every request to stderr: the launcher's output is the workers'.
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     token = None if is_loopback(host) else secrets.token_urlsafe(18)
