@@ -215,6 +215,15 @@ def test_before_the_first_record_the_page_says_it_waits(tmp_path) -> None:
     assert "Waiting for the first step record" in response.get_data(as_text=True)
 
 
+def test_the_launcher_s_page_waits_for_the_job_to_name_its_directory(tmp_path) -> None:
+    named: list[str] = []
+    client = _client(lambda: named[0] if named else None)
+    assert "Waiting for the job to start" in client.get("/").get_data(as_text=True)
+    assert client.get("/summary.json").json is None
+    named.append(str(ds.write_run(tmp_path, steps=12)))
+    assert "step 12 &middot; ddp &middot; 4 ranks" in client.get("/").get_data(as_text=True)
+
+
 def test_a_large_job_shows_the_straggler_among_eight_ranks(tmp_path) -> None:
     run = ds.write_run(tmp_path, world=16, slow_rank=13)
     html = _client(run).get("/").get_data(as_text=True)

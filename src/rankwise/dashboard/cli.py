@@ -40,10 +40,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 def _run_dir(given: str | None) -> Path:
     from .launcher import default_run_dir
 
-    path = Path(given) if given else default_run_dir()
-    if path is None:
+    found = given or default_run_dir()
+    if found is None:
         raise ConfigError("run directory: none given and none found",
                           fix="pass the directory rankwise run printed for the job")
+    path = Path(found)
     if not path.is_dir():
         raise ConfigError(f"run directory: got {str(path)!r}, which is not a directory",
                           fix="pass the directory rankwise run printed for the job")
@@ -97,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "top", help="watch a running job's ranks in the terminal (step anatomy, stragglers)",
         description="A live view of a job's ranks from its run directory: where each rank's "
         "step goes, throughput, memory, the straggler and a hang. Ctrl-C stops.")
-    top.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=RECORDS_HELP)
+    top.add_argument("run_dir", nargs="?", metavar="DIR", help=RECORDS_HELP)
     _flag(top, "once", action="store_true", help="print one frame and exit")
     _flag(top, "json", action="store_true", help="print the numbers of one frame as JSON, exit")
     _flag(top, "interval", type=float, default=1.0, metavar="SECONDS",
@@ -109,6 +110,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dashboard", help="serve the web page of a job's run directory, finished or running",
         description="Serve the dashboard rankwise run --dashboard serves, for any run "
         "directory. Ctrl-C stops.")
-    page.add_argument("run_dir", metavar="RUN_DIR", help=RECORDS_HELP)
+    page.add_argument("run_dir", metavar="DIR", help=RECORDS_HELP)
     add_server_flags(page)
     page.set_defaults(func=dashboard_command)

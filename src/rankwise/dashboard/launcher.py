@@ -10,13 +10,11 @@ import contextlib
 import logging
 import secrets
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 from ..errors import ConfigError
 from ..job import env as envmod
-from .web import DEFAULT_PORT, Server, is_loopback, serve
+from .web import DEFAULT_PORT, RunDir, Server, is_loopback, serve
 
 
 def require(module: str, what: str) -> None:
@@ -28,23 +26,13 @@ def require(module: str, what: str) -> None:
                           fix="pip install 'rankwise[dashboard]'")
 
 
-def default_run_dir() -> Path | None:
-    """The run directory of the job this process belongs to, when the environment says."""
-    found = envmod.run_dir()
-    return Path(found) if found else None
+def default_run_dir() -> str | None:
+    """``RANKWISE_RUN_DIR``: the run directory of the job this process belongs to, or the one
+    this launcher named for its workers (``rankwise run`` sets it as the job starts)."""
+    return envmod.snapshot().get("RANKWISE_RUN_DIR") or None
 
 
-def run_dir_for_launch() -> Path:
-    """The run directory the workers write to: the environment's, else a new one, told to
-    the workers through the environment."""
-    found = default_run_dir()
-    if found is None:
-        found = Path(tempfile.mkdtemp(prefix="rankwise-run-"))
-        envmod.set_run_dir_for_workers(str(found))
-    return found
-
-
-def start(run_dir: str | Path, host: str, port: int | None) -> Server:
+def start(run_dir: RunDir, host: str, port: int | None) -> Server:
     """Serve ``run_dir``; the default port, when taken, gives way to a free one."""
     for module in ("flask", "matplotlib"):
         require(module, "the dashboard")
@@ -52,15 +40,15 @@ def start(run_dir: str | Path, host: str, port: int | None) -> Server:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     token = None if is_loopback(host) else secrets.token_urlsafe(18)
     try:
-        return serve(str(run_dir), host, DEFAULT_PORT if port is None else port, token=token)
+        return serve(run_dir, host, DEFAULT_PORT if port is None else port, token=token)
     except ConfigError:
         if port is not None:
             raise
-        return serve(str(run_dir), host, 0, token=token)
+        return serve(run_dir, host, 0, token=token)
 
 
 @contextlib.contextmanager
-def serving(enabled: bool, run_dir: str | Path, host: str, port: int | None
+def serving(enabled: bool, run_dir: RunDir, host: str, port: int | None
             ) -> Iterator[Server | None]:
     """``rankwise run --dashboard``: the page served while the body (the job) runs."""
     if not enabled:

@@ -61,3 +61,12 @@ the straggler and the ranks that work longest.</p>{% endif %}
 </body>
 </html>
 """
+
+WAITING = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+{% if refresh %}<meta http-equiv="refresh" content="{{ refresh }}">{% endif %}
+<title>rankwise: starting</title></head>
+<body style="font-family: sans-serif"><h1>rankwise</h1>
+<p id="facts">Waiting for the job to start: its run directory is not named yet (or step timing
+is off: --profile-steps 0).</p></body></html>
+"""

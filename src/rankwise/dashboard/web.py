@@ -13,14 +13,18 @@ import hmac
 import ipaddress
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .page import TEMPLATE
+from .page import TEMPLATE, WAITING
 from .records import STEPS_FILE, RunView
 from .summary import human_age, straggler_line, summarize
 
+RunDir = str | Path | Callable[[], str | None]
+"""A run directory, or a function that names it once it is known."""
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8470
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -40,16 +44,27 @@ class Pictures:
     """The page's SVGs, redrawn only when new records arrived (one lock: matplotlib's
     text layout caches are shared between threads)."""
 
-    def __init__(self, view: RunView, last: int) -> None:
-        self.view, self.last = view, last
+    def __init__(self, run_dir: RunDir, last: int) -> None:
+        self.run_dir, self.last = run_dir, last
+        self.view: RunView | None = None
         self._lock = threading.Lock()
         self._drawn: tuple[int, dict[str, Any]] | None = None
 
-    def current(self) -> dict[str, Any]:
+    def poll(self) -> RunView | None:
+        """The run's records so far; None while the launcher has not named the directory."""
+        folder = self.run_dir() if callable(self.run_dir) else self.run_dir
+        if folder and (self.view is None or self.view.run_dir != Path(folder)):
+            self.view, self._drawn = RunView(folder), None
+        if self.view is not None:
+            self.view.poll()
+        return self.view
+
+    def current(self) -> dict[str, Any] | None:
         from . import plots
 
         with self._lock:
-            self.view.poll()
+            if self.poll() is None:
+                return None
             if self._drawn is not None and self._drawn[0] == self.view.version:
                 return dict(self._drawn[1], s=summarize(self.view, self.last))
             s = summarize(self.view, self.last)
@@ -66,13 +81,16 @@ class Pictures:
             return dict(values, s=s)
 
 
-def create_app(run_dir: str, *, token: str | None = None, refresh_s: int = 2,
+def create_app(run_dir: RunDir, *, token: str | None = None, refresh_s: int = 2,
                last: int = 20) -> Any:
-    """The Flask app serving ``run_dir``'s page (``/``) and its numbers (``/summary.json``)."""
+    """The Flask app serving ``run_dir``'s page (``/``) and its numbers (``/summary.json``).
+
+    ``run_dir`` may be a function: the launcher names the job's directory when it starts it.
+    """
     from flask import Flask, abort, jsonify, render_template_string, request
 
     app = Flask("rankwise.dashboard")
-    pictures = Pictures(RunView(run_dir), last)
+    pictures = Pictures(run_dir, last)
 
     @app.before_request
     def _check_token() -> None:
@@ -89,16 +107,19 @@ def create_app(run_dir: str, *, token: str | None = None, refresh_s: int = 2,
     @app.get("/")
     def index():
         values = pictures.current()
+        if values is None:
+            return render_template_string(WAITING, refresh=refresh_s)
         age = values["s"].age_s
         return render_template_string(
-            TEMPLATE, refresh=refresh_s, steps_file=f"{run_dir}/{STEPS_FILE}",
+            TEMPLATE, refresh=refresh_s, steps_file=f"{values['s'].run_dir}/{STEPS_FILE}",
             straggler_line=straggler_line(values["s"].straggler),
             age="" if age is None else human_age(age), **values)
 
     @app.get("/summary.json")
     def summary_json():
-        pictures.view.poll()
-        return jsonify(asdict(summarize(pictures.view, last)))
+        with pictures._lock:
+            view = pictures.poll()
+            return jsonify(None if view is None else asdict(summarize(view, last)))
 
     return app
 
@@ -117,7 +138,7 @@ class Server:
         self._thread.join(timeout=10)
 
 
-def serve(run_dir: str, host: str = LOOPBACK, port: int = DEFAULT_PORT, *,
+def serve(run_dir: RunDir, host: str = LOOPBACK, port: int = DEFAULT_PORT, *,
           token: str | None = None, refresh_s: int = 2) -> Server:
     """Start serving ``run_dir`` in a daemon thread; ``port=0`` picks a free port.
 

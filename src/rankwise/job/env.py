@@ -348,18 +348,6 @@ def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
     return e.get("RANKWISE_DIAG_DIR") or None
 
 
-def run_dir(environ: Mapping[str, str] | None = None) -> str | None:
-    """``RANKWISE_RUN_DIR``: the job's run directory (``steps.jsonl``, ``events.jsonl``),
-    which ``rankwise run`` sets for its workers and ``rankwise top`` reads."""
-    e = os.environ if environ is None else environ
-    return e.get("RANKWISE_RUN_DIR") or None
-
-
-def set_run_dir_for_workers(folder: str) -> None:
-    """``RANKWISE_RUN_DIR`` for the workers this process starts (see ``run_dir``)."""
-    os.environ["RANKWISE_RUN_DIR"] = folder
-
-
 STALL_REPORT_S = 50.0
 """Default of ``RANKWISE_STALL_REPORT_S``."""
 

@@ -214,11 +214,11 @@ def run_command(args: argparse.Namespace, *, pass_local_rank: bool = False) -> i
 
 def _dashboard(args: argparse.Namespace):
     """The web page of the job while it runs (``--dashboard``), else nothing."""
-    from ..dashboard.launcher import run_dir_for_launch, serving
+    from ..dashboard.launcher import default_run_dir, serving
 
-    enabled = bool(getattr(args, "dashboard", False))
-    run_dir = run_dir_for_launch() if enabled else ""
-    return serving(enabled, run_dir, args.dashboard_host, args.dashboard_port)
+    # The directory is named as the job starts (launch): the page asks for it at each visit.
+    return serving(bool(getattr(args, "dashboard", False)), default_run_dir,
+                   args.dashboard_host, args.dashboard_port)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
