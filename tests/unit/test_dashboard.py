@@ -192,7 +192,7 @@ def test_top_without_a_directory_reads_the_environment(tmp_path, capsys, monkeyp
 def _client(run, **kw):
     from rankwise.dashboard.web import create_app
 
-    return create_app(str(run), **kw).test_client()
+    return create_app(run if callable(run) else str(run), **kw).test_client()
 
 
 def test_the_page_has_every_panel_and_runs_no_script(tmp_path) -> None:
