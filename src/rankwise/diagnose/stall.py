@@ -13,6 +13,8 @@ Each collective is reported once.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from typing import Any
@@ -77,5 +79,25 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             "missing rank(s) arrive)"
         )
         print(text, file=sys.stderr, flush=True)
+        record_hang(text, g.global_rank, e.seq)
         return text
     return None
+
+
+def record_hang(text: str, rank: int, seq: int) -> None:
+    """Append the report to the run directory's ``events.jsonl`` as a ``hang`` event, for
+    ``rankwise top`` and the dashboard (docs/slow.md). One ``write`` of one line in append
+    mode: rank 0's own lines there stay whole. Only this machine's run directory."""
+    folder = envmod.snapshot().get("RANKWISE_RUN_DIR")
+    if not folder:
+        return
+    line = json.dumps({"t": time.time(), "step": None, "event": "hang", "text": text,
+                       "rank": rank, "collective": seq}) + "\n"
+    try:
+        fd = os.open(os.path.join(folder, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the report is on stderr already
