@@ -132,6 +132,17 @@ def test_before_the_slowdown_there_is_no_straggler(tmp_path) -> None:
     assert summary.straggler_line(None).startswith("no straggler")
 
 
+def test_a_node_straggler_is_named_as_the_node() -> None:
+    from rankwise.dashboard.records import straggler
+
+    named = straggler({"rank": 4, "node": 1, "kind": "communication", "cost_ms": 12.5,
+                       "since_step": 40, "chronic": False, "scope": "node",
+                       "why": "its ranks arrive 12 ms late"})
+    line = summary.straggler_line(named)
+    assert line.startswith("straggler: node 1 (ranks from 4), communication (its link)")
+    assert "[its ranks arrive 12 ms late]" in line and "one-off" in line and "12.5 ms" in line
+
+
 def test_a_hang_shows_until_the_job_steps_again(tmp_path) -> None:
     run = ds.write_run(tmp_path, steps=40, hang="rank 3 stopped in backward")
     view = RunView(run)

@@ -49,6 +49,10 @@ class Straggler:
     cost_ms: float
     since_step: int
     chronic: bool
+    scope: str = "rank"
+    """``node`` when every rank of the node is slow (``rank`` is then its first)."""
+    why: str = ""
+    """A few words on the evidence (``data wait +12.0 ms``)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ def straggler(obj: Any) -> Straggler | None:
         cost_ms=_num(obj.get("cost_ms", 0.0)),
         since_step=_int(obj.get("since_step", 0)),
         chronic=bool(obj.get("chronic", False)),
+        scope="node" if obj.get("scope") == "node" else "rank",
+        why=str(obj.get("why") or ""),
     )
 
 

@@ -137,10 +137,12 @@ def straggler_line(s: Straggler | None) -> str:
     if s is None:
         return "no straggler: every rank arrives together"
     how = "chronic" if s.chronic else "one-off"
+    who = (f"node {s.node} (ranks from {s.rank})" if s.scope == "node"
+           else f"rank {s.rank} (node {s.node})")
+    why = f" [{s.why}]" if s.why else ""
     return (
-        f"straggler: rank {s.rank} (node {s.node}), {KIND_WORDS.get(s.kind, s.kind)}, "
-        f"since step {s.since_step}, {how}; the job would step {s.cost_ms:.1f} ms faster "
-        "without it"
+        f"straggler: {who}, {KIND_WORDS.get(s.kind, s.kind)}{why}, since step "
+        f"{s.since_step}, {how}; the job would step {s.cost_ms:.1f} ms faster without it"
     )
 
 
