@@ -52,24 +52,27 @@ def bar(r: RankSummary, longest: float, width: int, plain: bool) -> Any:
 def legend(plain: bool) -> Any:
     from rich.text import Text
 
-    text = Text("phases: ")
+    text = Text()
     for p in PHASES:
         text.append(LETTER[p] if plain else "\u2588", style=None if plain else STYLE[p])
-        text.append(f" {p}  ")
+        text.append(f"={p} " if plain else f" {p}  ")
+    text.rstrip()
     return text
 
 
 def _header(s: Summary) -> str:
+    """Short lines: a frame printed into a log is not wrapped mid-phrase."""
     if s.step is None:
-        return f"rankwise top  {s.run_dir}  (waiting for the first step record)"
-    parts = [f"step {s.step}", s.strategy or "?", f"{s.world} ranks"]
+        return f"rankwise top  {s.run_dir}\n(waiting for the first step record)"
+    speed = []
     if s.steps_per_s is not None:
-        parts.append(f"{s.steps_per_s:.2f} steps/s")
+        speed.append(f"{s.steps_per_s:.2f} steps/s")
     if s.step_s is not None:
-        parts.append(f"{s.step_s * 1000:.1f} ms/step")
+        speed.append(f"{s.step_s * 1000:.1f} ms/step")
     if s.age_s is not None:
-        parts.append(f"last record {human_age(s.age_s)} ago")
-    return f"rankwise top  {s.run_dir}\n" + "  \u00b7  ".join(parts)
+        speed.append(f"last record {human_age(s.age_s)} ago")
+    job = f"step {s.step}, {s.strategy or '?'}, {s.world} ranks"
+    return f"rankwise top  {s.run_dir}\n{job}\n" + ", ".join(speed)
 
 
 def _table(s: Summary, plain: bool, width: int) -> Any:
@@ -114,7 +117,8 @@ def frame(s: Summary, plain: bool = False, width: int = 100) -> Any:
 def print_once(view: RunView, console: Any, last: int) -> None:
     view.poll()
     plain = console.color_system is None
-    console.print(frame(summarize(view, last), plain, console.width))
+    # Into a file or a pipe: long lines stay whole (the table still fits the width).
+    console.print(frame(summarize(view, last), plain, console.width), soft_wrap=plain)
 
 
 def watch(view: RunView, console: Any, interval: float, last: int) -> None:
