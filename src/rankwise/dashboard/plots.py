@@ -98,7 +98,8 @@ def memory(steps: Sequence[Step], ranks: Sequence[int]) -> str:
         if pts:
             ax.plot(*zip(*pts, strict=True), label=f"rank {rank}")
     if ax.lines:
-        ax.legend(ncol=4, fontsize=8, frameon=False)
+        ax.set_ylim(bottom=0)  # from zero: a flat line stays flat, a leak still climbs
+        ax.legend(ncol=4, fontsize=8, frameon=False, loc="lower right")
     else:
         ax.text(0.5, 0.5, "no memory recorded", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("step")
