@@ -33,6 +33,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_bench_plot.py", "test_buckets.py", "test_check_cli.py", "test_check_corpus.py",
             "test_check_crossfile.py", "test_check_multinode.py", "test_check_rules.py",
             "test_check_session_api.py", "test_checkpoint.py", "test_checkpoint_reliability.py",
+            "test_dashboard.py",
             "test_checkpoint_sharded_unit.py", "test_checkpoint_verify.py",
             "test_cli_consistency.py", "test_data_parallel.py",
             "test_ddp_single.py", "test_ddp_torch_compat.py", "test_device_paths.py",
