@@ -173,6 +173,33 @@ def test_top_once_draws_each_ranks_anatomy_in_proportion(tmp_path, capsys, monke
     assert "rank 2 waits in all_reduce #41 for rank 3" in out  # the hang's diagnosis
 
 
+def test_top_redraws_as_records_arrive_until_ctrl_c(tmp_path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from rankwise.dashboard import terminal
+
+    run = ds.write_run(tmp_path, steps=10)
+    naps = []
+
+    def nap(seconds: float) -> None:  # the loop's sleep: a record arrives, then Ctrl-C
+        naps.append(seconds)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+        more = {"step": 11, "t": ds.T0 + 1, "world": 4, "strategy": "ddp",
+                "ranks": [ds.rank_record(r, 4, False, False, 0.0, None) for r in range(4)]}
+        with open(run / "steps.jsonl", "a") as f:
+            f.write(json.dumps(more) + "\n")
+
+    monkeypatch.setattr(terminal.time, "sleep", nap)
+    out = io.StringIO()
+    terminal.watch(RunView(run), Console(file=out, width=100, force_terminal=True), 0.5, 20)
+    assert naps == [0.5, 0.5]
+    assert "step 10, ddp, 4 ranks" in out.getvalue()
+    assert "step 11, ddp, 4 ranks" in out.getvalue()  # redrawn with the new record
+
+
 def test_top_json_gives_the_numbers(tmp_path, capsys) -> None:
     run = ds.write_run(tmp_path, steps=20)
     assert main(["top", "--json", "--last", "5", str(run)]) == 0
