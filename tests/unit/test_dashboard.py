@@ -155,6 +155,24 @@ def test_a_hang_shows_until_the_job_steps_again(tmp_path) -> None:
     assert summary.current_hang(view) is None
 
 
+def test_a_long_run_is_drawn_with_few_points_and_the_same_means(tmp_path) -> None:
+    from rankwise.dashboard import series
+
+    view = RunView(ds.write_run(tmp_path, steps=1000, slow_from=501))
+    view.poll()
+    groups = series.bins(list(view.steps))
+    assert len(groups) <= series.MAX_POINTS and sum(map(len, groups)) == 1000
+    curve = series.rank_curve(groups, 2)
+    assert len(curve.steps) == len(groups) and curve.steps[-1] == 1000
+    # 7 records per group: the group of steps 498-504 holds 3 healthy and 4 slow ones
+    k = 7
+    at = curve.steps.index(504)
+    assert curve.phases_ms["backward"][at] == pytest.approx((3 * 20 + 4 * 50) / k)
+    assert curve.mem_mib[at] == pytest.approx((100 * 2**20 + 2**21 + 504 * (64 << 10)) / 2**20)
+    speed = dict(series.throughput_curve(groups))
+    assert speed[1000] == pytest.approx(1000 / SLOW_MS, rel=1e-3)  # all 7 steps slow
+
+
 # --- rankwise top ---------------------------------------------------------------------------
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
+from . import series
 from .records import PHASES, Step
-from .summary import RankSummary, Summary, throughput_series
+from .summary import RankSummary, Summary
 
 COLOR = {
     "data": "tab:cyan", "forward": "tab:green", "backward": "tab:blue", "comm": "tab:purple",
@@ -65,21 +66,15 @@ def anatomy_bars(ranks: Sequence[RankSummary], straggler: int | None) -> str:
 
 
 def anatomy_over_time(steps: Sequence[Step], ranks: Sequence[int]) -> str:
-    """One panel per rank: its phases stacked, in ms, at each recorded step."""
+    """One panel per rank: its phases stacked, in ms, over the run (binned: ``series``)."""
     fig = _figure(7.5, 0.6 + 1.1 * max(len(ranks), 1))
     axes = fig.subplots(max(len(ranks), 1), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    groups = series.bins(steps)
     for ax, rank in zip(axes, ranks, strict=False):
-        xs, per_phase = [], {p: [] for p in PHASES}
-        for s in steps:
-            entry = next((r for r in s.ranks if r.rank == rank), None)
-            if entry is None:
-                continue
-            xs.append(s.step)
-            for p in PHASES:
-                per_phase[p].append(entry.phases[p] * 1000)
-        if xs:
-            ax.stackplot(xs, *(per_phase[p] for p in PHASES), colors=[COLOR[p] for p in PHASES],
-                         labels=list(PHASES), step="mid")
+        curve = series.rank_curve(groups, rank)
+        if curve.steps:
+            ax.stackplot(curve.steps, *(curve.phases_ms[p] for p in PHASES),
+                         colors=[COLOR[p] for p in PHASES], labels=list(PHASES))
         ax.set_ylabel(f"rank {rank}\nms", fontsize=8)
     if axes[0].collections:
         axes[0].legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
@@ -89,12 +84,13 @@ def anatomy_over_time(steps: Sequence[Step], ranks: Sequence[int]) -> str:
 
 
 def memory(steps: Sequence[Step], ranks: Sequence[int]) -> str:
-    """Each shown rank's memory (MiB) at each recorded step."""
+    """Each shown rank's peak memory (MiB) over the run."""
     fig = _figure(7.5, 2.6)
     ax = fig.add_subplot()
+    groups = series.bins(steps)
     for rank in ranks:
-        pts = [(s.step, r.mem / 2**20) for s in steps for r in s.ranks
-               if r.rank == rank and r.mem is not None]
+        curve = series.rank_curve(groups, rank)
+        pts = [(x, m) for x, m in zip(curve.steps, curve.mem_mib, strict=True) if m is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), label=f"rank {rank}")
     if ax.lines:
@@ -108,16 +104,17 @@ def memory(steps: Sequence[Step], ranks: Sequence[int]) -> str:
 
 
 def throughput(steps: Sequence[Step]) -> str:
-    """Steps per second between consecutive records, and the step time (slowest rank)."""
+    """Steps per second over the run, and the step time (the slowest rank's)."""
     fig = _figure(7.5, 2.6)
     ax = fig.add_subplot()
-    series = throughput_series(steps)
-    if series:
-        ax.plot(*zip(*series, strict=True), color="tab:blue", label="steps/s")
+    groups = series.bins(steps)
+    speed = series.throughput_curve(groups)
+    if speed:
+        ax.plot(*zip(*speed, strict=True), color="tab:blue", label="steps/s")
     ax.set_xlabel("step")
     ax.set_ylabel("steps/s", color="tab:blue")
     twin = ax.twinx()
-    pts = [(s.step, max(r.total for r in s.ranks) * 1000) for s in steps if s.ranks]
+    pts = series.step_time_curve(groups)
     if pts:
         twin.plot(*zip(*pts, strict=True), color="tab:orange", label="ms/step")
     twin.set_ylabel("ms per step", color="tab:orange")

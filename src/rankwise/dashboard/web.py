@@ -13,6 +13,7 @@ import hmac
 import ipaddress
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,14 +42,15 @@ def is_loopback(host: str) -> bool:
 
 
 class Pictures:
-    """The page's SVGs, redrawn only when new records arrived (one lock: matplotlib's
-    text layout caches are shared between threads)."""
+    """The page's SVGs, redrawn when new records arrived, at most every ``min_redraw_s``
+    (drawing takes the launcher's CPU, which the workers share). One lock: matplotlib's text
+    layout caches are shared between threads."""
 
-    def __init__(self, run_dir: RunDir, last: int) -> None:
-        self.run_dir, self.last = run_dir, last
+    def __init__(self, run_dir: RunDir, last: int, min_redraw_s: float = 5.0) -> None:
+        self.run_dir, self.last, self.min_redraw_s = run_dir, last, min_redraw_s
         self.view: RunView | None = None
         self._lock = threading.Lock()
-        self._drawn: tuple[int, dict[str, Any]] | None = None
+        self._drawn: tuple[int, float, dict[str, Any]] | None = None
 
     def poll(self) -> RunView | None:
         """The run's records so far; None while the launcher has not named the directory."""
@@ -65,8 +67,11 @@ class Pictures:
         with self._lock:
             if self.poll() is None:
                 return None
-            if self._drawn is not None and self._drawn[0] == self.view.version:
-                return dict(self._drawn[1], s=summarize(self.view, self.last))
+            if self._drawn is not None and (
+                self._drawn[0] == self.view.version
+                or time.monotonic() - self._drawn[1] < self.min_redraw_s
+            ):
+                return dict(self._drawn[2], s=summarize(self.view, self.last))
             s = summarize(self.view, self.last)
             steps = list(self.view.steps)
             shown = plots.ranks_shown(s)
@@ -77,7 +82,7 @@ class Pictures:
                 "throughput": plots.throughput(steps),
                 "shown": shown,
             }
-            self._drawn = (self.view.version, values)
+            self._drawn = (self.view.version, time.monotonic(), values)
             return dict(values, s=s)
 
 
