@@ -37,6 +37,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         parser,
+        "profile-steps",
+        type=int,
+        nargs="?",
+        const=1,
+        default=None,
+        metavar="N",
+        help="record every rank's step anatomy every N steps (default: every 10th; "
+        "--profile-steps alone: every step; 0: off), in the job's run directory",
+    )
+    _flag(
+        parser,
         "monitor-interval",
         type=float,
         default=0.1,
@@ -190,6 +201,7 @@ def options_from_args(
         pass_local_rank=pass_local_rank,
         monitor_interval=args.monitor_interval,
         debug=s["debug"],
+        profile_steps=getattr(args, "profile_steps", None),
     )
 
 

@@ -16,6 +16,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def _local_addr(rdzv: Rendezvous) -> str | None:
     return netif.source_address_towards(host)
 
 
-def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
+def _tell_workers(opts: LaunchOptions, tmp: str, run_id: str) -> str:
     """What the workers learn from their environment; returns the diagnoses folder."""
     # Ranks that diagnose a failed collective leave the diagnosis here for the summary.
     diag = envmod.diag_dir() or os.path.join(tmp, "diagnoses")
@@ -148,7 +149,28 @@ def _tell_workers(opts: LaunchOptions, tmp: str) -> str:
     envmod.set_rank_prefix_for_workers(opts.prefix_output)
     # The agent runs in this process and starts the workers: they die with it (bootstrap).
     envmod.set_launcher_pid_for_workers(os.getpid())
+    _tell_run_dir(opts, run_id)
     return diag
+
+
+def _tell_run_dir(opts: LaunchOptions, run_id: str) -> None:
+    """The job's run directory (``rankwise.timing``: rank 0's step records), kept after the
+    job: ``RANKWISE_RUN_DIR`` if set, else a folder per job under ``--log-dir``'s ``runs/``,
+    else under the temporary folder's ``rankwise-runs/``. Said once, on stderr."""
+    from ..timing import settings_from_env
+
+    if opts.profile_steps is not None:
+        os.environ["RANKWISE_PROFILE_STEPS"] = str(opts.profile_steps)
+    every, folder = settings_from_env()
+    if every == 0:
+        return
+    if not folder:
+        base = Path(opts.log_dir, "runs") if opts.log_dir else Path(tempfile.gettempdir())
+        root = base if opts.log_dir else base / "rankwise-runs"
+        name = run_id if run_id and run_id != "none" else uuid.uuid4().hex
+        folder = str(root / f"{time.strftime('%Y%m%d-%H%M%S')}-{name[:8]}")
+        os.environ["RANKWISE_RUN_DIR"] = folder  # for the workers, as the variables above
+    print(f"rankwise run: step timing in {folder}", file=sys.stderr, flush=True)
 
 
 def launch(opts: LaunchOptions) -> None:
@@ -175,7 +197,7 @@ def launch(opts: LaunchOptions) -> None:
     cmd, args = worker_command(opts)
     with tempfile.TemporaryDirectory(prefix="rankwise-run-") as tmp:
         config = _config(opts, rdzv, opts.log_dir or tmp)
-        diag = _tell_workers(opts, tmp)
+        diag = _tell_workers(opts, tmp, rdzv.run_id)
         waiting = waiting_message(opts, rdzv)
         if waiting:
             print(waiting, file=sys.stderr, flush=True)

@@ -67,6 +67,8 @@ class LaunchOptions:
     """Workers check every torch.distributed collective across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers (how fast a failure is seen)."""
+    profile_steps: int | None = None
+    """Steps between step timing records (``--profile-steps``; None: the default, 10)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -103,6 +105,11 @@ class LaunchOptions:
             raise ConfigError(
                 f"--max-restarts={self.max_restarts} must be 0 or more",
                 fix="pass --max-restarts 0 to fail on the first error.",
+            )
+        if self.profile_steps is not None and self.profile_steps < 0:
+            raise ConfigError(
+                f"--profile-steps={self.profile_steps} must be 0 or more",
+                fix="pass --profile-steps N to record every N steps (1: every step; 0: off).",
             )
         if not self.script:
             raise ConfigError(

@@ -146,6 +146,16 @@ class MetricsLogger:
             tracker.log(values, step, now)
         return values
 
+    def log_series(self, values: Mapping[str, float], step: int) -> None:
+        """Write library series (the step anatomy per rank, ``rankwise.timing``) at the
+        training ``step``, as they are: no reduction, and ``rt.log``'s own step count is left
+        alone. Rank 0 only (others have no trackers); nothing after ``close``. No sync point."""
+        if self._closed:
+            return
+        now = time.time()
+        for tracker in self._trackers.values():
+            tracker.log({str(k): float(v) for k, v in values.items()}, int(step), now)
+
     def close(self, failed: bool = False) -> None:
         """Finish every tracker's run (``failed``: MLflow FAILED, W&B exit code 1). Twice is
         harmless."""

@@ -39,9 +39,10 @@ from ..job.env import DistEnv
 from ..job.plan import check_init_arguments
 from ..output.log import print0
 from ..parallel import deferred
+from ..timing import clock
 from ..training import precision
 from ..training.loop import LoopState, TrainingLoop
-from . import first_batch, formats, guards, saving
+from . import anatomy, first_batch, formats, guards, saving
 from .auto import settle as settle_auto
 from .loader import DeviceLoader, describe_batch, prepare_loader
 from .model import (
@@ -173,7 +174,8 @@ class Session(runtime.Runtime, TrainingLoop):
         kwargs = self._checkpoint_kwargs(kwargs, saving=True)
         guards.warn_scheduler_not_saved(kwargs)
         saving.before_save(self, path, kwargs)  # drifted replicas refused, a reused folder said
-        return formats.save(self, path, sharded, background, kwargs)
+        with clock.span("checkpoint"):
+            return formats.save(self, path, sharded, background, kwargs)
 
     def load(self, path: str | Path, **kwargs: Any) -> dict[str, Any]:
         """``rw.load_checkpoint`` (either format: a sharded folder is read piece by piece into
@@ -275,6 +277,7 @@ def prepare(
     tail = () if scheduler is None else (scheduler,)
     prepared = None if loader is None else _training_loader(rt, loader, global_batch_size, agree=True)
     guards.remember_prepared(rt.prepared, model, wrapped, given_optimizer, optimizer)
+    anatomy.start(rt, wrapped, optimizer)  # step timing, on by default (rankwise.timing)
     if loader is None:
         return wrapped if optimizer is None and not tail else (wrapped, optimizer, *tail)
     return (wrapped, optimizer, prepared, *tail)

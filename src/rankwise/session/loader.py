@@ -3,6 +3,7 @@ batches moved to the device (docs/pitfalls.md#pitfall-3 and #pitfall-4)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..output.log import get_logger
 from ..parallel.dp.scatter_gather import to_device
 from ..runtime import Runtime
 from ..strategies import get as get_strategy
+from ..timing import clock as timing
 from ..validate import shown
 from .agree import agree_batches, uneven_line, uneven_warning
 from .guards import refuse_empty_loader, warn_at_user
@@ -199,6 +201,9 @@ def _loaders(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.loader, name), doc=doc)
 
 
+_END = object()
+
+
 class DeviceLoader:
     """An ``rw.Loader`` whose batches are moved to ``device`` (DataParallel: its output device).
 
@@ -240,10 +245,20 @@ class DeviceLoader:
         except TypeError:  # an iterable dataset of unknown length
             total = -1
         self.in_pass = True
+        batches = iter(self.loader)
         try:
-            for i, batch in enumerate(self.loader):
+            for i in itertools.count():
+                timing.begin("data")  # the step anatomy's data wait (rankwise.timing)
+                try:
+                    batch = next(batches, _END)
+                    if batch is not _END:
+                        batch = to_device(batch, self.device)
+                finally:
+                    timing.end("data")
+                if batch is _END:
+                    return
                 self.at_last_batch = i + 1 == total
-                yield to_device(batch, self.device)
+                yield batch
         finally:
             self.at_last_batch = self.in_pass = False
 

@@ -58,6 +58,8 @@ class LoopState:
     accumulation_told: set[int] = field(default_factory=set)
     """The ``steps`` values whose global batch per optimizer step has been logged."""
     metrics: MetricsLogger | None = None
+    timing: Any = None
+    """The step anatomy's ``rankwise.timing.recorder.Recorder`` (session/anatomy.py), or None."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...diagnose import fingerprints
+from ...timing import clock as timing
 from .comm import shard_comm
 from .layout import UnitLayout
 
@@ -152,7 +153,8 @@ class FlatUnit:
 
     def wait_gathered(self) -> None:
         if self._gather_entry is not None:
-            self._gather_entry.wait()
+            with timing.span("blocked", any_thread=True):
+                self._gather_entry.wait()
             self._gather_entry = None
 
     def all_gather_updated(self) -> fingerprints.Entry | None:
@@ -183,6 +185,7 @@ class FlatUnit:
         if not self.communicates:
             self._reduce_out = self.grad_full[self.lo : self.hi]
             return
+        timing.bucket_ready()  # the step anatomy's arrival: ready before any wait
         if self.stage == 1:
             op, out = "all_reduce", None
             work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
@@ -203,7 +206,8 @@ class FlatUnit:
     def finish_reduce(self) -> None:
         """Wait for the reduction; leave the averaged slice in ``shard.grad`` (accumulating)."""
         if self._reduce_entry is not None:
-            self._reduce_entry.wait()
+            with timing.span("blocked", any_thread=True):
+                self._reduce_entry.wait()
             self._reduce_entry = None
         if self.stage == 1:
             # The whole averaged gradient stays (stage 1 shards only optimizer state); the

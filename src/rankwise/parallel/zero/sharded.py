@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from ...errors import ConfigError
+from ...timing import clock as timing
 from .. import deferred
 from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
 from ..buckets import DEFAULT_BUCKET_CAP_MB
@@ -307,9 +308,10 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 3:
             return
         entries = [unit.all_gather_updated() for unit in self.units]
-        for entry in entries:
-            if entry is not None:
-                entry.wait()
+        with timing.span("blocked"):
+            for entry in entries:
+                if entry is not None:
+                    entry.wait()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the sharded gradients so their global norm is at most ``max_norm``.

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from ...errors import ConfigError
+from ...timing import clock as timing
 from ..schedules import Action, Message, Schedule
 from .p2p import Header
 from .weight_pass import WeightPass
@@ -138,22 +139,25 @@ class Executor:
             self._expect(src)
         for action in todo:
             self._act(action, forward_only)
-        self.transport.flush()
+        with timing.span("blocked"):  # the sends' last bytes: the pipeline's drain
+            self.transport.flush()
         return self.result
 
     def _act(self, action: Action, forward_only: bool) -> None:
         self.transport.progress()
         needed = self.schedule.needs(action)
-        received = self._take(needed) if needed is not None else None
+        with timing.span("blocked"):  # waiting for a neighbour stage: this rank's bubble
+            received = self._take(needed) if needed is not None else None
         if needed is None:
             self.transport.post()
         start = time.perf_counter()
-        if action.kind == "F":
-            self._forward(action, received, forward_only)
-        elif action.kind == "W":
-            self._add_grads(self.weight_pass.run((action.stage, action.micro_batch)))
-        else:
-            self._backward(action, received)
+        with timing.span("forward" if action.kind == "F" else "backward"):
+            if action.kind == "F":
+                self._forward(action, received, forward_only)
+            elif action.kind == "W":
+                self._add_grads(self.weight_pass.run((action.stage, action.micro_batch)))
+            else:
+                self._backward(action, received)
         self.result.events.append(Event(action, start, time.perf_counter()))
 
     def _forward(self, action: Action, received: Any, forward_only: bool) -> None:

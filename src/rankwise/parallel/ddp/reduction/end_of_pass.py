@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ....diagnose import fingerprints
+from ....timing import clock as timing
 from .. import compression as comp
 from ..comm_hooks import check_future, take_result
 from . import passes
@@ -123,10 +124,12 @@ def run(r: Reducer) -> None:
         fill_unused(r, [i for i in missing if not r._is_sparse[i]])
     # Used anywhere since the last sync, on any rank: a gradient from a no_sync()
     # micro-batch counts too, or that replica alone would step with it.
-    used = global_use(r) if lenient else None
-    sparse_works = launch_sparse(r, used)
-    wait_all(r)
-    take_sparse(r, sparse_works)
+    # From here this rank only waits: for its own buckets' traffic and for slower peers.
+    with timing.span("blocked", any_thread=True):
+        used = global_use(r) if lenient else None
+        sparse_works = launch_sparse(r, used)
+        wait_all(r)
+        take_sparse(r, sparse_works)
     r.times["comm_end"] = time.time_ns()
     for i in missing:
         # Torch's rule: a parameter unused on every rank keeps its .grad untouched.

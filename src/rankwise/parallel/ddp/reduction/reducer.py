@@ -43,6 +43,7 @@ from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ....diagnose import fingerprints
+from ....timing import clock as timing
 from ...buckets import Bucket
 from .. import compression as comp
 from ..comm_hooks import GradBucket, check_future
@@ -308,6 +309,7 @@ class Reducer:
             b = self._next
             self._next += 1
             self.times.setdefault("comm_start", time.time_ns())
+            timing.bucket_ready()  # the step anatomy's arrival: ready before any wait
             if self.communicates and self._comm_hook is not None:
                 state, comm_hook = self._comm_hook
                 self._works[b] = check_future(comm_hook(state, self._grad_bucket(b)))
@@ -389,8 +391,6 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    # -- errors -------------------------------------------------------------------------------
 
     def _fired_twice(self, i: int) -> None:
         self._reset()

@@ -1,0 +1,278 @@
+"""Who is slow, and why: a straggler named from the ranks' arrival times, with its kind and cost.
+
+Every rank's wall time per step is the same (the fast ones wait inside the collectives), so the
+ranks are compared by **busy time**: the step's time outside waits for peers, i.e. when each
+rank arrived at the step's syncs (``record.busy``). A rank is *flagged* in a record when its busy
+time exceeds what is expected of it by more than ``Settings.threshold`` of the step (and
+``floor_s``). Expected: the median of its peers (the ranks with the same role), or, for a rank
+without peers (a pipeline stage alone), its own median over its earlier healthy records.
+
+A flag makes the records dense (every step, ``dense_steps`` of them); ``confirm`` flags of the
+same rank name it: one line on rank 0, an event. It is gone after ``gone_after`` records without
+a flag. Its **kind** is where its excess lies against the same expectation: the data wait
+(``input``), CPU time per busy second well below its peers' (a throttled or shared CPU:
+``host``), memory growing while its peers' does not (``host``), else forward and backward
+(``compute``). A node is named instead of a rank when every rank of that node is flagged.
+**Cost**: the excess itself, since every other rank waits for it: the job would step that much
+faster without it. **Chronic**: named for ``chronic_steps`` steps, or named again and again
+(``chronic_times`` within the last ``window`` records); else one-off.
+
+Pure: a function of the gathered tables, the same on every rank (they decide together when to
+gather densely), so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .record import busy
+
+KINDS = ("input", "compute", "communication", "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How sure attribution must be (the defaults are the measured ones)."""
+
+    threshold: float = 0.15
+    """A flag needs busy time above expectation by this fraction of the median step."""
+    floor_s: float = 0.002
+    """... and by at least this many seconds (timer noise on tiny steps)."""
+    confirm: int = 3
+    """Flags of the same rank, the first one included, that name it."""
+    dense_steps: int = 4
+    """Steps recorded one by one after a flag."""
+    gone_after: int = 2
+    """Records in a row without a flag that end a named straggler."""
+    window: int = 20
+    """Records remembered for the chronic test and the own baselines."""
+    chronic_steps: int = 50
+    chronic_times: int = 3
+    mem_growth: float = 0.1
+    """Memory grown by this fraction over ``window`` records (and 32 MiB) while peers' is flat."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A named straggler: the contract's fields (``fields()``), plus what the line says."""
+
+    rank: int
+    node: int
+    kind: str
+    cost_ms: float
+    since_step: int
+    chronic: bool
+    scope: str = "rank"
+    """``rank``, or ``node`` when every rank of ``node`` is slow (``rank`` is its first)."""
+    why: str = ""
+    step_ms: float = 0.0
+    """The job's step now (ms); without the straggler it would take ``step_ms - cost_ms``."""
+
+    def fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Flag:
+    rank: int
+    excess: float
+    deltas: dict[str, float]
+    cpu_ratio: tuple[float, float]
+    """(this rank's CPU seconds per busy second, what is expected)."""
+    who: tuple[str, int] = ("rank", -1)
+    """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
+
+
+def _expect(ranks: list[dict[str, float]], i: int, key: Any, own: deque) -> float | None:
+    """Rank ``i``'s expected value of ``key(row)``: peers' median, else its own baseline."""
+    role = ranks[i]["role"]
+    peers = [key(r) for j, r in enumerate(ranks) if j != i and r["role"] == role]
+    if peers:
+        return statistics.median(peers)
+    mine = [key(r) for r in own]
+    return statistics.median(mine) if len(mine) >= 3 else None
+
+
+def _ratio(r: dict[str, float]) -> float:
+    return r["cpu"] / max(busy(r), 1e-9)
+
+
+def _parts(r: dict[str, float]) -> dict[str, float]:
+    return {"data": r["data"], "compute": r["forward"] + r["backward"], "busy": busy(r),
+            "ratio": _ratio(r)}  # fmt: skip
+
+
+@dataclass
+class Attributor:
+    """Feeds on records (``observe``); remembers suspicion, the named straggler and history."""
+
+    settings: Settings = field(default_factory=Settings)
+    named: Straggler | None = None
+    suspect: tuple[str, int] | None = None
+    hits: int = 0
+    misses: int = 0
+    dense_left: int = 0
+    quiet: int = 0
+    first_flag: int = 0
+
+    def __post_init__(self) -> None:
+        self.own: dict[int, deque] = {}  # rank -> its healthy records (own baselines)
+        self.named_at: deque = deque(maxlen=self.settings.window)  # rank named per record
+        self.mems: deque = deque(maxlen=self.settings.window)
+
+    def want_dense(self) -> bool:
+        return self.dense_left > 0
+
+    def flag(self, ranks: list[dict[str, float]]) -> Flag | None:
+        """The slowest rank of this record when it is slow enough, else None."""
+        step = statistics.median(r["total"] for r in ranks)
+        bar = max(self.settings.threshold * step, self.settings.floor_s)
+        best: Flag | None = None
+        for i, r in enumerate(ranks):
+            own = self.own.get(i, deque())
+            expect = {k: _expect(ranks, i, lambda x, k=k: _parts(x)[k], own) for k in _parts(r)}
+            if expect["busy"] is None:
+                continue
+            excess = busy(r) - expect["busy"]
+            if excess > bar and (best is None or excess > best.excess):
+                mine = _parts(r)
+                deltas = {k: mine[k] - (v or 0.0) for k, v in expect.items()}
+                best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"] or 0.0))
+        return best
+
+    def kind(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, str]:
+        """The kind of flagged rank's slowness, and a few words on the evidence."""
+        if f.deltas["data"] >= 0.5 * f.excess:
+            return "input", f"data wait +{f.deltas['data'] * 1e3:.1f} ms"
+        grown = self.memory_growth(f.rank)
+        if grown:
+            return "host", grown
+        ratio, expected = f.cpu_ratio
+        if ratio < 0.7 * expected:
+            return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
+        return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
+
+    def memory_growth(self, rank: int) -> str:
+        """Words on rank's memory growth over the window when its peers' is flat, else ''."""
+        if len(self.mems) < 3:
+            return ""
+        first, last = self.mems[0], self.mems[-1]
+        if rank >= len(first) or first[rank] <= 0:
+            return ""
+        grew = last[rank] - first[rank]
+        others = [last[j] - first[j] for j in range(len(first)) if j != rank and first[j] > 0]
+        flat = not others or statistics.median(others) < 0.25 * grew
+        if grew > max(self.settings.mem_growth * first[rank], 32 << 20) and flat:
+            return f"memory +{grew / 2**20:.0f} MiB over {len(self.mems)} records"
+        return ""
+
+    def observe(self, step: int, ranks: list[dict[str, float]], dense: bool) -> list[dict]:
+        """Take one record (``step``: the last step it covers); return the events it makes."""
+        self.mems.append([r["mem"] for r in ranks])
+        f = self.flag(ranks)
+        if f is not None:
+            f.who = self._who(f, ranks)
+        self.dense_left = max(0, self.dense_left - 1) if dense else self.dense_left
+        events = self._named_state(step, f, ranks)
+        self._remember(ranks, f)
+        self.named_at.append(None if self.named is None else self.named.rank)
+        return events
+
+    def _named_state(self, step: int, f: Flag | None, ranks: list[dict[str, float]]) -> list[dict]:
+        if self.named is not None:
+            return self._while_named(step, f, ranks)
+        if f is None:
+            self._drop_suspicion()
+            return []
+        if self.suspect != f.who:
+            self.suspect, self.hits, self.misses, self.first_flag = f.who, 0, 0, step
+            self.dense_left = self.settings.dense_steps
+        self.hits += 1
+        if self.hits < self.settings.confirm:
+            return []
+        self.named = self._name(step, f, ranks)
+        self.suspect, self.hits, self.misses, self.dense_left = None, 0, 0, 0  # back to cadence
+        return [self._event("straggler", step, self.named)]
+
+    def _drop_suspicion(self) -> None:
+        if self.suspect is not None:
+            self.misses += 1
+            if self.misses >= 2 or self.dense_left == 0:
+                self.suspect, self.hits, self.misses = None, 0, 0
+
+    def _while_named(self, step: int, f: Flag | None, ranks: list[dict[str, float]]) -> list[dict]:
+        named = self.named
+        assert named is not None
+        if f is not None and f.who == (named.scope, named.node if named.scope == "node" else named.rank):
+            self.quiet = 0
+            cost = f.excess * 1e3
+            self.named = replace(named, cost_ms=cost, step_ms=_step_ms(ranks),
+                                 chronic=self._chronic(step, named))  # fmt: skip
+            return []
+        self.quiet += 1
+        if self.quiet < self.settings.gone_after:
+            return []
+        self.named, self.quiet = None, 0
+        return [self._event("straggler_gone", step, named)]
+
+    def _chronic(self, step: int, s: Straggler) -> bool:
+        seen = list(self.named_at)
+        times = sum(1 for a, b in itertools.pairwise(seen) if a is None and b == s.rank)
+        long = step - s.since_step >= self.settings.chronic_steps
+        return long or times >= self.settings.chronic_times
+
+    def _name(self, step: int, f: Flag, ranks: list[dict[str, float]]) -> Straggler:
+        kind, why = self.kind(f, ranks)
+        node = int(ranks[f.rank]["node"])
+        scope, rank = "rank", f.rank
+        if f.who[0] == "node":
+            scope, rank = "node", min(i for i, r in enumerate(ranks) if int(r["node"]) == node)
+        s = Straggler(rank, node, kind, f.excess * 1e3, self.first_flag, False, scope, why,
+                      _step_ms(ranks))  # fmt: skip
+        return replace(s, chronic=self._chronic(step, s))
+
+    def _who(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, int]:
+        node = int(ranks[f.rank]["node"])
+        on_node = [i for i, r in enumerate(ranks) if int(r["node"]) == node]
+        nodes = {int(r["node"]) for r in ranks}
+        if len(on_node) > 1 and len(nodes) > 1 and self._all_slow(on_node, ranks):
+            return ("node", node)
+        return ("rank", f.rank)
+
+    def _all_slow(self, on_node: list[int], ranks: list[dict[str, float]]) -> bool:
+        """Every rank of a node above the busy median of the ranks elsewhere, by the bar."""
+        others = [busy(r) for i, r in enumerate(ranks) if i not in on_node]
+        if not others:
+            return False
+        base = statistics.median(others)
+        bar = max(self.settings.threshold * _step_ms(ranks) / 1e3, self.settings.floor_s)
+        return all(busy(ranks[i]) - base > bar for i in on_node)
+
+    def _remember(self, ranks: list[dict[str, float]], f: Flag | None) -> None:
+        """Healthy records (no flag, nobody named) feed the own baselines."""
+        if f is not None or self.named is not None:
+            return
+        for i, r in enumerate(ranks):
+            self.own.setdefault(i, deque(maxlen=self.settings.window)).append(dict(r))
+
+    def _event(self, kind: str, step: int, s: Straggler) -> dict[str, Any]:
+        return {"step": step, "event": kind, "text": line(kind, step, s), **s.fields()}
+
+
+def _step_ms(ranks: list[dict[str, float]]) -> float:
+    return statistics.median(r["total"] for r in ranks) * 1e3
+
+
+def line(kind: str, step: int, s: Straggler) -> str:
+    """The one line rank 0 prints when a straggler appears or is gone."""
+    who = f"node {s.node} (ranks from {s.rank})" if s.scope == "node" else f"rank {s.rank} (node {s.node})"
+    if kind == "straggler_gone":
+        return f"rankwise: straggler {who} is gone at step {step} ({s.kind}, since step {s.since_step})"
+    without = max(0.0, s.step_ms - s.cost_ms)
+    return (f"rankwise: straggler {who} at step {step}: {s.kind} ({s.why}); the job would step "
+            f"in {without:.1f} ms without it, not {s.step_ms:.1f} ms (since step {s.since_step}, "
+            f"{'chronic' if s.chronic else 'one-off so far'})")  # fmt: skip

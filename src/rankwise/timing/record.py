@@ -1,0 +1,94 @@
+"""One record: every rank's step anatomy, averaged over the steps since the last one.
+
+Each rank sums its ``StepSample``s (``Window``); at the cadence every rank packs its means into
+a small fixed-size float64 tensor (``FIELDS``), one ``all_gather`` brings every rank's to every
+rank (tensors only, never pickles), and ``rows`` turns the table into the per-rank rows of
+``steps.jsonl``. Own communication and the wait for peers are told apart here, across ranks:
+the rank that arrived last at the step's last sync (the smallest lag) waited for nobody, so its
+blocked time is communication alone; every other rank's blocked time beyond that is waiting,
+and ``wait_for`` is the rank that arrived last.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+
+from .clock import PHASES, StepSample
+
+FIELDS = (
+    "steps", *PHASES, "other", "total", "cpu", "lag", "ready_lag", "mem", "node", "role",
+)
+"""The gathered vector, in this order (float64). ``role``: ranks with the same role do the same
+work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown."""
+
+SUMMED = (*PHASES, "other", "total", "cpu", "lag", "ready_lag")
+
+
+class Window:
+    """The samples of this rank since the last record (sums; ``means`` at the record)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sums = dict.fromkeys(SUMMED, 0.0)
+
+    def add(self, s: StepSample) -> None:
+        self.n += 1
+        for k, v in s.phases.items():
+            self.sums[k] += v
+        for k, v in (("other", s.other), ("total", s.total), ("cpu", s.cpu), ("lag", s.lag),
+                     ("ready_lag", s.ready_lag)):  # fmt: skip
+            self.sums[k] += v
+
+    def pack(self, *, mem: float, node: int, role: int) -> torch.Tensor:
+        """This rank's means as the gathered vector; the window starts again."""
+        n = max(self.n, 1)
+        means = {k: v / n for k, v in self.sums.items()}
+        values = {**means, "steps": float(self.n), "mem": mem, "node": node, "role": role}
+        self.__init__()
+        return torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
+
+
+def memory_bytes(device: torch.device | None) -> float:
+    """This rank's memory now: the GPU's allocated bytes, else the process's resident set."""
+    if device is not None and device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * resource.getpagesize())
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return float(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def unpack(table: torch.Tensor) -> list[dict[str, float]]:
+    """The gathered ``[world, len(FIELDS)]`` table as one dict per rank."""
+    return [dict(zip(FIELDS, row, strict=True)) for row in table.tolist()]
+
+
+def rows(ranks: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """The per-rank rows of ``steps.jsonl`` (seconds, bytes), with comm/wait told apart."""
+    own = min(r["blocked"] for r in ranks)
+    last = min(range(len(ranks)), key=lambda i: (ranks[i]["lag"], i))
+    out = []
+    for i, r in enumerate(ranks):
+        wait = max(0.0, r["blocked"] - own)
+        out.append({
+            "rank": i, "node": int(r["node"]), "data": r["data"], "forward": r["forward"],
+            "backward": r["backward"], "comm": own, "wait": wait,
+            "wait_for": last if wait > 0.1 * max(r["total"], 1e-9) and i != last else None,
+            "optimizer": r["optimizer"], "checkpoint": r["checkpoint"], "other": r["other"],
+            "total": r["total"], "mem": None if r["mem"] < 0 else int(r["mem"]),
+            "busy": busy(r), "cpu": r["cpu"], "lag": r["lag"], "ready_lag": r["ready_lag"],
+            "steps": int(r["steps"]),
+        })  # fmt: skip
+    return out
+
+
+def busy(r: dict[str, float]) -> float:
+    """Seconds of the step this rank spent not waiting in a collective: its arrival time at
+    the step's syncs. The straggler has the largest; wall times (``total``) are all equal."""
+    return max(0.0, r["total"] - r["blocked"])

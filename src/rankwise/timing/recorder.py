@@ -1,0 +1,120 @@
+"""The recorder: closes each step, gathers every rank's anatomy at the cadence, names stragglers.
+
+``on_step`` runs at the end of every optimizer step (the session's optimizer hook). Every
+``every``-th step (default 10), and every step while a straggler is suspected, each rank packs
+the means of its steps since the last record into a small float64 tensor and one
+``all_gather`` brings them to every rank (``record``). Every rank runs the same ``Attributor``
+on the same table, so they agree on when to gather densely without another message. Rank 0
+then writes the record to the run directory (``files``), prints one line when a straggler
+appears or is gone, and hands the rows to the listeners (the trackers).
+
+Sync point: all ranks, at every recorded step (the gather). Every rank steps its optimizer the
+same number of times under a synchronous strategy; an asynchronous one is not recorded.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm import collectives
+from ..output.log import write
+from . import clock as clocks
+from .attribution import Attributor, Settings, Straggler
+from .files import RunFiles
+from .record import FIELDS, Window, memory_bytes, rows, unpack
+from .summary import Totals
+
+Listener = Callable[[int, list[dict[str, Any]], "Straggler | None"], None]
+
+DEFAULT_EVERY = 10
+"""Steps between records by default (``RANKWISE_PROFILE_STEPS`` / ``--profile-steps``): the
+same figure as ``rankwise.timing.DEFAULT_EVERY``."""
+
+
+class Recorder:
+    """Step anatomy of this process, gathered at the cadence (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        strategy: str,
+        device: torch.device,
+        every: int = DEFAULT_EVERY,
+        node: int = 0,
+        role: int = 0,
+        run_dir: str | Path | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.rank, self.world, self.strategy = rank, world, strategy
+        self.device, self.every, self.node, self.role = device, max(1, every), node, role
+        self.clock = clocks.StepClock(device_type=device.type)
+        self.window = Window()
+        self.attributor = Attributor(settings or Settings())
+        self.step = 0
+        self.listeners: list[Listener] = []
+        self.totals = Totals()
+        self.events: list[dict[str, Any]] = []
+        self.files: RunFiles | None = None
+        if rank == 0 and run_dir is not None:
+            run = {"world": world, "strategy": strategy, "every": self.every, "fields": FIELDS}
+            self.files = RunFiles(run_dir, run)
+
+    def on_step(self) -> None:
+        """The end of one optimizer step. Sync point: all ranks on a recorded step."""
+        self.window.add(self.clock.finish_step())
+        self.step += 1
+        if self.step % self.every == 0 or self.attributor.want_dense():
+            with clocks.span("blocked"):  # the gather is not the next step's time
+                self.record()
+        self.clock.armed = (self.step + 1) % self.every == 0 or self.attributor.want_dense()
+
+    def record(self) -> None:
+        """Gather every rank's means since the last record; attribute; rank 0 publishes."""
+        dense = self.attributor.want_dense()
+        mine = self.window.pack(mem=memory_bytes(self.device), node=self.node, role=self.role)
+        ranks = unpack(self._gather(mine))
+        events = self.attributor.observe(self.step, ranks, dense)
+        if self.rank == 0:
+            self._publish(rows(ranks), events)
+
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return mine[None]
+        device = collectives._comm_device()
+        parts = collectives.all_gather_tensors(mine.to(device), label="step timing")
+        return torch.stack(parts).cpu()
+
+    def _publish(self, table: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+        named = self.attributor.named
+        self.totals.add(table)
+        if self.files is not None:
+            self.files.step({"step": self.step, "t": time.time(), "world": self.world,
+                             "strategy": self.strategy, "ranks": table,
+                             "straggler": None if named is None else named.fields()})  # fmt: skip
+        for event in events:
+            self.events.append(event)
+            write(event["text"], file=sys.stderr)
+            if self.files is not None:
+                self.files.event(event)
+        for listener in self.listeners:
+            listener(self.step, table, named)
+
+    def close(self) -> str:
+        """Stop recording; return the end-of-run summary (rank 0; '' elsewhere or if empty)."""
+        if clocks.current() is self.clock:
+            clocks.install(None)
+        text = self.totals.table(self.events) if self.rank == 0 else ""
+        if self.files is not None:
+            if text:
+                (self.files.folder / "summary.txt").write_text(text + "\n")
+            self.files.close()
+            self.files = None
+        return text
