@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from unit import dashboard_samples as ds  # tests/unit: the synthetic run direct
 
 WIDTH, HEIGHT = 1200, 2600
 WAIT_RED = (0xD6, 0x27, 0x28)  # matplotlib's tab:red, the "wait" phase
+DATA_CYAN = (0x17, 0xBE, 0xCF)  # tab:cyan, the "data" phase
 HANG_BG = (0xFD, 0xE8, 0xE8)
 STRAGGLER_BG = (0xFF, 0xF3, 0xCD)
 PANELS = ("Step anatomy per rank", "Step anatomy over time", "Memory per rank", "Throughput",
@@ -58,6 +60,45 @@ def page_url(tmp_path):
     server.close()
 
 
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    """The run directory of a real 2-rank DDP job whose rank 1 loads its data slowly."""
+    _chromium()  # no browser: skip before spending a job
+    folder = tmp_path_factory.mktemp("real")
+    script = Path(__file__).parent / "scripts" / "slow_data_train.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "--profile-steps",
+         "1", "--log-dir", "logs", str(script)],
+        cwd=folder, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = (folder / "logs" / "runs").iterdir()
+    return run
+
+
+def test_a_real_run_s_page_in_the_browser(tmp_path, real_run) -> None:
+    from PIL import Image
+
+    from rankwise.dashboard.web import serve
+
+    server = serve(str(real_run), "127.0.0.1", 0, refresh_s=0)
+    try:
+        dom = _browse(tmp_path, server.url, "--dump-dom").stdout
+        shot = tmp_path / "real.png"
+        _browse(tmp_path, server.url, f"--screenshot={shot}")
+    finally:
+        server.close()
+    for title in PANELS[:4]:
+        assert f"<h2>{title}</h2>" in dom, title
+    assert dom.count("<svg") == 4 and "ddp \u00b7 2 ranks" in dom
+    assert "rank 0" in dom and "rank 1" in dom  # the plots' text stays text
+    with Image.open(shot) as img:
+        assert img.size == (WIDTH, HEIGHT)
+        counts = {c: n for n, c in img.convert("RGB").getcolors(maxcolors=WIDTH * HEIGHT)}
+    assert len(counts) > 200
+    assert counts.get(WAIT_RED, 0) > 2000  # rank 0 waits for rank 1
+    assert counts.get(DATA_CYAN, 0) > 2000  # rank 1's data wait
+
+
 def test_every_panel_is_in_the_rendered_page(tmp_path, page_url) -> None:
     dom = _browse(tmp_path, page_url, "--dump-dom").stdout
     for title in PANELS:
@@ -75,7 +116,7 @@ def test_the_screenshot_shows_the_panels(tmp_path, page_url) -> None:
     with Image.open(shot) as img:
         assert img.size == (WIDTH, HEIGHT)
         rgb = img.convert("RGB")
-        counts = dict((c, n) for n, c in rgb.getcolors(maxcolors=WIDTH * HEIGHT))
+        counts = {c: n for n, c in rgb.getcolors(maxcolors=WIDTH * HEIGHT)}
     assert len(counts) > 200  # drawn, not blank or an error page
     assert counts.get(WAIT_RED, 0) > 5000  # three ranks waiting 30 of 71 ms, in two plots
     assert counts.get(HANG_BG, 0) > 10000 and counts.get(STRAGGLER_BG, 0) > 10000

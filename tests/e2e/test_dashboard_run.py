@@ -25,6 +25,9 @@ HANGING = textwrap.dedent("""
 """)
 
 
+SLOW_DATA = Path(__file__).parent / "scripts" / "slow_data_train.py"
+
+
 class Launched:
     """``rankwise run`` in the background, its stderr collected line by line."""
 
@@ -75,6 +78,32 @@ def _poll_page(url: str, needle: str, timeout: float = 60) -> str:
             return html
         time.sleep(0.5)
     raise AssertionError(f"{needle!r} not on the page within {timeout}s:\n{html[-2000:]}")
+
+
+def test_run_serves_the_running_job_s_page_with_its_straggler(tmp_path) -> None:
+    release = tmp_path / "release"
+    job = Launched(tmp_path, ["--nproc-per-node", "2", "--dashboard", "--dashboard-port", "0",
+                              "--profile-steps", "1", "--log-dir", "logs", str(SLOW_DATA),
+                              str(release)], dict(os.environ))
+    try:
+        url = job.wait_for(r"dashboard at (http://127\.0\.0\.1:\d+/)").group(1)
+        run = Path(tmp_path, job.wait_for(r"step timing in (\S+)").group(1))
+        html = _poll_page(url, "straggler: rank 1 (node 0), input", timeout=150)
+        assert "ddp &middot; 2 ranks" in html and html.count("<svg") == 4
+        numbers = json.loads(_get(url + "summary.json"))
+        assert [r["rank"] for r in numbers["ranks"]] == [0, 1]
+        assert numbers["ranks"][0]["wait_for"] == 1  # rank 0 waits for the slow one
+        assert numbers["ranks"][1]["phases"]["data"] > numbers["ranks"][0]["phases"]["data"]
+        assert (run / "steps.jsonl").exists() and job.proc.poll() is None
+    finally:
+        release.touch()
+        code = job.close()
+    assert code == 0, "".join(job.lines)[-3000:]
+    try:  # the page went with the launcher
+        _get(url)
+        raise AssertionError("the dashboard still answers after the job ended")
+    except OSError:
+        pass
 
 
 def test_a_hang_reaches_the_page_before_the_timeout(tmp_path) -> None:
