@@ -88,13 +88,15 @@ def memory(steps: Sequence[Step], ranks: Sequence[int]) -> str:
     fig = _figure(7.5, 2.6)
     ax = fig.add_subplot()
     groups = series.bins(steps)
+    top = 0.0
     for rank in ranks:
         curve = series.rank_curve(groups, rank)
         pts = [(x, m) for x, m in zip(curve.steps, curve.mem_mib, strict=True) if m is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), label=f"rank {rank}")
+            top = max(top, *(m for _, m in pts))
     if ax.lines:
-        ax.set_ylim(bottom=0)  # from zero: a flat line stays flat, a leak still climbs
+        ax.set_ylim(0, top * 1.15 or 1)  # from zero: a flat line stays flat, a leak climbs
         ax.legend(ncol=4, fontsize=8, frameon=False, loc="lower right")
     else:
         ax.text(0.5, 0.5, "no memory recorded", ha="center", va="center", transform=ax.transAxes)
