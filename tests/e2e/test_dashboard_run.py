@@ -126,3 +126,25 @@ def test_a_hang_reaches_the_page_before_the_timeout(tmp_path) -> None:
     assert code == 1, "".join(job.lines)[-3000:]
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["hang"] and events[0]["rank"] == 0
+
+
+def test_rankwise_dashboard_serves_a_finished_run_until_ctrl_c(tmp_path) -> None:
+    import signal
+
+    from unit import dashboard_samples as ds
+
+    run = ds.write_run(tmp_path / "run", steps=40)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankwise", "dashboard", str(run), "--dashboard-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # the URL first, flushed
+        url = re.search(r"serving (http://127\.0\.0\.1:\d+/)", line).group(1)
+        html = _get(url)
+        assert "straggler: rank 2 (node 1), compute" in html and "step 40" in html
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
