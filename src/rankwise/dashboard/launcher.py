@@ -1,7 +1,9 @@
 """The dashboard inside ``rankwise run``: started before the workers, stopped after them.
 
-The server is a thread of the launcher process reading the run directory the workers write;
-it costs the workers nothing. Off loopback a token is made for the run and printed in the URL.
+The server is a thread of the launcher process reading the run directory rank 0 writes: no
+code runs in the workers, and the pictures are redrawn at most every few seconds (the launcher
+shares the machine's cores with them). Off loopback a token is made for the run and printed in
+the URL.
 """
 
 from __future__ import annotations

@@ -61,6 +61,12 @@ class Pictures:
             self.view.poll()
         return self.view
 
+    def numbers(self) -> dict[str, Any] | None:
+        """The summary as plain data (``/summary.json``); None before the directory is named."""
+        with self._lock:
+            view = self.poll()
+            return None if view is None else asdict(summarize(view, self.last))
+
     def current(self) -> dict[str, Any] | None:
         from . import plots
 
@@ -122,9 +128,7 @@ def create_app(run_dir: RunDir, *, token: str | None = None, refresh_s: int = 2,
 
     @app.get("/summary.json")
     def summary_json():
-        with pictures._lock:
-            view = pictures.poll()
-            return jsonify(None if view is None else asdict(summarize(view, last)))
+        return jsonify(pictures.numbers())
 
     return app
 
