@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STEPS_FILE = "steps.jsonl"
-EVENTS_FILE = "events.jsonl"
+from ..timing.files import EVENTS as EVENTS_FILE
+from ..timing.files import STEPS as STEPS_FILE
+
 PHASES: tuple[str, ...] = (
     "data", "forward", "backward", "comm", "wait", "optimizer", "checkpoint", "other",
 )

@@ -88,13 +88,15 @@ def record_hang(text: str, rank: int, seq: int) -> None:
     """Append the report to the run directory's ``events.jsonl`` as a ``hang`` event, for
     ``rankwise top`` and the dashboard (docs/slow.md). One ``write`` of one line in append
     mode: rank 0's own lines there stay whole. Only this machine's run directory."""
+    from ..timing.files import EVENTS
+
     folder = envmod.snapshot().get("RANKWISE_RUN_DIR")
     if not folder:
         return
     line = json.dumps({"t": time.time(), "step": None, "event": "hang", "text": text,
                        "rank": rank, "collective": seq}) + "\n"
     try:
-        fd = os.open(os.path.join(folder, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = os.open(os.path.join(folder, EVENTS), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, line.encode())
         finally:
