@@ -72,33 +72,46 @@ def _loss(rt, strategy: str, model, x, y) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def train(strategy: str, steps: int, inject: str | None = None, slow: int = 1,
-          onset: int = 10, extra: float = 0.15) -> int:
-    """``steps`` steps of the README loop; from ``onset``, rank ``slow`` is slowed by
-    ``inject``. Returns this rank."""
+def train(strategy: str, steps: int, inject: str | None = None,
+          episodes: tuple[tuple[int, int, int], ...] = (), log_dir: str | None = None) -> int:
+    """``steps`` steps of the README loop; in each episode ``(start, end, rank)`` that rank
+    is slowed by ``inject`` from step ``start`` to ``end``; ``log_dir``: ``rt.log`` the loss
+    there (CSV). Returns this rank."""
     torch.set_num_threads(1)
     rt = _init(strategy)
     model, opt, loader = _prepared(rt, strategy, steps)
-    mine = inject is not None and rt.rank == slow
-    held, step = [], 0
-    with contextlib.ExitStack() as undo:
-        for x, y in loader:
-            if mine and step == onset:
-                _start(inject, extra, undo)
-            loss = _loss(rt, strategy, model, x, y)
-            if mine and inject == "compute" and step >= onset:
-                loss.register_hook(lambda g: _busy(extra))  # inside backward, on this rank
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if mine and inject == "memory" and step >= onset:
-                held.append(torch.ones(4 << 20))  # 16 MiB, written: resident
-            step += 1
-            if step == steps:
-                break
+    if log_dir is not None:
+        rt.log_to(log_dir, log_with=["csv"])
+    mine = [(a, b) for a, b, r in episodes if r == rt.rank and inject is not None]
+    held: list[torch.Tensor] = []
+    undo = contextlib.ExitStack()
+    for step, (x, y) in enumerate(loader):
+        sick = any(a <= step < b for a, b in mine)
+        if any(step == a for a, _ in mine):
+            _start(inject, undo)
+        if any(step == b for _, b in mine):
+            undo.close()
+            held.clear()
+        loss = _loss(rt, strategy, model, x, y)
+        if sick and inject == "compute":
+            loss.register_hook(lambda g: _busy(EXTRA))  # inside backward, on this rank
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if log_dir is not None:
+            rt.log({"loss": loss.item()})
+        if sick and inject == "memory":
+            held.append(torch.ones(4 << 20))  # 16 MiB, written: resident
+        if step + 1 == steps:
+            break
+    undo.close()
     rank = rt.rank
     rw.shutdown()
     return rank
+
+
+EXTRA = 0.15
+"""Seconds a slow rank's data wait or backward gains per step."""
 
 
 def _busy(seconds: float) -> None:
@@ -107,9 +120,9 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _start(inject: str, extra: float, undo: contextlib.ExitStack) -> None:
+def _start(inject: str | None, undo: contextlib.ExitStack) -> None:
     if inject == "input":
-        _DELAY[0] = extra
+        _DELAY[0] = EXTRA
         undo.callback(_DELAY.__setitem__, 0, 0.0)
     elif inject == "host":
         undo.enter_context(throttled(os.getpid(), 0.05))
@@ -118,9 +131,9 @@ def _start(inject: str, extra: float, undo: contextlib.ExitStack) -> None:
 def cpu_cgroup_root() -> Path | None:
     """Where a CPU cgroup can be made here (v1 ``cpu`` or v2 with ``cpu.max``), else None."""
     for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
-        if (root / "cpu.cfs_quota_us").exists() or (root / "cgroup.subtree_control").exists():
-            if os.access(root, os.W_OK):
-                return root
+        v1, v2 = root / "cpu.cfs_quota_us", root / "cgroup.subtree_control"
+        if (v1.exists() or v2.exists()) and os.access(root, os.W_OK):
+            return root
     return None
 
 

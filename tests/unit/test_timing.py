@@ -237,3 +237,17 @@ def test_files_are_json_lines_and_a_half_written_line_is_skipped(tmp_path):
     (event,) = files.read_jsonl(tmp_path / files.EVENTS)
     assert event["event"] == "straggler" and event["t"] > 0
     assert json.loads((tmp_path / files.RUN).read_text())["world"] == 2
+
+
+def test_memory_growing_on_one_rank_is_named_before_it_slows_the_job():
+    at = attribution.Attributor()
+    step, events = 0, []
+    for i in range(12):
+        step += 1 if at.want_dense() else 10
+        table = _table(4, None, "compute", 0.0)
+        if i >= 4:
+            table[3]["mem"] += (i - 3) * (256 << 20)  # +256 MiB per record, no slower
+        events += at.observe(step, table, dense=at.want_dense())
+    named = [e for e in events if e["event"] == "straggler"]
+    assert [(e["rank"], e["kind"]) for e in named] == [(3, "host")]
+    assert "memory" in named[0]["why"] and named[0]["cost_ms"] == 0.0

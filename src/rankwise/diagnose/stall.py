@@ -13,8 +13,6 @@ Each collective is reported once.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from typing import Any
@@ -79,27 +77,18 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             "missing rank(s) arrive)"
         )
         print(text, file=sys.stderr, flush=True)
-        record_hang(text, g.global_rank, e.seq)
+        _hang_event(g.global_rank, text)
         return text
     return None
 
 
-def record_hang(text: str, rank: int, seq: int) -> None:
-    """Append the report to the run directory's ``events.jsonl`` as a ``hang`` event, for
-    ``rankwise top`` and the dashboard (docs/slow.md). One ``write`` of one line in append
-    mode: rank 0's own lines there stay whole. Only this machine's run directory."""
-    from ..timing.files import EVENTS
+def _hang_event(rank: int, text: str) -> None:
+    """The report as a ``hang`` event of the run directory (``rankwise top``, the dashboard)."""
+    from .. import timing
+    from ..timing import clock, files
 
-    folder = envmod.snapshot().get("RANKWISE_RUN_DIR")
-    if not folder:
-        return
-    line = json.dumps({"t": time.time(), "step": None, "event": "hang", "text": text,
-                       "rank": rank, "collective": seq}) + "\n"
-    try:
-        fd = os.open(os.path.join(folder, EVENTS), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # the report is on stderr already
+    folder = timing.settings_from_env()[1]
+    if folder:
+        c = clock.current()
+        files.append_event(folder, {"step": None if c is None else c.step, "event": "hang",
+                                    "text": text, "rank": rank})  # fmt: skip

@@ -13,6 +13,7 @@ optimizer without torch's step hooks, nor the asynchronous strategy (its ranks s
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -79,14 +80,16 @@ def _forward_done(module: nn.Module, args: Any, out: Any) -> None:
     clock.end("forward")
     if not torch.is_grad_enabled():
         return
+    ended = time.perf_counter()
     for leaf in tree_leaves(out):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaf.register_hook(_backward_begins)
+            leaf.register_hook(lambda grad: _backward_begins(ended))
             return
 
 
-def _backward_begins(grad: torch.Tensor) -> None:
-    clock.begin("backward", any_thread=True)
+def _backward_begins(forward_ended: float) -> None:
+    # From the forward's end: the loss and its backward (a hook on it) are the step's compute.
+    clock.begin("backward", any_thread=True, since=forward_ended)
     Variable._execution_engine.queue_callback(lambda: clock.end("backward", any_thread=True))
 
 

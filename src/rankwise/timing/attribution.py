@@ -50,6 +50,8 @@ class Settings:
     """Records in a row without a flag that end a named straggler."""
     window: int = 20
     """Records remembered for the chronic test and the own baselines."""
+    warmup: int = 10
+    """Steps at the start that flag nobody (first allocations, the first checks of peers)."""
     chronic_steps: int = 50
     chronic_times: int = 3
     mem_growth: float = 0.1
@@ -142,17 +144,26 @@ class Attributor:
                 mine = _parts(r)
                 deltas = {k: mine[k] - (v or 0.0) for k, v in expect.items()}
                 best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"] or 0.0))
-        return best
+        return best or self._memory_flag(ranks)
+
+    def _memory_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
+        """A rank whose memory grows while its peers' does not, even before it slows."""
+        for i, r in enumerate(ranks):
+            if self.memory_growth(i):
+                peers = [busy(p) for j, p in enumerate(ranks) if j != i] or [busy(r)]
+                excess = max(0.0, busy(r) - statistics.median(peers))
+                return Flag(i, excess, {"data": 0.0, "compute": 0.0}, (1.0, 1.0))
+        return None
 
     def kind(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, str]:
         """The kind of flagged rank's slowness, and a few words on the evidence."""
-        if f.deltas["data"] >= 0.5 * f.excess:
+        if f.excess > 0 and f.deltas["data"] >= 0.5 * f.excess:
             return "input", f"data wait +{f.deltas['data'] * 1e3:.1f} ms"
         grown = self.memory_growth(f.rank)
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        if ratio < 0.7 * expected:
+        if ratio < 0.5 * expected:
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
@@ -173,6 +184,8 @@ class Attributor:
     def observe(self, step: int, ranks: list[dict[str, float]], dense: bool) -> list[dict]:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
+        if step <= self.settings.warmup:
+            return []
         f = self.flag(ranks)
         if f is not None:
             f.who = self._who(f, ranks)

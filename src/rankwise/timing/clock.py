@@ -97,6 +97,8 @@ class StepClock:
         self.armed = False
         """Time device phases with CUDA events this step (set for the steps that are gathered)."""
         self.device = DeviceSpans() if device_type == "cuda" else None
+        self.step = 0
+        """Steps finished so far (what a hang report's event names)."""
         self._restart(time.perf_counter())
 
     def _restart(self, now: float) -> None:
@@ -106,6 +108,7 @@ class StepClock:
         self._cpu_since: float | None = None
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.stack: list[list[Any]] = []  # [phase, since] of the open spans, innermost last
+        self.last = now  # the last time a span opened or closed
         self.arrived: float = 0.0
         self.synced: float | None = None  # the longest blocked span of the step, if any
         self._blocked_since: float | None = None
@@ -114,12 +117,16 @@ class StepClock:
     def mine(self) -> bool:
         return threading.get_ident() == self.owner
 
-    def push(self, phase: str) -> None:
+    def push(self, phase: str, since: float | None = None) -> None:
+        """Open ``phase`` now, or at ``since`` when no span has opened or closed after it
+        (the backward, from the end of the forward: the loss and its own backward count)."""
         now = time.perf_counter()
         if self.stack:  # the outer span pauses
             outer = self.stack[-1]
             self.phases[outer[0]] += now - outer[1]
-        self.stack.append([phase, now])
+        start = now if since is None or self.stack or since < self.last else since
+        self.last = now
+        self.stack.append([phase, start])
         if phase == "blocked":
             self._blocked_since = now
             if self._cpu_since is None and self.mine():
@@ -128,7 +135,7 @@ class StepClock:
             self.device.start(phase)
 
     def pop(self, phase: str) -> None:
-        now = time.perf_counter()
+        now = self.last = time.perf_counter()
         while self.stack:  # a span left open by an exception is closed with its parent
             name, since = self.stack.pop()
             self.phases[name] += now - since
@@ -170,6 +177,7 @@ class StepClock:
         cpu = time.thread_time() - self.cpu0 - self.cpu_blocked
         sample = StepSample(phases, now - self.start, max(0.0, cpu),
                             max(0.0, synced - arrived), max(0.0, synced - first))  # fmt: skip
+        self.step += 1
         reopen = [name for name, _ in self.stack]
         self._restart(now)
         self.stack = [[name, now] for name in reopen]
@@ -206,11 +214,11 @@ def span(phase: str, *, any_thread: bool = False) -> Iterator[None]:
         clock.pop(phase)
 
 
-def begin(phase: str, *, any_thread: bool = False) -> None:
+def begin(phase: str, *, any_thread: bool = False, since: float | None = None) -> None:
     """``span`` split in two, for hooks that open and close in different calls."""
     clock = _clock
     if clock is not None and (any_thread or clock.mine()):
-        clock.push(phase)
+        clock.push(phase, since)
 
 
 def end(phase: str, *, any_thread: bool = False) -> None:

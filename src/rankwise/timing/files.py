@@ -44,6 +44,17 @@ class RunFiles:
         self._events.close()
 
 
+def append_event(folder: str | Path, event: dict[str, Any]) -> None:
+    """One event into ``folder``'s ``events.jsonl`` from any rank (a hang report: the rank that
+    writes it may not be rank 0); one short append, never raises."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(folder) / EVENTS, "a") as f:
+            f.write(json.dumps({"t": time.time(), **event}, default=str) + "\n")
+    except OSError:
+        pass
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every complete line of a timing file (a line being written is left out)."""
     out = []

@@ -13,6 +13,7 @@ import torch
 from torch.distributed import distributed_c10d as c10d
 
 from ...errors import DistributedError
+from ...timing import clock as timing
 from ..channel import gather, sidechannel
 from .entry import Entry, failure, kept
 from .settings import Settings
@@ -105,7 +106,8 @@ def record(
 
 def _check(g: Group, e: Entry) -> None:
     try:
-        gather.check(g, e, STATE.interval(), STATE.watchdog)
+        with timing.span("blocked", any_thread=True):  # it meets the peers: a wait for them
+            gather.check(g, e, STATE.interval(), STATE.watchdog)
     except DistributedError as err:
         kept(err)
         raise

@@ -1,0 +1,134 @@
+"""Cost of the step anatomy (``rankwise.timing``): timing on at the default cadence (a record
+every 10 steps), every step (``--profile-steps``), and off, on the same job.
+
+Two Gloo ranks train an MLP with our DDP through ``rt.prepare`` (the README loop). Two ways
+to the figure:
+
+- **A/B**: the median step time of the job with timing off, at the default cadence and dense,
+  repeats interleaved. On a shared machine its noise is larger than the effect: read it with
+  the load (``os.getloadavg()``, recorded before and after).
+- **Direct**: what timing adds per step, measured in the job itself: the hooks' work on one
+  step (the spans, the bucket marks, closing the step; timed over 20k simulated steps) and one
+  record (the all-gather of every rank's vector, the attribution, rank 0's writes; timed over
+  50 records), amortised at the cadence, over the job's step time with timing off.
+
+    flock /tmp/rw-bench.lock python benchmarks/step_anatomy.py --out benchmarks/results/step_anatomy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+STEPS, WARMUP = 210, 10
+
+
+def _job(folder: str) -> dict:
+    """One rank: the README loop; per-step wall times, then the direct costs."""
+    import torch
+    from torch import nn
+
+    import rankwise as rw
+
+    torch.set_num_threads(1)
+    rt = rw.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 10))  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(64 * STEPS, 512),
+                                          torch.randint(0, 10, (64 * STEPS,)))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt, loader = rt.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=32))
+    times, last = [], time.perf_counter()
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        if len(times) == STEPS:
+            break
+    out = {"step_s": statistics.median(times[WARMUP:]), "mean_s": statistics.mean(times[WARMUP:])}
+    rec = rt.loop.timing
+    if rec is not None:
+        out.update(_direct(rec, len(model.reducer.buckets)))
+    rw.shutdown()
+    return out
+
+
+def _direct(rec, buckets: int) -> dict:
+    """Seconds of timing work per step (hooks) and per record (gather + attribution + write)."""
+    from rankwise.timing import clock
+
+    c, n = rec.clock, 20_000
+    t = time.perf_counter()
+    for _ in range(n):
+        for phase in ("data", "forward", "backward"):
+            clock.begin(phase)
+            clock.end(phase)
+        for _ in range(buckets):
+            clock.bucket_ready()
+        with clock.span("blocked", any_thread=True):
+            pass
+        clock.begin("optimizer")
+        clock.end("optimizer")
+        rec.window.add(c.finish_step())
+    hooks = (time.perf_counter() - t) / n
+    t = time.perf_counter()
+    for _ in range(50):
+        rec.record()
+    return {"hooks_s": hooks, "record_s": (time.perf_counter() - t) / 50, "buckets": buckets}
+
+
+def _run(mode: str, folder: str) -> dict:
+    from rankwise.testing import run_distributed
+
+    env = {"RANKWISE_PROFILE_STEPS": mode, "RANKWISE_RUN_DIR": folder}
+    return run_distributed(_job, 2, args=(folder,), timeout=600, env=env)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    modes = {"off": "0", "default": "10", "dense": "1"}
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="rankwise-anatomy-") as d:
+        for i in range(args.repeats):
+            order = list(modes) if i % 2 == 0 else list(reversed(modes))
+            for m in order:
+                runs[m].append(_run(modes[m], f"{d}/{m}-{i}"))
+    step_off = statistics.median(r["step_s"] for r in runs["off"])
+    result = {"steps": STEPS - WARMUP, "repeats": args.repeats, "world": 2, "engine": "ddp",
+              "step_ms": {m: round(statistics.median(r["step_s"] for r in runs[m]) * 1e3, 3)
+                          for m in modes}}  # fmt: skip
+    result["ab_overhead"] = {m: round(result["step_ms"][m] / result["step_ms"]["off"] - 1, 4)
+                             for m in ("default", "dense")}  # fmt: skip
+    hooks = statistics.median(r["hooks_s"] for r in runs["default"])
+    record = statistics.median(r["record_s"] for r in runs["default"])
+    result["direct"] = {
+        "hooks_us_per_step": round(hooks * 1e6, 2), "record_us": round(record * 1e6, 1),
+        "overhead_default": round((hooks + record / 10) / step_off, 5),
+        "overhead_dense": round((hooks + record) / step_off, 5),
+    }  # fmt: skip
+    result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
+    result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs (not a quiet run)"
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

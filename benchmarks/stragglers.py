@@ -1,0 +1,141 @@
+"""Straggler attribution measured: injected stragglers named (precision, recall, steps to name)
+and false alarms of healthy runs of every strategy, at the default cadence (a record every 10
+steps).
+
+Injections (tests/dist/timing_cases.py): slow data on one rank (``input``), a busy loop inside
+its backward (``compute``), its CPU throttled by a cgroup to 5% of a core (``host``; skipped
+where no CPU cgroup can be made), 16 MiB more held every step (``memory``, to be named
+``host``). Each run of 2 Gloo ranks (our DDP, a small GPT) holds ``--episodes`` episodes of
+``SICK`` steps on a rank drawn at random, ``GAP`` healthy steps apart. An episode is found when
+a ``straggler`` event names its rank with the right kind between its start and ``SICK`` steps
+after its end; steps to name = the event's step - the episode's start. Every other
+``straggler`` event is a false alarm. Healthy runs: ``--healthy-steps`` steps of each strategy,
+no injection; their ``straggler`` events per 1000 steps.
+
+    flock /tmp/rw-bench.lock python benchmarks/stragglers.py --out benchmarks/results/stragglers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests" / "dist"))
+
+import timing_cases as tc  # noqa: E402
+
+from rankwise.testing import run_distributed  # noqa: E402
+from rankwise.timing.files import read_jsonl  # noqa: E402
+
+SICK, GAP, LEAD = 25, 35, 15
+STRATEGIES = (("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("tensor", 2),
+              ("pipeline", 2), ("dp", 1))  # fmt: skip
+
+
+def _episodes(n: int, rng: random.Random) -> tuple[tuple[int, int, int], ...]:
+    out, start = [], LEAD
+    for _ in range(n):
+        out.append((start, start + SICK, rng.randrange(2)))
+        start += SICK + GAP
+    return tuple(out)
+
+
+def _run(folder: Path, strategy: str, world: int, steps: int, inject=None, episodes=()):
+    env = {"RANKWISE_RUN_DIR": str(folder)}  # the default cadence
+    run_distributed(tc.train, world, args=(strategy, steps, inject, episodes), init=False,
+                    timeout=900, env=env)  # fmt: skip
+    return [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "straggler"]
+
+
+def _score(kind: str, episodes, named: list[dict]) -> dict:
+    """(found episodes, steps to name each, right names, all names) for one run."""
+    want = tc.WANT[kind]
+    found, delays, right = 0, [], 0
+    used = set()
+    for start, end, rank in episodes:
+        hits = [e for e in named if start <= e["step"] <= end + SICK and e["rank"] == rank
+                and e["kind"] == want and id(e) not in used]  # fmt: skip
+        if hits:
+            found += 1
+            delays.append(hits[0]["step"] - start)
+            used.add(id(hits[0]))
+            right += 1
+    return {"episodes": len(episodes), "found": found, "delays": delays, "right": right,
+            "named": len(named)}  # fmt: skip
+
+
+def injections(tmp: Path, runs: int, per_run: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for kind in tc.KINDS:
+        if kind == "host" and tc.cpu_cgroup_root() is None:
+            out[kind] = {"skipped": "no writable CPU cgroup here"}
+            continue
+        scores = []
+        for i in range(runs):
+            eps = _episodes(per_run, rng)
+            steps = eps[-1][1] + GAP
+            named = _run(tmp / f"{kind}-{i}", "ddp", 2, steps, kind, eps)
+            scores.append(_score(kind, eps, named))
+        out[kind] = _summary(scores)
+    return out
+
+
+def _summary(scores: list[dict]) -> dict:
+    episodes = sum(s["episodes"] for s in scores)
+    named = sum(s["named"] for s in scores)
+    right = sum(s["right"] for s in scores)
+    delays = [d for s in scores for d in s["delays"]]
+    return {"injections": episodes, "named": named, "right": right,
+            "precision": round(right / named, 3) if named else None,
+            "recall": round(sum(s["found"] for s in scores) / episodes, 3),
+            "steps_to_name_median": statistics.median(delays) if delays else None,
+            "steps_to_name_max": max(delays) if delays else None}  # fmt: skip
+
+
+def healthy(tmp: Path, steps: int) -> dict:
+    out = {}
+    for strategy, world in STRATEGIES:
+        named = _run(tmp / f"healthy-{strategy}", strategy, world, steps)
+        out[strategy] = {"steps": steps, "false_alarms": len(named),
+                         "per_1000_steps": round(1000 * len(named) / steps, 2)}  # fmt: skip
+    total = sum(v["steps"] for v in out.values())
+    alarms = sum(v["false_alarms"] for v in out.values())
+    out["all"] = {"steps": total, "false_alarms": alarms,
+                  "per_1000_steps": round(1000 * alarms / total, 2)}  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per kind")
+    parser.add_argument("--episodes", type=int, default=4, help="injections per run")
+    parser.add_argument("--healthy-steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    result = {"loadavg_before": os.getloadavg(), "sick_steps": SICK, "gap_steps": GAP,
+              "cadence": 10, "world": 2, "slowdown_s": tc.EXTRA}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="rankwise-stragglers-") as d:
+        result["kinds"] = injections(Path(d), args.runs, args.episodes, args.seed)
+        result["kinds"]["communication"] = {"skipped": "a slow link (tc tbf) is not injected: "
+                                            "link attribution is not built"}  # fmt: skip
+        result["healthy"] = healthy(Path(d), args.healthy_steps)
+    result["loadavg_after"] = os.getloadavg()
+    result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs (not a quiet run)"
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
