@@ -265,6 +265,14 @@ def test_the_page_has_every_panel_and_runs_no_script(tmp_path) -> None:
     assert "default-src 'none'" in response.headers["Content-Security-Policy"]
 
 
+def test_a_finished_run_shows_rank_0_s_end_of_run_table(tmp_path) -> None:
+    run = ds.write_run(tmp_path, steps=5)
+    assert "End of run" not in _client(run).get("/").get_data(as_text=True)
+    (run / "summary.txt").write_text("rank  data\n   0  2.00 <b>\n")
+    html = _client(run).get("/").get_data(as_text=True)
+    assert "<h2>End of run</h2>" in html and "   0  2.00 &lt;b&gt;" in html
+
+
 def test_before_the_first_record_the_page_says_it_waits(tmp_path) -> None:
     response = _client(tmp_path).get("/")
     assert response.status_code == 200

@@ -27,6 +27,7 @@ section svg { max-width: 100%; height: auto; }
 table { border-collapse: collapse; font-size: 0.9em; }
 td, th { padding: 0.15em 0.6em; text-align: right; border-bottom: 1px solid #eee; }
 td.text, th.text { text-align: left; }
+pre { font-size: 0.85em; overflow-x: auto; }
 </style>
 </head>
 <body>
@@ -58,6 +59,8 @@ the straggler and the ranks that work longest.</p>{% endif %}
 <td class="text">{{ e.event }}</td><td class="text">{{ e.text }}</td></tr>
 {% endfor %}</table>{% else %}<p>No straggler or hang so far.</p>{% endif %}
 </section>
+{% if end_summary %}<section id="end-of-run"><h2>End of run</h2><pre>{{ end_summary }}</pre>
+</section>{% endif %}
 </body>
 </html>
 """

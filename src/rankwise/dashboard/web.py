@@ -24,6 +24,8 @@ from .page import TEMPLATE, WAITING
 from .records import STEPS_FILE, RunView
 from .summary import human_age, straggler_line, summarize
 
+SUMMARY_FILE = "summary.txt"
+"""Rank 0's end-of-run table in the run directory (``timing.recorder``)."""
 RunDir = str | Path | Callable[[], str | None]
 """A run directory, or a function that names it once it is known."""
 LOOPBACK = "127.0.0.1"
@@ -92,6 +94,15 @@ class Pictures:
             return dict(values, s=s)
 
 
+def end_of_run(run_dir: str, limit: int = 65536) -> str | None:
+    """The table rank 0 leaves at the end of the run (``summary.txt``), when it is there."""
+    try:
+        with open(Path(run_dir) / SUMMARY_FILE, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
 def create_app(run_dir: RunDir, *, token: str | None = None, refresh_s: int = 2,
                last: int = 20) -> Any:
     """The Flask app serving ``run_dir``'s page (``/``) and its numbers (``/summary.json``).
@@ -123,6 +134,7 @@ def create_app(run_dir: RunDir, *, token: str | None = None, refresh_s: int = 2,
         age = values["s"].age_s
         return render_template_string(
             TEMPLATE, refresh=refresh_s, steps_file=f"{values['s'].run_dir}/{STEPS_FILE}",
+            end_summary=end_of_run(values["s"].run_dir),
             straggler_line=straggler_line(values["s"].straggler),
             age="" if age is None else human_age(age), **values)
 
