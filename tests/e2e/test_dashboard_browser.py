@@ -91,6 +91,7 @@ def test_a_real_run_s_page_in_the_browser(tmp_path, real_run) -> None:
         assert f"<h2>{title}</h2>" in dom, title
     assert dom.count("<svg") == 4 and "ddp \u00b7 2 ranks" in dom
     assert "rank 0" in dom and "rank 1" in dom  # the plots' text stays text
+    assert "<h2>End of run</h2>" in dom  # rank 0 left its table: the job is over
     with Image.open(shot) as img:
         assert img.size == (WIDTH, HEIGHT)
         counts = {c: n for n, c in img.convert("RGB").getcolors(maxcolors=WIDTH * HEIGHT)}
