@@ -98,7 +98,7 @@ def test_the_slow_rank_is_named_with_its_kind(world, kind):
 
 def test_a_rank_slow_from_the_start_is_named_against_its_peers():
     at = attribution.Attributor()
-    tables = [(10 * (i + 1), _table(4, 2, "compute", 0.05)) for i in range(4)]
+    tables = [(10 * (i + 1), _table(4, 2, "compute", 0.05)) for i in range(6)]
     events = _feed(at, tables)
     assert [(e["event"], e["rank"]) for e in events] == [("straggler", 2)]
 

@@ -39,12 +39,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "profile-steps",
         type=int,
-        nargs="?",
-        const=1,
         default=None,
         metavar="N",
-        help="record every rank's step anatomy every N steps (default: every 10th; "
-        "--profile-steps alone: every step; 0: off), in the job's run directory",
+        help="record every rank's step anatomy every N steps, in the job's run directory "
+        "(default 10; 1: every step, the dense view; 0: off)",
     )
     _flag(
         parser,

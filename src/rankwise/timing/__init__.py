@@ -15,7 +15,7 @@ it (plain ``python train.py``, torchrun) nothing is written to disk: the records
 stragglers' lines, the trackers of ``rt.log`` and the end-of-run summary.
 
 Cadence: ``RANKWISE_PROFILE_STEPS`` (``rankwise run --profile-steps N``): a record every N steps
-(1: every step); 0 or ``off``: timing off. Default 10.
+(1: every step, the dense view); 0 or ``off``: timing off. Default 10.
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ class Settings:
     """A flag needs busy time above expectation by this fraction of the median step."""
     floor_s: float = 0.002
     """... and by at least this many seconds (timer noise on tiny steps)."""
-    confirm: int = 3
+    confirm: int = 4
     """Flags of the same rank, the first one included, that name it."""
-    dense_steps: int = 4
+    dense_steps: int = 5
     """Steps recorded one by one after a flag."""
     gone_after: int = 2
     """Records in a row without a flag that end a named straggler."""

@@ -34,6 +34,9 @@ class Window:
     def __init__(self) -> None:
         self.n = 0
         self.sums = dict.fromkeys(SUMMED, 0.0)
+        self.device: dict[str, float] = {}
+        """A GPU's forward/backward of the window's last step, timed with CUDA events: they
+        stand for the window (the host clocks of its other steps saw only the launches)."""
 
     def add(self, s: StepSample) -> None:
         self.n += 1
@@ -46,7 +49,7 @@ class Window:
     def pack(self, *, mem: float, node: int, role: int) -> torch.Tensor:
         """This rank's means as the gathered vector; the window starts again."""
         n = max(self.n, 1)
-        means = {k: v / n for k, v in self.sums.items()}
+        means = {k: v / n for k, v in self.sums.items()} | self.device
         values = {**means, "steps": float(self.n), "mem": mem, "node": node, "role": role}
         self.__init__()
         return torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)

@@ -69,11 +69,19 @@ class Recorder:
 
     def on_step(self) -> None:
         """The end of one optimizer step. Sync point: all ranks on a recorded step."""
-        self.window.add(self.clock.finish_step())
+        armed = self.clock.armed and self.clock.device is not None
+        sample = self.clock.finish_step()
+        self.window.add(sample)
+        if armed:
+            self.window.device = {k: sample.phases[k] for k in clocks.DEVICE_PHASES}
         self.step += 1
         if self.step % self.every == 0 or self.attributor.want_dense():
             t0, cpu0 = time.perf_counter(), time.thread_time()
-            self.record()
+            clocks.install(None)  # the record's own waits (its gather) mark no phase
+            try:
+                self.record()
+            finally:
+                clocks.install(self.clock)
             # The record's own time (its gather, rank 0's writes) is no phase of the next
             # step: benchmarks/step_anatomy.py measures it as timing's cost.
             self.clock.start += time.perf_counter() - t0
