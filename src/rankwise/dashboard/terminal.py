@@ -63,7 +63,7 @@ def legend(plain: bool) -> Any:
 def _header(s: Summary) -> str:
     """Short lines: a frame printed into a log is not wrapped mid-phrase."""
     if s.step is None:
-        return f"rankwise top  {s.run_dir}\n(waiting for the first step record)"
+        return f"{s.run_dir}: waiting for the first step record"
     speed = []
     if s.steps_per_s is not None:
         speed.append(f"{s.steps_per_s:.2f} steps/s")
@@ -71,8 +71,7 @@ def _header(s: Summary) -> str:
         speed.append(f"{s.step_s * 1000:.1f} ms/step")
     if s.age_s is not None:
         speed.append(f"last record {human_age(s.age_s)} ago")
-    job = f"step {s.step}, {s.strategy or '?'}, {s.world} ranks"
-    return f"rankwise top  {s.run_dir}\n{job}\n" + ", ".join(speed)
+    return f"{s.run_dir}: step {s.step}, {s.strategy or '?'}, {s.world} ranks\n" + ", ".join(speed)
 
 
 def _table(s: Summary, plain: bool, width: int) -> Any:
