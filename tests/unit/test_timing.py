@@ -251,3 +251,19 @@ def test_memory_growing_on_one_rank_is_named_before_it_slows_the_job():
     named = [e for e in events if e["event"] == "straggler"]
     assert [(e["rank"], e["kind"]) for e in named] == [(3, "host")]
     assert "memory" in named[0]["why"] and named[0]["cost_ms"] == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 10])
+def test_the_peer_median_of_each_rank_leaves_that_rank_out(n):
+    import statistics
+
+    rng = random.Random(n)
+    values = [rng.random() for _ in range(n)]
+    want = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
+    assert attribution._medians_without_each(values) == pytest.approx(want)
+
+
+def test_a_thousand_ranks_are_attributed():
+    table = _table(1024, 700, "compute", 0.05)
+    at = attribution.Attributor()
+    assert at.flag(table).rank == 700

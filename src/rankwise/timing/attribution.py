@@ -89,14 +89,45 @@ class Flag:
     """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
 
 
-def _expect(ranks: list[dict[str, float]], i: int, key: Any, own: deque) -> float | None:
-    """Rank ``i``'s expected value of ``key(row)``: peers' median, else its own baseline."""
-    role = ranks[i]["role"]
-    peers = [key(r) for j, r in enumerate(ranks) if j != i and r["role"] == role]
-    if peers:
-        return statistics.median(peers)
-    mine = [key(r) for r in own]
-    return statistics.median(mine) if len(mine) >= 3 else None
+def _medians_without_each(values: list[float]) -> list[float]:
+    """For each i, the median of ``values`` without ``values[i]`` (one sort: O(n log n), so a
+    record of thousands of ranks is attributed in milliseconds)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    where = {i: p for p, i in enumerate(order)}
+    ranked = [values[i] for i in order]
+    m = len(values) - 1
+
+    def rest(p: int, k: int) -> float:  # the k-th smallest once position p is taken out
+        return ranked[k] if k < p else ranked[k + 1]
+
+    out = []
+    for i in range(len(values)):
+        p = where[i]
+        mid = rest(p, m // 2) if m % 2 else (rest(p, m // 2 - 1) + rest(p, m // 2)) / 2
+        out.append(mid)
+    return out
+
+
+KEYS = ("data", "compute", "busy", "ratio")
+
+
+def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[dict | None]:
+    """Each rank's expected parts: its peers' medians (same role), else its own baseline."""
+    parts = [_parts(r) for r in ranks]
+    groups: dict[float, list[int]] = {}
+    for i, r in enumerate(ranks):
+        groups.setdefault(r["role"], []).append(i)
+    out: list[dict | None] = [None] * len(ranks)
+    for members in groups.values():
+        if len(members) > 1:
+            cols = {k: _medians_without_each([parts[j][k] for j in members]) for k in KEYS}
+            for n, j in enumerate(members):
+                out[j] = {k: cols[k][n] for k in KEYS}
+            continue
+        mine = [_parts(r) for r in own.get(members[0], ())]
+        if len(mine) >= 3:
+            out[members[0]] = {k: statistics.median(x[k] for x in mine) for k in KEYS}
+    return out
 
 
 def _ratio(r: dict[str, float]) -> float:
@@ -134,16 +165,14 @@ class Attributor:
         step = statistics.median(r["total"] for r in ranks)
         bar = max(self.settings.threshold * step, self.settings.floor_s)
         best: Flag | None = None
-        for i, r in enumerate(ranks):
-            own = self.own.get(i, deque())
-            expect = {k: _expect(ranks, i, lambda x, k=k: _parts(x)[k], own) for k in _parts(r)}
-            if expect["busy"] is None:
+        for i, (r, expect) in enumerate(zip(ranks, _expectations(ranks, self.own), strict=True)):
+            if expect is None:
                 continue
             excess = busy(r) - expect["busy"]
             if excess > bar and (best is None or excess > best.excess):
                 mine = _parts(r)
-                deltas = {k: mine[k] - (v or 0.0) for k, v in expect.items()}
-                best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"] or 0.0))
+                deltas = {k: mine[k] - expect[k] for k in KEYS}
+                best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
         return best or self._memory_flag(ranks)
 
     def _memory_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
@@ -277,7 +306,9 @@ class Attributor:
 
 
 def _step_ms(ranks: list[dict[str, float]]) -> float:
-    return statistics.median(r["total"] for r in ranks) * 1e3
+    """The job's step (ms): the longest rank's (the ranks meet at every step; the others
+    waited out the difference)."""
+    return max(r["total"] for r in ranks) * 1e3
 
 
 def line(kind: str, step: int, s: Straggler) -> str:
