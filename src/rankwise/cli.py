@@ -22,6 +22,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "rankwise.diagnose.cli",  # rankwise doctor
     "rankwise.bench.cli",  # rankwise bench
     "rankwise.checkpoint.command.cli",  # rankwise checkpoint inspect|consolidate
+    "rankwise.dashboard.cli",  # rankwise top, rankwise dashboard
 )
 """Modules that each provide ``register(subparsers)``, in the order ``--help`` lists them."""
 

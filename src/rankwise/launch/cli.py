@@ -22,6 +22,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     settings file, and what to run."""
     add_launch_flags(parser)
     add_config_flag(parser)
+    from ..dashboard.cli import add_run_flags
+
+    add_run_flags(parser)  # --dashboard, --dashboard-host, --dashboard-port
     # Not in add_launch_flags: a secret is given here or by the environment, never written
     # into a settings file (rankwise config does not take it; settings.py refuses the key).
     _flag(
@@ -209,12 +212,23 @@ def run_command(args: argparse.Namespace, *, pass_local_rank: bool = False) -> i
     said = settings.announce()
     if said:
         print(said, file=sys.stderr, flush=True)
+    opts = options_from_args(args, pass_local_rank=pass_local_rank, settings=settings)
     try:
-        launch(options_from_args(args, pass_local_rank=pass_local_rank, settings=settings))
+        with _dashboard(args):
+            launch(opts)
     except (JobFailed, LaunchInterrupted) as exc:
         print(f"rankwise run: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     return 0
+
+
+def _dashboard(args: argparse.Namespace):
+    """The web page of the job while it runs (``--dashboard``), else nothing."""
+    from ..dashboard.launcher import default_run_dir, serving
+
+    # The directory is named as the job starts (launch): the page asks for it at each visit.
+    return serving(bool(getattr(args, "dashboard", False)), default_run_dir,
+                   args.dashboard_host, args.dashboard_port)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
