@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, DistributedError
+from .sends import Held, SendQueue
 
 MAX_DIMS = 8
 HEADER_LEN = 4 + MAX_DIMS
@@ -131,8 +132,10 @@ class Link:
     Sends are queued and posted at the start of the next action, together with its receive
     when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
     two ranks must be posted as one group, or each can wait for the other), so a stage
-    computes its next micro-batch while the last one is on the wire. A completed send is
-    dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
+    computes its next micro-batch while the last one is on the wire. Each tensor is freed as
+    soon as its send completes: over Gloo a waiter thread per peer waits on the sends
+    (``sends.SendQueue``: a Gloo send reports complete only once waited on), on NCCL completed
+    sends are dropped at the next post; ``flush()`` waits for the rest.
 
     Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
     tensor of an activation whose header is in is received as soon as it is (``progress``),
@@ -145,8 +148,9 @@ class Link:
         self.timeout = timeout
         self.rank = rank
         self.ahead = comm_device.type == "cpu"
-        self._queued: list[tuple[dist.P2POp, str]] = []
-        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._queued: list[tuple[dist.P2POp, int, str]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []  # NCCL
+        self._sends = SendQueue(timeout) if self.ahead else None  # Gloo
         self._early: dict[int, _Early] = {}
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
@@ -154,7 +158,7 @@ class Link:
         parts = [] if header is None else [encode(header, self.comm_device)]
         parts.append(tensor.detach().to(self.comm_device).contiguous())
         for part in parts:
-            self._queued.append((dist.P2POp(dist.isend, part, dst), f"{what} to rank {dst}"))
+            self._queued.append((dist.P2POp(dist.isend, part, dst), dst, f"{what} to rank {dst}"))
 
     def post(self) -> None:
         """Post the queued sends now (before a computation that receives nothing)."""
@@ -222,21 +226,45 @@ class Link:
     def flush(self) -> None:
         """Wait for every send. Sync point: the receiving stages."""
         self.post()
+        if self._sends is not None:
+            failed = self._sends.drain()
+            if failed is not None:
+                raise self._error(*failed)
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
 
+    def held(self) -> Held:
+        """The sends posted and not yet complete, and the most at once since ``reset_peak``
+        (on NCCL: those not complete now, without a peak)."""
+        if self._sends is not None:
+            return self._sends.held()
+        live = [t for w, t, _ in self._pending if not w.is_completed()]
+        nbytes = sum(t.numel() * t.element_size() for t in live)
+        return Held(len(live), nbytes, len(live), nbytes)
+
+    def reset_peak(self) -> None:
+        if self._sends is not None:
+            self._sends.reset_peak()
+
     def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
         """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
         return the receive's work."""
+        failed = self._sends.failure() if self._sends is not None else None
+        if failed is not None:
+            raise self._error(*failed)
         if len(self._pending) > 8:
             self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
-        ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
+        ops = [op for op, _, _ in self._queued]
+        ops += [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
         if not ops:
             return None
         works = dist.batch_isend_irecv(ops)
-        for (op, what), work in zip(self._queued, works, strict=False):
-            self._pending.append((work, op.tensor, what))
+        for (op, dst, what), work in zip(self._queued, works, strict=False):
+            if self._sends is not None:
+                self._sends.add(work, op.tensor, dst, what)
+            else:
+                self._pending.append((work, op.tensor, what))
         self._queued = []
         return works[-1] if recv_bufs else None
 
