@@ -80,3 +80,58 @@ def test_sends_held_across_a_1f1b_step_stay_within_the_in_flight_bound(stages):
             sends, nbytes = r["peaks"][m]
             assert 1 <= sends <= max_sends, (stages, r["position"], m, sends, max_sends)
             assert nbytes <= max_bytes, (stages, r["position"], m, nbytes, max_bytes)
+
+
+SHAPES = [(3, 4), (3, 4), (2, 4), (2, 4), (3, 4), (5,), (5,), (1, 2, 3), (3, 4)]
+DTYPES = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32,
+          torch.int64, torch.int64, torch.bfloat16, torch.float32]  # fmt: skip
+
+
+def _sequence() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(s, generator=g) * 100).to(d) for s, d in zip(SHAPES, DTYPES, strict=True)]
+
+
+def _relays() -> dict:
+    return {every: _relay(every) for every in AHEAD_EVERY}  # one job: start-up paid once
+
+
+AHEAD_EVERY = (1, 2, 100)
+
+
+def _relay(ahead_every: int) -> list:
+    """Rank 0 sends the sequence as activations; rank 1 reads them, posting the receive
+    ahead (``expect``) for every ``ahead_every``-th one, and sends each back as a gradient."""
+    from datetime import timedelta
+
+    rt = rw.get_runtime()
+    link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
+    n = len(SHAPES)
+    got = []
+    for i, t in enumerate(_sequence()):
+        if rt.rank == 0:
+            link.send(t, 1, "activation", p2p.Header(i, n, t.dtype, tuple(t.shape)))
+            link.post()
+            got.append(link.recv(tuple(t.shape), t.dtype, 1, "gradient").clone())
+        else:
+            expected = p2p.Expected("stage 0 (rank 0)", i, n)
+            if i % ahead_every == 0:
+                link.expect(0, None, expected)
+            head, x = link.receive_activation(0, "activation", expected)
+            assert (head.shape, head.dtype) == (tuple(x.shape), x.dtype)
+            got.append(x.clone())
+            link.send(x, 0, "gradient", None)
+    link.flush()
+    return [t.float().numpy() for t in got]
+
+
+def test_activations_whose_shape_and_dtype_change_arrive_intact():
+    # shapes and dtypes change between consecutive activations (the receive posted with the
+    # header, shaped as the last one, then takes the sender's filler) and stay the same;
+    # receives posted ahead for every activation, every other one, none
+    want = [t.float().numpy() for t in _sequence()]
+    for by_every in run_distributed(_relays, 2, timeout=120):
+        for every, got in by_every.items():
+            assert len(got) == len(want), every
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert a.shape == b.shape and (a == b).all(), (every, i)
