@@ -288,6 +288,11 @@ class Link:
         if self._sends is not None:
             self._sends.reset_peak()
 
+    def __del__(self) -> None:  # the waiter threads end with the link
+        sends = getattr(self, "_sends", None)
+        if sends is not None:
+            sends.close()
+
     def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> list[dist.Work]:
         """Post the queued sends and the receives into ``recv_bufs`` (from ``src``, in that
         order) in one batch; return the receives' works."""

@@ -35,7 +35,7 @@ class Held:
 
 class SendQueue:
     """Posted sends, waited on by one thread per destination (daemon threads, started on the
-    first send to a destination; idle between steps)."""
+    first send to a destination; idle between steps, ended by ``close``)."""
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
@@ -61,7 +61,11 @@ class SendQueue:
 
     def _waiter(self, q: queue.SimpleQueue) -> None:
         while True:
-            work, tensor, nbytes, what = q.get()
+            item = q.get()
+            if item is None:  # closed
+                return
+            work, tensor, nbytes, what = item
+            del item
             cause = ""
             try:
                 if work.wait(timeout=self.timeout) is False:
@@ -89,6 +93,12 @@ class SendQueue:
             if self._failure is not None:
                 return self._failure
             return None if done else (f"{self._sends} sends", "timed out")
+
+    def close(self) -> None:
+        """End the waiter threads once they have waited on what they hold."""
+        for q in self._queues.values():
+            q.put(None)
+        self._queues = {}
 
     def held(self) -> Held:
         with self._cond:
