@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import queue
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -20,16 +22,67 @@ from rankwise.bench.network.commbench import memcpy_gbps
 from rankwise.comm import wire
 from rankwise.parallel.ddp.node.hierarchical import HierarchicalBuckets
 
-CONFIGS = ("torch_ddp", "rankwise_flat", "rankwise_hierarchical", "independent")
+CONFIGS = ("torch_ddp", "torch_ddp_view", "torch_ddp_hier_hook", "rankwise_flat",
+           "rankwise_hierarchical", "independent")  # fmt: skip
+TORCH = ("torch_ddp", "torch_ddp_view", "torch_ddp_hier_hook")
+OURS = ("rankwise_flat", "rankwise_hierarchical")
+
+
+class HierarchicalHook:
+    """A torch DDP communication hook that reduces each bucket hierarchically: a sum within
+    the node, an all-reduce between one rank per node, a broadcast within the node (Gloo
+    groups made once). The three collectives of each bucket run on one worker thread, in the
+    order DDP hands the buckets over (the same on every rank), so backward goes on meanwhile."""
+
+    def __init__(self, per_node: int) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.world, node = world, rank // per_node
+        self.leader = node * per_node
+        self.is_leader = rank == self.leader
+        self.node_group = self.leaders = None
+        for n in range(world // per_node):  # every rank creates every group, in one order
+            g = dist.new_group(list(range(n * per_node, (n + 1) * per_node)))
+            if n == node:
+                self.node_group = g
+        self.leaders = dist.new_group(list(range(0, world, per_node)))
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def submit(self, t: torch.Tensor) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self.jobs.put((t, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            t, fut = self.jobs.get()
+            try:
+                t.div_(self.world)
+                dist.all_reduce(t, group=self.node_group)
+                if self.is_leader:
+                    dist.all_reduce(t, group=self.leaders)
+                dist.broadcast(t, src=self.leader, group=self.node_group)
+                fut.set_result(t)
+            except Exception as exc:  # handed to DDP, which raises it
+                fut.set_exception(exc)
+
+
+def hierarchical_hook(state, bucket):  # unannotated: torch refuses string annotations
+    """torch's hook signature, state a ``HierarchicalHook``."""
+    return state.submit(bucket.buffer())
 SWEEP = tuple(2**k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
 
 
-def _make(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _make(kind: str, per_node: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model to step, the bare network whose parameters it trains)."""
     torch.manual_seed(0)
     net = models.mlp()
-    if kind == "torch_ddp":
-        return torch.nn.parallel.DistributedDataParallel(net), net
+    if kind in TORCH:  # torch's best settings: gradients as bucket views, and with the hook
+        view = kind != "torch_ddp"
+        model = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view)
+        if kind == "torch_ddp_hier_hook":
+            model.register_comm_hook(HierarchicalHook(per_node), hierarchical_hook)
+        return model, net
     if kind == "rankwise_flat":
         return rw.DistributedDataParallel(net, hierarchical_reduce=False), net
     if kind == "rankwise_hierarchical":
@@ -90,7 +143,7 @@ def run_rank(args: argparse.Namespace) -> None:
                for _ in range(4)]  # fmt: skip
     built = {}
     for kind in CONFIGS:
-        model, net = _make(kind)
+        model, net = _make(kind, args.per_node)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         _timed(model, opt, batches, 2)  # warm-up (and torch's bucket rebuild)
         built[kind] = (model, net, opt)
@@ -101,10 +154,10 @@ def run_rank(args: argparse.Namespace) -> None:
             times[kind].append(round(_timed(model, opt, batches, args.steps), 3))
     digests = {k: _digest(built[k][1]) for k in CONFIGS}
     same = {k: len(set(wire.all_gather_json(digests[k][0], label="digest"))) == 1
-            for k in CONFIGS[:3]}  # fmt: skip
+            for k in CONFIGS if k != "independent"}  # fmt: skip
     ref = digests["torch_ddp"][1]
     diff = {k: max((a - b).abs().max().item() for a, b in zip(ref, digests[k][1], strict=True))
-            for k in ("rankwise_flat", "rankwise_hierarchical")}  # fmt: skip
+            for k in CONFIGS[1:-1]}  # fmt: skip
     flat_path = "gloo" if built["rankwise_flat"][0].reducer.shared is None else "shared memory"
     out = {
         "times_ms": times,
@@ -123,6 +176,7 @@ def run_rank(args: argparse.Namespace) -> None:
 
 
 def _predictions(m: dict, net: projection.Network, compute_ms: float) -> dict:
+    """Modelled steps; the compute term is the ``independent`` step of the same run."""
     nodes, per_node, grad = m["world_size"] // m["per_node"], m["per_node"], m["gradient_bytes"]
     copy = m["memcpy_GBps"] * 1e9
     flat = projection.predict_across_nodes(compute_ms / 1e3, grad, nodes, per_node, net, copy,
@@ -143,14 +197,18 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
     checks = {}
     for name, net in (("measured_link", link), ("nominal_link", nominal)):
         pred = _predictions(m, net, med["independent"])
+        c = med["independent"]
         checks[name] = {
             "network": net.to_dict(),
-            "rankwise_flat": _err(pred["flat_ms"], med["rankwise_flat"]),
-            "torch_ddp": _err(pred["flat_ms"], med["torch_ddp"]),
-            "rankwise_hierarchical": _err(pred["hierarchical_ms"], med["rankwise_hierarchical"]),
+            "rankwise_flat": _err(pred["flat_ms"], med["rankwise_flat"], c),
+            "torch_ddp": _err(pred["flat_ms"], med["torch_ddp"], c),
+            "rankwise_hierarchical": _err(pred["hierarchical_ms"], med["rankwise_hierarchical"], c),
+            "torch_ddp_hier_hook": _err(pred["hierarchical_ms"], med["torch_ddp_hier_hook"], c),
         }
-    ratio = med["rankwise_hierarchical"] / med["torch_ddp"]
-    worst = max(abs(checks["measured_link"]["rankwise_hierarchical"]["error"]), 0)
+    best_torch = min(TORCH, key=lambda k: med[k])
+    ratio = med["rankwise_hierarchical"] / med[best_torch]
+    worst = abs(checks["measured_link"]["rankwise_hierarchical"]["comm_error"])
+    link_ms = m["gradient_bytes"] * link.beta_s_per_byte * 1e3
     return {
         "layout": f"2 nodes x {m['per_node']} processes, gloo, 1 thread each",
         "model": "mlp (10.5M parameters)",
@@ -160,8 +218,18 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
         "link": shaping,
         "step_ms": med,
         "step_ms_min_max": spread,
-        "ratio_hierarchical_over_torch": round(ratio, 3),
+        "best_torch": best_torch,
+        "ratio_hierarchical_over_best_torch": round(ratio, 3),
+        "ratio_hierarchical_over": {k: round(med["rankwise_hierarchical"] / med[k], 3)
+                                    for k in TORCH},
         "ratio_flat_over_torch": round(med["rankwise_flat"] / med["torch_ddp"], 3),
+        "ceiling": {
+            "independent_over_best_torch": round(med["independent"] / med[best_torch], 3),
+            "gradient_bytes_over_link_ms": round(link_ms, 1),
+            "why": "no DDP step is shorter than the independent step (no communication); "
+                   "gradient bytes / measured link bandwidth is what one copy of the gradients "
+                   "costs on the link",
+        },
         "rankwise_flat_path": m["rankwise_flat_path"],
         "replicas_bit_identical": m["replicas_bit_identical"],
         "max_abs_diff_vs_torch": m["max_abs_diff_vs_torch"],
@@ -171,12 +239,17 @@ def summarise(m: dict, shaping: dict, args: argparse.Namespace) -> dict:
         "projection": {"model": "rankwise.bench.network.projection.predict_across_nodes (compute = "
                        "the independent step)", **checks},
         "targets": {
-            "hierarchical_le_0.75x_torch": ratio <= 0.75,
-            "projection_within_15pct": worst <= 0.15,
+            "hierarchical_le_0.65x_best_torch": ratio <= 0.65,
+            "projection_comm_within_15pct": worst <= 0.15,
         },
     }
 
 
-def _err(pred: float, measured: float) -> dict:
+def _err(pred: float, measured: float, compute: float) -> dict:
+    """The projection's error on the whole step, and on communication alone (the step less
+    the compute term, which is measured in the same run and so cannot be wrong)."""
+    comm_pred, comm_meas = pred - compute, measured - compute
     return {"predicted_ms": round(pred, 2), "measured_ms": measured,
-            "error": round((pred - measured) / measured, 3)}  # fmt: skip
+            "error": round((pred - measured) / measured, 3),
+            "comm_predicted_ms": round(comm_pred, 2), "comm_measured_ms": round(comm_meas, 2),
+            "comm_error": round((comm_pred - comm_meas) / comm_meas, 3) if comm_meas > 0 else None}  # fmt: skip

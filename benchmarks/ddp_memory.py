@@ -17,6 +17,7 @@ set of every rank that touches them) and with ``shared_memory_reduce=False`` (``
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 from pathlib import Path
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     table: dict = {}
     for kind in KINDS:
         for order in ORDERS:
@@ -93,6 +95,18 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": 2,
         "torch": torch.__version__,
         "per_rank_mib": table,
+        "pss_ratio_over_torch": {  # memory, not time: the machine's load does not move it much
+            f"{ours}/{order}": round(table[f"{ours}/{order}"]["pss_growth_mib"]
+                                     / table[f"torch/{order}"]["pss_growth_mib"], 3)
+            for ours in ("rankwise", "rankwise_gloo") for order in ORDERS
+        },
+        "pss_ratio_over_torch_bucket_view": {
+            f"{ours}/{order}": round(table[f"{ours}/{order}"]["pss_growth_mib"]
+                                     / table[f"torch_bucket_view/{order}"]["pss_growth_mib"], 3)
+            for ours in ("rankwise", "rankwise_gloo") for order in ORDERS
+        },
+        "conditions": {"steps": 6, "fresh_processes_per_configuration": True,
+                       "load_before": load_before, "load_after": os.getloadavg()},
     }
     return emit(result, args.out)
 

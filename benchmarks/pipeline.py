@@ -132,28 +132,44 @@ def main() -> None:
                     help="print the Markdown table of a results file, run nothing")  # fmt: skip
     args = ap.parse_args()
     if args.table:
-        _print_tables(json.loads(Path(args.table).read_text()))
+        report = json.loads(Path(args.table).read_text())
+        if report.get("args", {}).get("quick") is not False:
+            sys.exit(f"{args.table} comes from a --quick run (or says nothing of it): its times "
+                     "are a smoke test, not figures for the docs. Fix: run the benchmark "
+                     "without --quick and make the table from that JSON.")
+        print(f"<!-- generated: python benchmarks/pipeline.py --table {args.table} -->")
+        _print_tables(report, sys.stdout, args.table)
         return
     if args.quick:
         args.width, args.seq, args.vocab, args.batch, args.repeats, args.rounds = 32, 16, 64, 16, 1, 1
         args.split_batch, args.split_width, args.chunks = 64, 64, "1,4"
     report = {"benchmark": "pipeline", "torch": torch.__version__, "cpus": os.cpu_count(),
-              "args": vars(args)}  # fmt: skip
+              "args": vars(args), "load_before": os.getloadavg()}  # fmt: skip
     if args.section in ("schedules", "all"):
         report["schedules"] = schedules_section(args, "gpt")
     if args.section in ("simulated", "all"):
         report["simulated"] = schedules_section(args, "simulated")
     if args.section in ("split", "all"):
         report["split"] = split_section(args)
+    report["load_after"] = os.getloadavg()
+    report["conditions"] = (
+        f"{'quick (smoke test: tiny sizes, 1 repeat)' if args.quick else 'full size'}; "
+        f"{args.repeats} interleaved repeats; load average {report['load_before'][0]:.1f} "
+        f"before, {report['load_after'][0]:.1f} after, on {os.cpu_count()} cores"
+    )
     emit(report, args.out)
     _print_tables(report)
 
 
-def _print_tables(report: dict) -> None:
-    """The schedules beside torch's, as Markdown (after the JSON, on stderr)."""
+def _print_tables(report: dict, out=sys.stderr, source: str = "") -> None:
+    """The schedules beside torch's, as Markdown (after the JSON, on stderr; with ``--table``
+    on stdout, each table followed by its claim marker)."""
+    marker = f"\n<!-- claim: {source} -->" if source else ""
+    print(f"Conditions: {report.get('conditions', 'not recorded')}.", file=out)
     for key in ("schedules", "simulated"):
         if key in report:
-            print(f"\n{key}:\n{table(report[key])}\n{targets_lines(report[key])}", file=sys.stderr)
+            print(f"\n{key}:\n{table(report[key])}{marker}\n{targets_lines(report[key])}",
+                  file=out)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ Columns, per strategy, the worse of the two ranks:
   shared-memory gradient buckets, read by both ranks); **pss_mb** is the proportional set
   size after the timed steps, above the same start (shared pages split between the ranks).
 
+``independent`` (the ceiling): every rank trains the bare model alone, no communication; no
+engine's step can be shorter, and each target pair prints its ratio to it beside the ratio.
+
 The ``targets`` block compares the pairs the project holds itself to: ddp / torch-ddp <= 0.85,
 zero1 / torch-zero1 <= 1.0, zero3 / torch-fsdp2 <= 0.8 in step time, each with a peak no higher
 than the peer's. Prints one JSON object and writes ``benchmarks/results/recipes.json`` (or
@@ -64,6 +67,7 @@ from rankwise.testing import run_distributed
 
 OURS = ("ddp", "zero1", "zero2", "zero3")
 PEERS = ("torch-ddp", "torch-zero1", "torch-fsdp2")
+CEILING = "independent"  # the same step with no communication: every rank trains alone
 TARGETS = {"ddp": ("torch-ddp", 0.85), "zero1": ("torch-zero1", 1.0),
            "zero3": ("torch-fsdp2", 0.8)}  # fmt: skip
 
@@ -118,6 +122,8 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 def _wrap(name: str, model: nn.Module, blocks: list[nn.Module]):
     """(the model to call, its optimizer) for strategy ``name``."""
+    if name == CEILING:
+        return model, _adamw(model.parameters())
     if name in ("ddp", "ddp-gloo"):  # ddp-gloo: every bucket through Gloo, no shared memory
         shared = None if name == "ddp" else False
         wrapped = rw.DistributedDataParallel(model, shared_memory_reduce=shared)
@@ -226,7 +232,15 @@ def _merge(ranks: list[dict]) -> dict:
                     "target": bound,
                     "time_met": ratio <= bound,
                     "memory_met": m[ours]["peak_mb"] <= m[peer]["peak_mb"],
+                    "pss_ratio": round(m[ours]["pss_mb"] / m[peer]["pss_mb"], 3),
                 }
+                if CEILING in m:  # printed beside: the step with no communication
+                    c = m[CEILING]["step_ms"]
+                    targets[f"{ours}/{peer}"]["ceiling"] = {
+                        "ours_over_ceiling": round(m[ours]["step_ms"] / c, 3),
+                        "peer_over_ceiling": round(m[peer]["step_ms"] / c, 3),
+                        "ceiling_over_peer": round(c / m[peer]["step_ms"], 3),
+                    }
         m["targets"] = targets
         merged[key] = m
     return merged
@@ -239,13 +253,17 @@ def _table(merged: dict) -> str:
                      "(worse rank)")  # fmt: skip
         cols = ("step_ms", "cpu_ms", "peak_mb", "pss_mb")
         lines.append(f"  {'strategy':<12}" + "".join(f"{c:>10}" for c in cols))
-        for name in (*OURS, "ddp-gloo", *PEERS):
+        for name in (*OURS, "ddp-gloo", *PEERS, CEILING):
             if name in row:
                 lines.append(f"  {name:<12}" + "".join(f"{row[name][c]:>10}" for c in cols))
         for pair, t in row["targets"].items():
+            ceiling = t.get("ceiling")
+            beside = ("" if ceiling is None else f"; the no-communication step is "
+                      f"{ceiling['ceiling_over_peer']}x the peer's, ours "
+                      f"{ceiling['ours_over_ceiling']}x it")  # fmt: skip
             lines.append(f"  {pair}: {t['step_ratio']}x wall, {t['cpu_ratio']}x cpu "
                          f"(target <= {t['target']}; time met {t['time_met']}, "
-                         f"memory met {t['memory_met']})")  # fmt: skip
+                         f"memory met {t['memory_met']}, pss {t['pss_ratio']}x{beside})")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -255,7 +273,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", help="per-rank batch (repeatable)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per strategy")
-    ap.add_argument("--strategies", default=",".join((*OURS, *PEERS)))
+    ap.add_argument("--strategies", default=",".join((*OURS, *PEERS, CEILING)))
     ap.add_argument("--quick", action="store_true", help="a smaller model, 3 steps, 1 repeat")
     ap.add_argument("--note", default="", help="what else ran on the machine (kept in the JSON)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/recipes[-quick].json")
@@ -265,7 +283,7 @@ def main() -> None:
     recipes = [r for r in args.recipes.split(",") if r]
     batches = args.batch or [8]
     names = [s for s in args.strategies.split(",") if s]
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()
     ranks = run_distributed(_job, 2, args=(recipes, batches, names, args.steps, args.repeats,
                                            args.quick), timeout=3000)  # fmt: skip
     merged = _merge(ranks)
@@ -280,7 +298,8 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "torch": torch.__version__,
-        "load_before": os.getloadavg(),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
         "seconds": round(time.perf_counter() - t0, 1),
         "note": args.note,
         "results": merged,

@@ -7,7 +7,15 @@ that the receiver can always post a receive for:
     [micro_batch, num_micro_batches, dtype_code, ndim, size_0, ..., size_{MAX_DIMS-1}]
 
 Backward gradients need no header: the gradient of an activation has its shape and dtype,
-which the receiver already knows from the forward. Every receive waits at most the runtime's
+which the receiver already knows from the forward.
+
+Over Gloo a transfer starts only once the receiver has posted its receive, so a receive that
+waits for its header first costs a round trip more than the header itself. Both ends of a
+channel remember the last activation shape on it (the receiver only once it accepted that
+header): the receiver posts, with each header's receive, a receive shaped as the last
+activation, and the sender, when the shape changes (the shorter last micro-batch), first sends
+zeros of the old shape to fill it. The steady state is then one round trip per activation, as
+for a tensor whose shape is known. Every receive waits at most the runtime's
 timeout and then raises a ``DistributedError`` naming the peer, the phase and the micro-batch.
 A header is checked before anything is allocated for it (its number, the micro-batch count,
 dtype, dimensions and a size cap): a wrong one is a ``DistributedError`` naming the stage that
@@ -24,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, DistributedError
+from .sends import Held, SendQueue
 
 MAX_DIMS = 8
 HEADER_LEN = 4 + MAX_DIMS
@@ -117,12 +126,14 @@ class Expected:
 
 class _Early:
     """A receive posted ahead of need: an activation's header (``head`` None until it is in,
-    checked against ``expected``) or a tensor of known shape."""
+    checked against ``expected``; ``guess``: the receive of its tensor, shaped as the last
+    activation from that peer) or a tensor of known shape."""
 
     def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
-                 expected: Expected | None = None) -> None:  # fmt: skip
+                 expected: Expected | None = None,
+                 guess: tuple[dist.Work, torch.Tensor] | None = None) -> None:  # fmt: skip
         self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
-        self.expected = expected
+        self.expected, self.guess = expected, guess
 
 
 class Link:
@@ -131,8 +142,10 @@ class Link:
     Sends are queued and posted at the start of the next action, together with its receive
     when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
     two ranks must be posted as one group, or each can wait for the other), so a stage
-    computes its next micro-batch while the last one is on the wire. A completed send is
-    dropped at the next post (its tensor freed); ``flush()`` waits for the rest.
+    computes its next micro-batch while the last one is on the wire. Each tensor is freed as
+    soon as its send completes: over Gloo a waiter thread per peer waits on the sends
+    (``sends.SendQueue``: a Gloo send reports complete only once waited on), on NCCL completed
+    sends are dropped at the next post; ``flush()`` waits for the rest.
 
     Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
     tensor of an activation whose header is in is received as soon as it is (``progress``),
@@ -145,16 +158,27 @@ class Link:
         self.timeout = timeout
         self.rank = rank
         self.ahead = comm_device.type == "cpu"
-        self._queued: list[tuple[dist.P2POp, str]] = []
-        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._queued: list[tuple[dist.P2POp, int, str]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []  # NCCL
+        self._sends = SendQueue(timeout) if self.ahead else None  # Gloo
         self._early: dict[int, _Early] = {}
+        # the last activation (shape, dtype) sent to / accepted from each peer (Gloo)
+        self._sent_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._recv_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._orphans: list[_Early] = []  # receives left posted by a refused header
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
         """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
         parts = [] if header is None else [encode(header, self.comm_device)]
+        if header is not None and self.ahead:
+            last = self._sent_shape.get(dst)
+            if last is not None and last != (header.shape, header.dtype):
+                # the receiver posted a receive shaped as the last activation: fill it
+                parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
+            self._sent_shape[dst] = (header.shape, header.dtype)
         parts.append(tensor.detach().to(self.comm_device).contiguous())
         for part in parts:
-            self._queued.append((dist.P2POp(dist.isend, part, dst), f"{what} to rank {dst}"))
+            self._queued.append((dist.P2POp(dist.isend, part, dst), dst, f"{what} to rank {dst}"))
 
     def post(self) -> None:
         """Post the queued sends now (before a computation that receives nothing)."""
@@ -165,21 +189,34 @@ class Link:
         or (None) the header of the activation ``expected``. Over Gloo only."""
         if not self.ahead or src in self._early:
             return
-        shape, dtype = ((HEADER_LEN,), torch.int64) if like is None else (like.shape, like.dtype)
-        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        work = self._start([buf], src)
-        self._early[src] = _Early(work, buf, None, like is not None, expected)
+        if like is None:
+            self._early[src] = self._post_header(src, expected)
+            return
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self.comm_device)
+        self._early[src] = _Early(self._start([buf], src)[0], buf, None, True)
+
+    def _post_header(self, src: int, expected: Expected | None) -> _Early:
+        """Post the receive of ``src``'s next activation header (over Gloo with a receive
+        shaped as the last activation accepted from ``src``: see the module docstring)."""
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
+        last = self._recv_shape.get(src) if self.ahead else None
+        bufs = [buf]
+        if last is not None:
+            bufs.append(torch.empty(last[0], dtype=last[1], device=self.comm_device))
+        works = self._start(bufs, src)
+        guess = (works[1], bufs[1]) if last is not None else None
+        return _Early(works[0], buf, None, False, expected, guess)
 
     def progress(self) -> None:
         """Post the tensor receive of every activation whose header has arrived (checked
         first: a header that is refused is dropped, nothing is allocated for it)."""
         for src, early in list(self._early.items()):
-            if not early.tensor and early.work.is_completed():
+            if not early.tensor and early.guess is None and early.work.is_completed():
                 del self._early[src]
                 self._wait(early.work, f"activation header from rank {src}")
                 head = self._decode(early.buf, early.expected, src)
                 buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
-                self._early[src] = _Early(self._start([buf], src), buf, head, True)
+                self._early[src] = _Early(self._start([buf], src)[0], buf, head, True)
 
     def receive_activation(
         self, src: int, what: str, expected: Expected
@@ -193,13 +230,21 @@ class Link:
             self._wait(early.work, f"{what} from rank {src}")
             return early.head, early.buf
         if early is None:
-            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
-            work = self._start([buf], src)
+            early = self._post_header(src, expected)
         else:
-            work, buf = early.work, early.buf
             self.post()
-        self._wait(work, f"{what} header from rank {src}")
-        head = self._decode(buf, expected, src)
+        self._wait(early.work, f"{what} header from rank {src}")
+        self._orphans.append(early)  # a refused header leaves its guess posted: keep its buffer
+        head = self._decode(early.buf, expected, src)
+        self._orphans.pop()
+        if self.ahead:
+            self._recv_shape[src] = (head.shape, head.dtype)
+        if early.guess is not None:
+            work, buf = early.guess
+            self._wait(work, f"{what} from rank {src}")
+            if (tuple(buf.shape), buf.dtype) == (head.shape, head.dtype):
+                return head, buf
+            # the shape changed: what arrived is the sender's filler; the tensor follows
         return head, self.recv(head.shape, head.dtype, src, what)
 
     def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
@@ -216,29 +261,58 @@ class Link:
             self._wait(early.work, f"{what} from rank {src}")
             return early.buf
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        self._wait(self._start([buf], src), f"{what} from rank {src}")
+        self._wait(self._start([buf], src)[0], f"{what} from rank {src}")
         return buf
 
     def flush(self) -> None:
         """Wait for every send. Sync point: the receiving stages."""
         self.post()
+        if self._sends is not None:
+            failed = self._sends.drain()
+            if failed is not None:
+                raise self._error(*failed)
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
 
-    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> dist.Work | None:
-        """Post the queued sends and (at most one) receive into ``recv_bufs`` in one batch;
-        return the receive's work."""
+    def held(self) -> Held:
+        """The sends posted and not yet complete, and the most at once since ``reset_peak``
+        (on NCCL: those not complete now, without a peak)."""
+        if self._sends is not None:
+            return self._sends.held()
+        live = [t for w, t, _ in self._pending if not w.is_completed()]
+        nbytes = sum(t.numel() * t.element_size() for t in live)
+        return Held(len(live), nbytes, len(live), nbytes)
+
+    def reset_peak(self) -> None:
+        if self._sends is not None:
+            self._sends.reset_peak()
+
+    def __del__(self) -> None:  # the waiter threads end with the link
+        sends = getattr(self, "_sends", None)
+        if sends is not None:
+            sends.close()
+
+    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> list[dist.Work]:
+        """Post the queued sends and the receives into ``recv_bufs`` (from ``src``, in that
+        order) in one batch; return the receives' works."""
+        failed = self._sends.failure() if self._sends is not None else None
+        if failed is not None:
+            raise self._error(*failed)
         if len(self._pending) > 8:
             self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
-        ops = [op for op, _ in self._queued] + [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
+        ops = [op for op, _, _ in self._queued]
+        ops += [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
         if not ops:
-            return None
+            return []
         works = dist.batch_isend_irecv(ops)
-        for (op, what), work in zip(self._queued, works, strict=False):
-            self._pending.append((work, op.tensor, what))
+        for (op, dst, what), work in zip(self._queued, works, strict=False):
+            if self._sends is not None:
+                self._sends.add(work, op.tensor, dst, what)
+            else:
+                self._pending.append((work, op.tensor, what))
         self._queued = []
-        return works[-1] if recv_bufs else None
+        return works[len(works) - len(recv_bufs) :]
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

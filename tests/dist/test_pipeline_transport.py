@@ -1,0 +1,137 @@
+"""What a pipeline stage holds for its peers stays within the schedule's in-flight bound.
+
+Over Gloo a send reports complete only once it is waited on; a transport that polled for
+completion kept every tensor it sent until the step ended (two sends per activation, one per
+gradient: 3 x micro-batches). ``Link.held()`` counts the sends posted and not yet complete,
+and their bytes, at their peak during a step. Under 1F1B a stage at position p has at most
+``S - p`` micro-batches in flight (S stages): its activations the next stage has not asked for
+and its gradients the previous stage has not asked for are among those, so the peak may not
+grow with the number of micro-batches. Checked at 2 and 3 stages, 4 and 16 micro-batches.
+
+Each stage sleeps a few milliseconds in its forward (the sleep lets other threads run), so that
+the thread that waits on sends is never starved for a whole action on a loaded machine: the
+count is then the transport's, not the scheduler's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import rankwise as rw
+from rankwise.pipeline.execution import p2p
+from rankwise.testing import run_distributed
+
+WIDTH, ROWS = 64, 2  # one activation: ROWS x WIDTH float32
+ACT_BYTES = ROWS * WIDTH * 4
+HEADER_BYTES = p2p.HEADER_LEN * 8
+
+
+class _Sleep(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.004)
+        return x
+
+
+def _model(stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(stages):
+        layers += [nn.Linear(WIDTH, WIDTH), _Sleep()]
+    return nn.Sequential(*layers)
+
+
+def _peaks(stages: int, chunk_counts: tuple[int, ...]) -> dict:
+    pipe = rw.DistributedPipeline(_model(stages), chunks=max(chunk_counts), schedule="1f1b",
+                                  balance=[2] * stages)  # fmt: skip
+    out = {}
+    for m in chunk_counts:
+        pipe.chunks = m
+        x = torch.randn(ROWS * m, WIDTH)
+        pipe._link.reset_peak()
+        pipe.train_step(x, torch.zeros(ROWS * m, WIDTH), nn.functional.mse_loss)
+        held = pipe._link.held()
+        assert (held.sends, held.bytes) == (0, 0)  # the step waited for every send
+        out[m] = (held.peak_sends, held.peak_bytes)
+    return {"position": pipe.stage_index, "peaks": out}
+
+
+def _bound(stages: int, p: int) -> tuple[int, int]:
+    """(sends, bytes) position ``p`` may hold: its in-flight activations to the next stage
+    (each a header and a tensor) and gradients to the previous stage (the one being read, plus
+    the in-flight count), one message more each way for the send that completes now."""
+    in_flight = stages - p
+    acts = in_flight + 1 if p < stages - 1 else 0
+    grads = in_flight + 1 if p > 0 else 0
+    return 2 * acts + grads, acts * (ACT_BYTES + HEADER_BYTES) + grads * ACT_BYTES
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_sends_held_across_a_1f1b_step_stay_within_the_in_flight_bound(stages):
+    counts = (4, 16)
+    results = run_distributed(_peaks, stages, args=(stages, counts), timeout=180)
+    print({r["position"]: r["peaks"] for r in results})
+    for r in results:
+        max_sends, max_bytes = _bound(stages, r["position"])
+        for m in counts:
+            sends, nbytes = r["peaks"][m]
+            assert 1 <= sends <= max_sends, (stages, r["position"], m, sends, max_sends)
+            assert nbytes <= max_bytes, (stages, r["position"], m, nbytes, max_bytes)
+
+
+SHAPES = [(3, 4), (3, 4), (2, 4), (2, 4), (3, 4), (5,), (5,), (1, 2, 3), (3, 4)]
+DTYPES = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32,
+          torch.int64, torch.int64, torch.bfloat16, torch.float32]  # fmt: skip
+
+
+def _sequence() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(s, generator=g) * 100).to(d) for s, d in zip(SHAPES, DTYPES, strict=True)]
+
+
+def _relays() -> dict:
+    return {every: _relay(every) for every in AHEAD_EVERY}  # one job: start-up paid once
+
+
+AHEAD_EVERY = (1, 2, 100)
+
+
+def _relay(ahead_every: int) -> list:
+    """Rank 0 sends the sequence as activations; rank 1 reads them, posting the receive
+    ahead (``expect``) for every ``ahead_every``-th one, and sends each back as a gradient."""
+    from datetime import timedelta
+
+    rt = rw.get_runtime()
+    link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
+    n = len(SHAPES)
+    got = []
+    for i, t in enumerate(_sequence()):
+        if rt.rank == 0:
+            link.send(t, 1, "activation", p2p.Header(i, n, t.dtype, tuple(t.shape)))
+            link.post()
+            got.append(link.recv(tuple(t.shape), t.dtype, 1, "gradient").clone())
+        else:
+            expected = p2p.Expected("stage 0 (rank 0)", i, n)
+            if i % ahead_every == 0:
+                link.expect(0, None, expected)
+            head, x = link.receive_activation(0, "activation", expected)
+            assert (head.shape, head.dtype) == (tuple(x.shape), x.dtype)
+            got.append(x.clone())
+            link.send(x, 0, "gradient", None)
+    link.flush()
+    return [t.float().numpy() for t in got]
+
+
+def test_activations_whose_shape_and_dtype_change_arrive_intact():
+    # shapes and dtypes change between consecutive activations (the receive posted with the
+    # header, shaped as the last one, then takes the sender's filler) and stay the same;
+    # receives posted ahead for every activation, every other one, none
+    want = [t.float().numpy() for t in _sequence()]
+    for by_every in run_distributed(_relays, 2, timeout=120):
+        for every, got in by_every.items():
+            assert len(got) == len(want), every
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert a.shape == b.shape and (a == b).all(), (every, i)
