@@ -233,6 +233,8 @@ def init(
     timeout_td = as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         rt = _adopt_existing(env, device, timeout_td, kind)
+        if timeout is not None:  # else the groups made later take the user's group's own
+            process_group.adopt_timeout(timeout_td)
         the_plan, grid = plan(strategy, devices, rt.env, device), _layout(mesh, rt.env)
         _current = _with_plan(rt, the_plan, policy, grid)
         return _current

@@ -21,6 +21,8 @@ to tell a lone copy of a script from a rank, docs/launcher.md)."""
 
 _destroyed = {"groups": 0}
 """Process groups this process created and destroyed (each rank counts the same)."""
+_timeout: dict[str, timedelta | None] = {"job": None}
+"""The timeout the default group was made with (``create``), or adopted with (``rw.init``)."""
 
 
 def create(
@@ -28,6 +30,7 @@ def create(
 ) -> None:
     """Create the default process group with ``backend``. Sync point: all ranks."""
     global joined_a_group
+    _timeout["job"] = timeout
     if "gloo" in backend:
         netif.point_gloo_at(env.master_addr)
     if debug:  # read when the group is created; the env var reaches the ranks' own children
@@ -57,11 +60,40 @@ def create(
     joined_a_group = True
 
 
+def adopt_timeout(timeout: timedelta) -> None:
+    """The job's timeout for a default group made outside ``create`` (``rw.init`` adopting
+    the user's): the groups rankwise makes later get it."""
+    _timeout["job"] = timeout
+
+
+def job_timeout() -> timedelta:
+    """The job's timeout: ``rw.init``'s, else the default group's own, else the default."""
+    if _timeout["job"] is not None:
+        return _timeout["job"]
+    try:  # a group made with torch alone: its backend's options hold its timeout
+        import torch
+
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # no group, or a backend without options: rankwise's default
+        return timedelta(seconds=envmod.DEFAULT_TIMEOUT_S)
+
+
+def new_group(ranks: list[int] | None = None, **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group`` with the job's timeout unless ``timeout`` is given: torch's own
+    default is 30 minutes whatever the job asked for, so a group made without one would
+    outwait the stall report and the job's timeout alike (every group rankwise makes is made
+    here). Sync point: as ``dist.new_group`` (the members, or every rank)."""
+    if kwargs.get("timeout") is None:
+        kwargs["timeout"] = job_timeout()
+    return dist.new_group(ranks, **kwargs)
+
+
 def destroy() -> None:
     """Destroy the default group (local, no sync point); a later ``create`` uses fresh keys."""
     if dist.is_initialized():
         dist.destroy_process_group()
         _destroyed["groups"] += 1
+    _timeout["job"] = None
 
 
 def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
