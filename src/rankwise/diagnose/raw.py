@@ -112,6 +112,8 @@ class Stall(NamedTuple):
 
     text: str | None
     deadlocked: bool
+    missing: tuple[int, ...] = ()
+    """The ranks in no collective (stuck elsewhere), when the job ends on the report."""
 
 
 def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) -> bool:
@@ -130,7 +132,8 @@ def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) 
 
 
 def report(
-    me: int, world: int, states: dict[int, Any], now: float, interval: float, ending: bool = False
+    me: int, world: int, states: dict[int, Any], now: float, interval: float, ending: bool = False,
+    waits: bool = True,
 ) -> str:
     """The stall report over every rank's heartbeat (``states``: rank -> heartbeat or None).
     ``ending``: the ranks are deadlocked and the job ends now, not at the timeout."""
@@ -143,12 +146,15 @@ def report(
         why = "The ranks are in different collectives (a mismatch: they can never match up)"
     else:
         why = "Every rank is in the same collective (a slow rank, or a mismatch of shapes)"
-    after = (
-        "(rankwise ends the job now: waiting for the timeout would change nothing; --debug "
-        "makes torch check each collective)"
-        if ending
-        else "(the job keeps waiting until the timeout; --debug makes torch check each collective)"
-    )
+    if ending:
+        after = ("(rankwise ends the job now: waiting for the timeout would change nothing; "
+                 "--debug makes torch check each collective)")  # fmt: skip
+    elif waits:
+        after = ("(the job keeps waiting until the timeout, as RANKWISE_ON_STALL=wait asks; "
+                 "--debug makes torch check each collective)")  # fmt: skip
+    else:
+        after = ("(rankwise ends the job now; RANKWISE_ON_STALL=wait waits for the timeout "
+                 "instead; --debug makes torch check each collective)")  # fmt: skip
     return (
         f"rankwise: [rank {me}] stall in a torch.distributed collective: {'; '.join(parts)}. "
         f"{why}.\nFix: every rank must call the same torch.distributed collectives in the same "
@@ -157,7 +163,7 @@ def report(
 
 
 def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: int,
-          interval: float, limit: float) -> Stall | None:  # fmt: skip
+          interval: float, limit: float, waits: bool = True) -> Stall | None:  # fmt: skip
     """Print the report once per stuck call, from the lowest rank stuck in a raw collective,
     and look again at every heartbeat after it: once the ranks are deadlocked, that rank says
     so (``DEADLOCK_KEY``) and every rank ends."""
@@ -177,7 +183,12 @@ def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: i
     ending = deadlocked(states, world, now, interval)
     if not first and not ending:
         return None  # reported already, and not (yet) certain
-    text = report(rank, world, states, now, interval, ending)
+    text = report(rank, world, states, now, interval, ending, waits)
+    if not ending and not waits:  # the stall report ends the job (stall.py)
+        print(text, file=sys.stderr, flush=True)
+        channel.set(DEADLOCK_KEY, str(rank))
+        outside = tuple(r for r in range(world) if not (states.get(r) or {}).get("raw"))
+        return Stall(text, True, outside)
     print(text if first else f"rankwise: [rank {rank}] the stall reported above is a deadlock: "
           "every rank is blocked in a call that can never complete.", file=sys.stderr,
           flush=True)  # fmt: skip

@@ -371,6 +371,20 @@ def stall_report_s(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def stall_waits(environ: Mapping[str, str] | None = None) -> bool:
+    """``RANKWISE_ON_STALL``: 'end' (default) ends the job after a stall report; 'wait' waits
+    for the timeout."""
+    e = os.environ if environ is None else environ
+    raw = e.get("RANKWISE_ON_STALL", "").strip().lower()
+    if raw not in ("", "end", "wait"):
+        raise EnvError(
+            f"RANKWISE_ON_STALL={raw!r} is not 'end' or 'wait'",
+            fix="set RANKWISE_ON_STALL=end (the default: a stall report ends the job) or "
+            "RANKWISE_ON_STALL=wait (wait up to the timeout).",
+        )
+    return raw == "wait"
+
+
 def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     """``RANKWISE_RANK_PREFIX=1``: the launcher prefixes every output line with the rank."""
     e = os.environ if environ is None else environ

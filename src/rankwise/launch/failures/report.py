@@ -126,7 +126,7 @@ class JobFailed(DistributedError):
             return (
                 f"look at where rank(s) {who} were (the diagnosis names the file and line; "
                 f"their output lines start with [rank{self.blamed[0]}]:): the other ranks "
-                "waited for them until the timeout."
+                "waited for them until the timeout (or the stall report ended the job)."
             )
         if diagnosis_fix:
             return diagnosis_fix
