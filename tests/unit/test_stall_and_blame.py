@@ -182,3 +182,13 @@ def test_a_frozen_rank_that_issued_later_collectives_is_not_said_to_miss_this_on
     assert stall_report(0, _AR, behind, 55.0, 300.0)[0].startswith(
         "stall: rank(s) 1 have not reached all_reduce #5"
     )
+
+
+@pytest.mark.parametrize(("raw", "waits"), [("", False), ("end", False), ("WAIT", True), (" wait ", True)])
+def test_on_stall_from_the_environment(raw, waits):
+    assert envmod.stall_waits({"RANKWISE_ON_STALL": raw}) is waits
+
+
+def test_a_bad_on_stall_is_refused_naming_the_value_and_the_choices():
+    with pytest.raises(EnvError, match=r"RANKWISE_ON_STALL='linger'.*'end' or 'wait'"):
+        envmod.stall_waits({"RANKWISE_ON_STALL": "linger"})
