@@ -22,6 +22,8 @@ to tell a lone copy of a script from a rank, docs/launcher.md)."""
 _destroyed = {"groups": 0}
 """Process groups this process created and destroyed (each rank counts the same)."""
 _timeout: dict[str, timedelta | None] = {"job": None}
+_kept: dict[str, dist.Store | None] = {"store": None}
+"""The store of this process's first group made through torch's ``env://`` (``create``)."""
 """The timeout the default group was made with (``create``), or adopted with (``rw.init``)."""
 
 
@@ -58,6 +60,10 @@ def create(
             rank=env.rank,
         ) from exc
     joined_a_group = True
+    if _kept["store"] is None and not env.agent_store:
+        # torch's env:// store: rank 0 hosts it. Kept for the process's life, so that rank 0's
+        # server outlives this group and a later rw.init meets there again, under a new prefix.
+        _kept["store"] = dist.distributed_c10d._get_default_store()
 
 
 def adopt_timeout(timeout: timedelta) -> None:
@@ -104,7 +110,13 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     the new ranks' and the connection refused; a prefix per attempt keeps attempts apart.
     """
     if not env.agent_store:
-        return {"init_method": "env://"}
+        if _destroyed["groups"] == 0 or _kept["store"] is None:
+            return {"init_method": "env://"}
+        # A group made again (rw.shutdown(), rw.init()) where rank 0 hosts the store (a c10d job
+        # across hosts, torchrun's env://): the first group's keys (its Gloo addresses, the
+        # ranks that "finished") are still there and would be read as this group's: the job
+        # hung in the second rw.init, then blamed the user's code. The same store, a new prefix.
+        return {"store": dist.PrefixStore(f"/rankwise/init_{_destroyed['groups']}", _kept["store"])}
     store = dist.TCPStore(
         env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
     )
