@@ -101,3 +101,45 @@ def test_on_stall_wait_keeps_waiting_until_the_timeout(tmp_path):
     stall = err.index("[rank 0] stall: rank(s) 1 have not reached all_reduce")
     assert "as RANKWISE_ON_STALL=wait asks; it fails at the timeout of 15s" in err[stall:]
     assert "Timed out waiting" in err[stall:] or "timed out" in err[stall:].lower(), err[-3000:]
+
+
+LOADER_FOREVER = textwrap.dedent("""
+    # Every rank's DataLoader worker hangs in __getitem__ after writing its pid.
+    import os, time, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Stuck(Dataset):
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            with open(f"worker{os.environ['RANK']}", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+
+    for x in DataLoader(Stuck(), batch_size=2, num_workers=1):
+        pass
+""")
+
+
+def test_loader_workers_stuck_in_getitem_die_with_a_sigkilled_launcher(tmp_path):
+    (tmp_path / "forever.py").write_text(LOADER_FOREVER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "forever.py"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        files = [tmp_path / "worker0", tmp_path / "worker1"]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and launcher.poll() is None, "no loader worker"
+            time.sleep(0.1)
+        workers = [int(f.read_text()) for f in files]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 10  # the kernel's SIGKILL, twice over: a liveness bound
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [w for w in workers if alive(w)] == [], "loader workers outlived the launcher"
+    finally:
+        launcher.kill()
+        _kill_left(tmp_path)

@@ -204,6 +204,8 @@ def announce_raised(exc: BaseException) -> None:
     if _clean_exit(exc) or _ENDED["raised"]:
         return
     _ENDED["raised"] = True
+    if getattr(exc, "waited_for", None):  # a failed collective others caused: not a cause
+        return
     try:
         if not dist.is_initialized():
             return
