@@ -293,12 +293,13 @@ def _naming(c: Cell, head: str, victim: int, last: int) -> list[str]:
     return []
 
 
-def sample(n: int, seed: int) -> list[Cell]:
-    """``n`` cells that run (no rule skips them), drawn with ``seed``: one per fault first."""
+def sample(n: int, seed: int, max_world: int | None = None) -> list[Cell]:
+    """``n`` cells that run (no rule skips them), drawn with ``seed``: one per fault first;
+    ``max_world``: only jobs of at most that many ranks (a CI machine's cores)."""
     import random
 
     rng = random.Random(seed)
-    runnable = [c for c in CELLS if rule(c) is None]
+    runnable = [c for c in CELLS if rule(c) is None and c.world <= (max_world or c.world)]
     by_fault = {f: [c for c in runnable if c.fault == f] for f in FAULTS}
     picked = [rng.choice(cells) for cells in by_fault.values() if cells]
     rng.shuffle(picked)
