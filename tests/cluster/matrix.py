@@ -216,6 +216,7 @@ def _drive(c: Cell, folder: Path, cluster: Cluster | None, launchers) -> dict:
         if c.fault == "launcher_sigkill":
             time.sleep(1.0)  # the worker is inside __getitem__ now
             launchers[-1].proc.send_signal(signal.SIGKILL)
+            begin = time.monotonic()  # the times count from the kill
     if c.fault in ("stuck", "link_cut"):
         said = _wait(lambda: any("stall" in la.stderr for la in launchers), REPORT_S + 120)
         facts["report_s"] = None if said is None else round(time.monotonic() - begin, 2)

@@ -41,22 +41,30 @@ OPS = frozenset(
 """``torch.distributed`` functions that wait for other ranks."""
 
 
+PIPELINE_WAIT = (os.path.join(RANKWISE, "pipeline", "execution", "p2p.py"), "_wait")
+"""Where a pipeline stage waits for its peer's activations or gradients (a point-to-point
+receive no fingerprint records): watched as a raw ``recv`` from the user's call site."""
+
+
 def find(frame: Any) -> tuple[str, Site, int] | None:
     """(op, user call site, id of the op's frame) when ``frame``'s stack is inside a
-    ``torch.distributed`` collective called by user code; None otherwise (rankwise's own
-    collectives are fingerprinted, and reported by ``stall``)."""
-    op_frame = None
+    ``torch.distributed`` collective called by user code, or a pipeline stage's receive;
+    None otherwise (rankwise's own collectives are fingerprinted, and reported by ``stall``)."""
+    op_frame, op, through_rankwise = None, "", False
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith(TORCH):  # torch's own callers (its DDP) are not the site
-            if code.co_filename.startswith(C10D) and code.co_name in OPS:
-                op_frame = frame  # the outermost: all_gather_object, not the all_gather inside
+            if code.co_filename.startswith(C10D) and code.co_name in OPS and not through_rankwise:
+                op_frame, op = frame, code.co_name  # the outermost: all_gather_object, ...
+        elif (code.co_filename, code.co_name) == PIPELINE_WAIT:
+            op_frame, op, through_rankwise = frame, "recv", True
         elif op_frame is not None:
             if code.co_filename.startswith(RANKWISE):
-                return None
-            if not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools, ...
+                if not through_rankwise:
+                    return None
+            elif not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools...
                 site = Site(code.co_filename, frame.f_lineno, code.co_name)
-                return op_frame.f_code.co_name, site, id(op_frame)
+                return op, site, id(op_frame)
         frame = frame.f_back
     return None
 

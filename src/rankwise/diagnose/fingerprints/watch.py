@@ -114,7 +114,8 @@ def _overdue() -> None:
                           stall.after_s(), stall.waits())  # fmt: skip
         if found is not None and found.deadlocked:
             if found.missing:  # ranks in user code: they end through the stall's key
-                note = json.dumps({"rank": wd.rank, "missing": list(found.missing)})
+                note = json.dumps({"rank": wd.rank, "missing": list(found.missing),
+                                   "node": wd.node, "msg": (found.text or "")[:1000]})  # fmt: skip
                 wd.own.set_bounded(stall.END_KEY, note, 2.0)
             _end_deadlocked(wd.rank, found.text, found.missing)
     limit = STATE.timeout_s() - 2 * STATE.interval()
