@@ -143,3 +143,31 @@ def test_loader_workers_stuck_in_getitem_die_with_a_sigkilled_launcher(tmp_path)
     finally:
         launcher.kill()
         _kill_left(tmp_path)
+
+
+MATRIX_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "matrix_train.py")
+
+
+@pytest.mark.parametrize("strategy", ["mesh", "pipeline"])
+def test_a_stuck_rank_beside_tensor_or_pipeline_peers_is_reported_and_the_job_ends(
+    tmp_path, strategy
+):
+    """Their collectives were invisible to the stall report (tensor parallel's all-reduces;
+    a pipeline stage's receive): the job waited for the timeout, then blamed the waiting rank.
+    Timeout 300 s, bound 150 s: ending at all means ending on the report."""
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", MATRIX_SCRIPT,
+           str(tmp_path), "--strategy", strategy, "--per-host", "2", "--fault", "stuck",
+           "--victim", "1", "--at", "4", "--timeout", "300"]  # fmt: skip
+    env = {**os.environ, "RANKWISE_STALL_REPORT_S": "3"}
+    try:
+        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150,
+                                env=env)  # fmt: skip
+    finally:
+        for path in tmp_path.glob("loader*-*"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(path.name.rsplit("-", 1)[1]), signal.SIGKILL)
+    err = result.stderr
+    assert result.returncode == 1, err[-3000:]
+    assert "rankwise ends the job now" in err, err[-3000:]
+    summary = err[err.rindex("rankwise run:") :]
+    assert summary.startswith("rankwise run: rank(s) 1 never reached"), summary
