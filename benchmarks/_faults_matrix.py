@@ -43,6 +43,18 @@ def _order(seed: int) -> list[matrix.Cell]:
     return order
 
 
+def budget(budget_s: float, until: str | None) -> float:
+    """Seconds to go on starting cells: ``budget_s``, cut to the UTC time ``until`` (HH:MM)."""
+    if until is None:
+        return budget_s
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    hour, minute = (int(x) for x in until.split(":"))
+    end = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    return max(0.0, min(budget_s, (end - now).total_seconds()))
+
+
 def _times(results: list[dict], key: str, promise: float) -> dict:
     values = [r[key] for r in results if r.get(key) is not None]
     if not values:

@@ -269,13 +269,17 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=3600.0,
                         help="--matrix: start no cell after this many seconds (the rest: not run)")
     parser.add_argument("--parallel", type=int, default=3, help="--matrix: cells at a time")
+    parser.add_argument("--until", default=None,
+                        help="--matrix: start no cell after this UTC time (HH:MM), whenever the "
+                        "run began (it may wait for the benchmark lock)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="--matrix: the order of the cells")
     args = parser.parse_args()
     if args.matrix:
         import _faults_matrix  # beside this script
 
         out = Path(args.out) if args.out else _faults_matrix.OUT
-        report = _faults_matrix.run(args.budget_s, args.parallel, args.seed, out)
+        budget = _faults_matrix.budget(args.budget_s, args.until)
+        report = _faults_matrix.run(budget, args.parallel, args.seed, out)
         print(json.dumps({k: report.get(k) for k in ("counts", "times", "load")}, indent=1))
         return
     random.seed(0)

@@ -66,9 +66,9 @@ def create(
         _kept["store"] = dist.distributed_c10d._get_default_store()
 
 
-def adopt_timeout(timeout: timedelta) -> None:
+def adopt_timeout(timeout: timedelta | None) -> None:
     """The job's timeout for a default group made outside ``create`` (``rw.init`` adopting
-    the user's): the groups rankwise makes later get it."""
+    the user's): the groups rankwise makes later get it (None: the user's group's own)."""
     _timeout["job"] = timeout
 
 
