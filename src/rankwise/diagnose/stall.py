@@ -95,21 +95,33 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             fix = nodes.unreachable_fix(missed)
         elif waiting and g.global_rank != min(waiting):
             continue  # one report per stall, from the lowest waiting rank
+        waiting_by_design = _long_by_design(e.record())
         text = f"rankwise: [rank {g.global_rank}] {msg}\nFix: {fix}\n" + (
             f"(the job keeps waiting, as RANKWISE_ON_STALL=wait asks; it fails at the timeout "
             f"of {timeout:.0f}s unless the missing rank(s) arrive)"
             if waits()
+            else f"(the job keeps waiting: a checkpoint's write may take this long; it fails at "
+            f"the timeout of {timeout:.0f}s unless the missing rank(s) arrive)"
+            if waiting_by_design
             else "(rankwise ends the job now, every rank with exit code 1; RANKWISE_ON_STALL="
             f"wait waits instead, up to the timeout of {timeout:.0f}s)"
         )
         print(text, file=sys.stderr, flush=True)
-        if not waits():
+        if not waits() and not waiting_by_design:
             lost = nodes.lost_nodes(views)
             gather.write_diag_file(g.global_rank, msg, fix, missing, lost=lost,
                                    unreachable=missed, node=node)  # fmt: skip
             _end_job(watchdog, g.global_rank, missing, interval, msg)
         return text
     return None
+
+
+def _long_by_design(pending: Any) -> bool:
+    """A collective that waits for a checkpoint's write (rank 0 writing a large file while the
+    others wait for its status): a long wait there is no stall, so it never ends the job (a
+    rank that dies meanwhile still fails it)."""
+    label = (getattr(pending, "label", None) or "").lower()
+    return "checkpoint" in label or "save" in label
 
 
 def _end_job(watchdog: Any, rank: int, missing: list[int], interval: float, msg: str) -> None:
