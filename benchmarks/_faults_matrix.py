@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cluster import matrix, unavailable
 
 OUT = Path(__file__).resolve().parent / "results" / "fault_matrix.json"
+STOPS = ("crash", "host_killed", "launcher_sigkill")  # stop_s: from the fault to all ended
+COMPLETES = ("cut_healed", "slow_link", "reinit")  # stop_s: from the fault to the job's end
 
 
 def _order(seed: int) -> list[matrix.Cell]:
@@ -55,12 +57,13 @@ def budget(budget_s: float, until: str | None) -> float:
     return max(0.0, min(budget_s, (end - now).total_seconds()))
 
 
-def _times(results: list[dict], key: str, promise: float) -> dict:
+def _times(results: list[dict], key: str, promise: float | None) -> dict:
     values = [r[key] for r in results if r.get(key) is not None]
     if not values:
         return {"n": 0}
+    over = None if promise is None else sum(v > promise for v in values)
     return {"n": len(values), "max": max(values), "median": round(statistics.median(values), 2),
-            "promise": promise, "over_promise": sum(v > promise for v in values)}  # fmt: skip
+            "promise": promise, "over_promise": over}  # fmt: skip
 
 
 def run(budget_s: float, parallel: int, seed: int, out: Path = OUT) -> dict:
@@ -117,7 +120,10 @@ def _report(results, not_run, loads, wall_s, seed, parallel) -> dict:
                    "skipped_on_this_machine": len(results) - len(ran),
                    "not_run": len(not_run)},
         "by_fault": by_fault,
-        "times": {"stop_s": _times(ran, "stop_s", matrix.STOP_S),
+        "times": {"stop_s": _times([r for r in ran if r["cell"]["fault"] in STOPS], "stop_s",
+                                   matrix.STOP_S),
+                  "complete_s": _times([r for r in ran if r["cell"]["fault"] in COMPLETES],
+                                       "stop_s", None),
                   "report_s": _times(ran, "report_s", matrix.REPORT_S),
                   "end_after_report_s": _times(ran, "end_after_report_s", matrix.STOP_S)},
         "settings": {"RANKWISE_STALL_REPORT_S": matrix.STALL_S, "timeout_s": matrix.TIMEOUT_S,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -295,7 +296,10 @@ def _naming(c: Cell, body: str, victim: int, last: int) -> list[str]:
         ok = f"rank(s) {victim} never reached" in head or f"rank {victim}" in head
         return [] if ok else [f"headline does not name the stuck rank {victim}: {head!r}"]
     if c.fault in ("host_killed", "link_cut", "launcher_sigkill"):
-        ok = f"node {last}" in head or "node 0" in head or f"rank {victim}" in head
+        lost = set(range(last * c.per_host, c.world))  # the last host's ranks
+        named = {int(r) for r in re.findall(r"\d+", head.split(" never reached", 1)[0])}
+        ok = f"node {last}" in head or "node 0" in head or f"rank {victim}" in head or (
+            "never reached" in head and named and named <= lost)
         return [] if ok else [f"headline names no lost node or rank: {head!r}"]
     return []
 

@@ -161,6 +161,6 @@ def follow(watchdog: Any, rank: int) -> None:
     fix = f"look at where rank(s) {who} were (the stall report on rank {reporter})."
     node = getattr(watchdog, "node", None)
     gather.write_diag_file(rank, msg, fix, missing, node=node)
-    if node is not None and note.get("node") == node:
-        time.sleep(3.0)
+    if (node is not None and note.get("node") == node) or rank in missing:
+        time.sleep(3.0)  # the reporter (or a rank that waited) is quoted, not the missing one
     _exit(rank, f"(rank {reporter} reported a stall: rank(s) {who} never arrived)")
