@@ -45,6 +45,8 @@ Each fault is injected ``trials`` times into a small real job and the outcome is
   truth (``misblamed``: a headline that does not name the rank that raised, or blames one
   that did not fail; ``noisy``: Gloo's noise, caret lines, more than one Fix; ``opened``: a
   file a peer named was opened), and how soon a raw deadlock or a deaf worker ends.
+- ``--matrix`` (benchmarks/_faults_matrix.py, root only): the fault matrix, every fault crossed
+  with topology, bucket size and strategy; benchmarks/results/fault_matrix.json.
 - ``node_killed``, ``node_killed_mid_save``, ``link_cut``, ``link_healed``, ``node_replaced``
   (benchmarks/_faults_cluster.py, root only, run when named in ``--only``): several machines as
   network namespaces; a node killed, the link cut or healed, a node replaced.
@@ -261,7 +263,25 @@ def main() -> None:
                         help="RANKWISE_STALL_REPORT_S for the hang (default: rankwise's, 50)")  # fmt: skip
     parser.add_argument("--only", nargs="*", default=None, help="run only these faults")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--matrix", action="store_true",
+                        help="run the fault matrix instead (benchmarks/_faults_matrix.py; root) "
+                        "into benchmarks/results/fault_matrix.json")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=3600.0,
+                        help="--matrix: start no cell after this many seconds (the rest: not run)")
+    parser.add_argument("--parallel", type=int, default=3, help="--matrix: cells at a time")
+    parser.add_argument("--until", default=None,
+                        help="--matrix: start no cell after this UTC time (HH:MM), whenever the "
+                        "run began (it may wait for the benchmark lock)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="--matrix: the order of the cells")
     args = parser.parse_args()
+    if args.matrix:
+        import _faults_matrix  # beside this script
+
+        out = Path(args.out) if args.out else _faults_matrix.OUT
+        budget = _faults_matrix.budget(args.budget_s, args.until)
+        report = _faults_matrix.run(budget, args.parallel, args.seed, out)
+        print(json.dumps({k: report.get(k) for k in ("counts", "times", "load")}, indent=1))
+        return
     random.seed(0)
     import _faults_more as more  # beside this script
     import _faults_report as reports  # beside this script

@@ -177,8 +177,9 @@ def choose_backend(device: torch.device, backend: str | None = None) -> str:
     return backend
 
 
-def _adopt_existing(env: DistEnv, device, timeout: timedelta, kind: type[R]) -> R:
-    """The user (or another library) already called ``init_process_group``: use it."""
+def _adopt_existing(env: DistEnv, device, timeout: timedelta, kind: type[R], asked: bool) -> R:
+    """The user already called ``init_process_group``: use it (``asked``: ``timeout`` too)."""
+    process_group.adopt_timeout(timeout if asked else None)
     world = dist.get_world_size()
     rank = dist.get_rank()
     if (world, rank) != (env.world_size, env.rank):
@@ -232,7 +233,7 @@ def init(
     env = envmod.detect() if env is None else env
     timeout_td = as_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
-        rt = _adopt_existing(env, device, timeout_td, kind)
+        rt = _adopt_existing(env, device, timeout_td, kind, timeout is not None)
         the_plan, grid = plan(strategy, devices, rt.env, device), _layout(mesh, rt.env)
         _current = _with_plan(rt, the_plan, policy, grid)
         return _current

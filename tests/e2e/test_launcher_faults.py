@@ -151,7 +151,8 @@ HANGING = textwrap.dedent("""
 
 def test_a_hang_is_reported_early_and_blamed_on_the_missing_rank(tmp_path):
     (tmp_path / "hang.py").write_text(HANGING)
-    env = {**os.environ, "RANKWISE_STALL_REPORT_S": "3"}
+    # wait: the report leaves the job waiting for its timeout (test_stall_ends_job: the default)
+    env = {**os.environ, "RANKWISE_STALL_REPORT_S": "3", "RANKWISE_ON_STALL": "wait"}
     cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "2", "hang.py"]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     err = result.stderr

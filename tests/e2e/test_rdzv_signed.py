@@ -134,8 +134,15 @@ def test_nodes_with_different_tokens_do_not_meet_and_say_why(tmp_path):
     _, err = second.communicate(timeout=180)
     assert second.returncode != 0 and repr(KEY) in err, err[-3000:]
     assert "signature that does not match" in err or "not signed" in err, err[-3000:]
-    first.kill()
-    first.communicate()
+    # The node holding the store stops too (it waited for the whole --rdzv-timeout before).
+    try:
+        _, first_err = first.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        first.kill()
+        first.communicate()
+        pytest.fail("the node holding the store did not stop on the token mismatch")
+    assert first.returncode != 0, first_err[-3000:]
+    assert "different --rdzv-token" in first_err and repr(KEY) in first_err, first_err[-3000:]
 
 
 def _wait_for_store(port: int, job: subprocess.Popen, timeout: float = 60) -> None:
@@ -156,7 +163,7 @@ def _wait_for_store(port: int, job: subprocess.Popen, timeout: float = 60) -> No
 
 @pytest.mark.slow  # two launchers
 def test_without_a_token_a_forged_pickle_still_runs_nothing(tmp_path):
-    """Several nodes and no secret (a loopback endpoint, so no warning): the restricted
+    """Several nodes and no secret (a warning, even on loopback): the restricted
     unpickler alone refuses the state, naming the pickled global."""
     port = _free_port()
     nodes = [_job(tmp_path, port, "--nnodes", "2") for _ in range(2)]
@@ -168,10 +175,12 @@ def test_without_a_token_a_forged_pickle_still_runs_nothing(tmp_path):
     nodes[1].communicate()
 
 
-def test_the_warning_for_a_job_without_a_secret_on_a_network_address():
-    assert signed_rdzv.unsigned_warning("127.0.0.1:29400") == ""
-    assert signed_rdzv.unsigned_warning("localhost:29400") == ""
-    assert signed_rdzv.unsigned_warning("[::1]:29400") == ""
+def test_the_warning_for_a_job_without_a_secret_on_any_address():
+    for loopback in ("127.0.0.1:29400", "localhost:29400", "[::1]:29400"):
+        # torch's store listens on every address: a loopback endpoint is no protection
+        said = signed_rdzv.unsigned_warning(loopback)
+        assert f"at {loopback} is not signed" in said and "every address of this machine" in said
+        assert "RANKWISE_RDZV_TOKEN" in said
     text = signed_rdzv.unsigned_warning("10.0.0.1:29400")
     assert "10.0.0.1:29400" in text and "RANKWISE_RDZV_TOKEN" in text and "--rdzv-token" in text
     assert signed_rdzv.choose_secret("c10d", 2, None, b"new") is None  # so it warns

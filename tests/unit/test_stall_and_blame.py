@@ -182,3 +182,26 @@ def test_a_frozen_rank_that_issued_later_collectives_is_not_said_to_miss_this_on
     assert stall_report(0, _AR, behind, 55.0, 300.0)[0].startswith(
         "stall: rank(s) 1 have not reached all_reduce #5"
     )
+
+
+@pytest.mark.parametrize(("raw", "waits"), [("", False), ("end", False), ("WAIT", True), (" wait ", True)])
+def test_on_stall_from_the_environment(raw, waits):
+    assert envmod.stall_waits({"RANKWISE_ON_STALL": raw}) is waits
+
+
+def test_a_bad_on_stall_is_refused_naming_the_value_and_the_choices():
+    with pytest.raises(EnvError, match=r"RANKWISE_ON_STALL='linger'.*'end' or 'wait'"):
+        envmod.stall_waits({"RANKWISE_ON_STALL": "linger"})
+
+
+def test_a_wait_for_a_checkpoints_write_never_ends_the_job():
+    from rankwise.diagnose import stall
+
+    def rec(label):
+        return Record(seq=3, op="broadcast", sig="uint8[64]", label=label, site=None,
+                      state="waiting", digest=0)  # fmt: skip
+
+    assert stall._long_by_design(rec("checkpoint save status"))
+    assert stall._long_by_design(rec("sharded checkpoint writes"))
+    assert not stall._long_by_design(rec("gradient bucket 0"))
+    assert not stall._long_by_design(rec(None))

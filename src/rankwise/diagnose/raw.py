@@ -41,22 +41,30 @@ OPS = frozenset(
 """``torch.distributed`` functions that wait for other ranks."""
 
 
+PIPELINE_WAIT = (os.path.join(RANKWISE, "pipeline", "execution", "p2p.py"), "_wait")
+"""Where a pipeline stage waits for its peer's activations or gradients (a point-to-point
+receive no fingerprint records): watched as a raw ``recv`` from the user's call site."""
+
+
 def find(frame: Any) -> tuple[str, Site, int] | None:
     """(op, user call site, id of the op's frame) when ``frame``'s stack is inside a
-    ``torch.distributed`` collective called by user code; None otherwise (rankwise's own
-    collectives are fingerprinted, and reported by ``stall``)."""
-    op_frame = None
+    ``torch.distributed`` collective called by user code, or a pipeline stage's receive;
+    None otherwise (rankwise's own collectives are fingerprinted, and reported by ``stall``)."""
+    op_frame, op, through_rankwise = None, "", False
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith(TORCH):  # torch's own callers (its DDP) are not the site
-            if code.co_filename.startswith(C10D) and code.co_name in OPS:
-                op_frame = frame  # the outermost: all_gather_object, not the all_gather inside
+            if code.co_filename.startswith(C10D) and code.co_name in OPS and not through_rankwise:
+                op_frame, op = frame, code.co_name  # the outermost: all_gather_object, ...
+        elif (code.co_filename, code.co_name) == PIPELINE_WAIT:
+            op_frame, op, through_rankwise = frame, "recv", True
         elif op_frame is not None:
             if code.co_filename.startswith(RANKWISE):
-                return None
-            if not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools, ...
+                if not through_rankwise:
+                    return None
+            elif not internal(code.co_filename, ("<frozen",)):  # not contextlib, functools...
                 site = Site(code.co_filename, frame.f_lineno, code.co_name)
-                return op_frame.f_code.co_name, site, id(op_frame)
+                return op, site, id(op_frame)
         frame = frame.f_back
     return None
 
@@ -112,6 +120,8 @@ class Stall(NamedTuple):
 
     text: str | None
     deadlocked: bool
+    missing: tuple[int, ...] = ()
+    """The ranks in no collective (stuck elsewhere), when the job ends on the report."""
 
 
 def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) -> bool:
@@ -130,7 +140,8 @@ def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) 
 
 
 def report(
-    me: int, world: int, states: dict[int, Any], now: float, interval: float, ending: bool = False
+    me: int, world: int, states: dict[int, Any], now: float, interval: float, ending: bool = False,
+    waits: bool = True,
 ) -> str:
     """The stall report over every rank's heartbeat (``states``: rank -> heartbeat or None).
     ``ending``: the ranks are deadlocked and the job ends now, not at the timeout."""
@@ -143,12 +154,15 @@ def report(
         why = "The ranks are in different collectives (a mismatch: they can never match up)"
     else:
         why = "Every rank is in the same collective (a slow rank, or a mismatch of shapes)"
-    after = (
-        "(rankwise ends the job now: waiting for the timeout would change nothing; --debug "
-        "makes torch check each collective)"
-        if ending
-        else "(the job keeps waiting until the timeout; --debug makes torch check each collective)"
-    )
+    if ending:
+        after = ("(rankwise ends the job now: waiting for the timeout would change nothing; "
+                 "--debug makes torch check each collective)")  # fmt: skip
+    elif waits:
+        after = ("(the job keeps waiting until the timeout, as RANKWISE_ON_STALL=wait asks; "
+                 "--debug makes torch check each collective)")  # fmt: skip
+    else:
+        after = ("(rankwise ends the job now; RANKWISE_ON_STALL=wait waits for the timeout "
+                 "instead; --debug makes torch check each collective)")  # fmt: skip
     return (
         f"rankwise: [rank {me}] stall in a torch.distributed collective: {'; '.join(parts)}. "
         f"{why}.\nFix: every rank must call the same torch.distributed collectives in the same "
@@ -157,7 +171,7 @@ def report(
 
 
 def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: int,
-          interval: float, limit: float) -> Stall | None:  # fmt: skip
+          interval: float, limit: float, waits: bool = True) -> Stall | None:  # fmt: skip
     """Print the report once per stuck call, from the lowest rank stuck in a raw collective,
     and look again at every heartbeat after it: once the ranks are deadlocked, that rank says
     so (``DEADLOCK_KEY``) and every rank ends."""
@@ -177,7 +191,12 @@ def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: i
     ending = deadlocked(states, world, now, interval)
     if not first and not ending:
         return None  # reported already, and not (yet) certain
-    text = report(rank, world, states, now, interval, ending)
+    text = report(rank, world, states, now, interval, ending, waits)
+    if not ending and not waits:  # the stall report ends the job (stall.py)
+        print(text, file=sys.stderr, flush=True)
+        channel.set(DEADLOCK_KEY, str(rank))
+        outside = tuple(r for r in range(world) if not (states.get(r) or {}).get("raw"))
+        return Stall(text, True, outside)
     print(text if first else f"rankwise: [rank {rank}] the stall reported above is a deadlock: "
           "every rank is blocked in a call that can never complete.", file=sys.stderr,
           flush=True)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Early stall reports: a collective that waits long is explained while the job keeps waiting.
+"""Early stall reports: a collective that waits long is explained, and the job ends.
 
 A rank that hangs before a collective (a sleep, a deadlock in a data loader, a rank-dependent
 branch) makes every other rank wait until the backend's timeout (300 s by default), and only
@@ -6,8 +6,17 @@ then is anything said. The watchdog thread calls ``check`` at every heartbeat: o
 collective has been pending for ``RANKWISE_STALL_REPORT_S`` seconds (50 by default, so that
 the report is out within a minute; 0 turns the reports off), the lowest waiting rank prints
 one report naming the waiting ranks, the missing ones and where they are (their call site,
-or "running user code at file:line"). Nothing is
-raised: the job goes on waiting, and still fails at the timeout if the stall does not end.
+or "running user code at file:line"). A rank cut off from the store prints its own.
+
+Then the job ends (``RANKWISE_ON_STALL=end``, the default): the reporting rank leaves the
+report for the launcher (blaming the missing ranks), sets ``END_KEY`` in the store, and ends
+(exit code 1) from the watchdog thread, its main thread being inside the backend's wait where
+no exception reaches it. Every other rank's watchdog reads ``END_KEY`` at its next heartbeat
+(``follow``) and ends the same way, the missing ranks too (one stuck in a data loader, in user
+code, never reaches a collective that could fail), each leaving the same blame: the launchers of
+every node name the missing ranks, within a few heartbeats of the report, instead of waiting
+for the timeout. ``RANKWISE_ON_STALL=wait`` (or ``configure(wait=True)``) keeps the old way:
+the report is printed and the job waits, failing at the timeout if the stall does not end.
 Each collective is reported once. A ZeRO collective issued under a rank guard
 (``if rank == 0: model(x)`` under zero3) is reported after ``causes.GUARDED_SHARDED_S``
 already: nothing on the other ranks balances it.
@@ -15,19 +24,27 @@ already: nothing on the other ranks balances it.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import sys
 import time
 from typing import Any
 
 from ..job import env as envmod
 from . import causes, nodes, report
-from .channel import gather
+from .channel import gather, peer
 
-_config: dict[str, float | None] = {"after_s": None}
+_config: dict[str, Any] = {"after_s": None, "wait": None}
+END_KEY = "rankwise/diag/stall/end"
+"""Set in the store by the rank that reported a stall and ends the job: JSON ``{"rank": r,
+"missing": [ranks]}``; every rank that reads it ends too (``follow``)."""
 
 
-def configure(after_s: float | None) -> None:
-    """Report collectives pending for ``after_s`` seconds (0: never; None: the environment's)."""
+def configure(after_s: float | None, *, wait: bool | None = None) -> None:
+    """Report collectives pending for ``after_s`` seconds (0: never; None: the environment's);
+    ``wait``: after the report, wait for the timeout instead of ending the job (None: the
+    environment's ``RANKWISE_ON_STALL``)."""
     if after_s is not None and not after_s >= 0:
         from ..errors import ConfigError
 
@@ -36,6 +53,13 @@ def configure(after_s: float | None) -> None:
             fix="pass e.g. 60, or 0 to turn stall reports off.",
         )
     _config["after_s"] = after_s
+    _config["wait"] = wait
+
+
+def waits() -> bool:
+    """True when a stall report leaves the job waiting for its timeout (asked for)."""
+    configured = _config["wait"]
+    return envmod.stall_waits() if configured is None else bool(configured)
 
 
 def after_s() -> float:
@@ -82,13 +106,24 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             fix = nodes.unreachable_fix(missed)
         elif waiting and g.global_rank != min(waiting):
             continue  # one report per stall, from the lowest waiting rank
-        text = (
-            f"rankwise: [rank {g.global_rank}] {msg}\nFix: {fix}\n"
-            f"(the job keeps waiting; it fails at the timeout of {timeout:.0f}s unless the "
-            "missing rank(s) arrive)"
+        waiting_by_design = _long_by_design(e.record())
+        text = f"rankwise: [rank {g.global_rank}] {msg}\nFix: {fix}\n" + (
+            f"(the job keeps waiting, as RANKWISE_ON_STALL=wait asks; it fails at the timeout "
+            f"of {timeout:.0f}s unless the missing rank(s) arrive)"
+            if waits()
+            else f"(the job keeps waiting: a checkpoint's write may take this long; it fails at "
+            f"the timeout of {timeout:.0f}s unless the missing rank(s) arrive)"
+            if waiting_by_design
+            else "(rankwise ends the job now, every rank with exit code 1; RANKWISE_ON_STALL="
+            f"wait waits instead, up to the timeout of {timeout:.0f}s)"
         )
         print(text, file=sys.stderr, flush=True)
         _hang_event(g.global_rank, text)
+        if not waits() and not waiting_by_design:
+            lost = nodes.lost_nodes(views)
+            gather.write_diag_file(g.global_rank, msg, fix, missing, lost=lost,
+                                   unreachable=missed, node=node)  # fmt: skip
+            _end_job(watchdog, g.global_rank, missing, interval, msg)
         return text
     return None
 
@@ -103,3 +138,53 @@ def _hang_event(rank: int, text: str) -> None:
         c = clock.current()
         files.append_event(folder, {"step": None if c is None else c.step, "event": "hang",
                                     "text": text, "rank": rank})  # fmt: skip
+
+
+def _long_by_design(pending: Any) -> bool:
+    """A collective that waits for a checkpoint's write (rank 0 writing a large file while the
+    others wait for its status): a long wait there is no stall, so it never ends the job (a
+    rank that dies meanwhile still fails it)."""
+    label = (getattr(pending, "label", None) or "").lower()
+    return "checkpoint" in label or "save" in label
+
+
+def _end_job(watchdog: Any, rank: int, missing: list[int], interval: float, msg: str) -> None:
+    """Tell every rank to end (``END_KEY``), give the other nodes' ranks a heartbeat or so to
+    read it (so each node's launcher hears the blame from its own ranks, not from a peer's
+    closed socket), end first on this node (its launcher quotes this rank's report)."""
+    node = getattr(watchdog, "node", None)
+    note = {"rank": rank, "missing": [int(r) for r in missing], "node": node, "msg": msg[:1000]}
+    watchdog.own.set_bounded(END_KEY, json.dumps(note), 2.0)
+    time.sleep(min(2.0, 1.5 * interval))
+    _exit(rank, "after the stall report above")
+
+
+def _exit(rank: int, why: str) -> None:
+    print(f"rankwise: [rank {rank}] ending this rank (exit code 1) {why}: the job ends instead "
+          "of waiting for the timeout (RANKWISE_ON_STALL=wait waits).", file=sys.stderr,
+          flush=True)  # fmt: skip
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(1)  # the main thread is inside the backend's wait: no exception reaches it
+
+
+def follow(watchdog: Any, rank: int) -> None:
+    """At each heartbeat: end this rank when another rank reported a stall and ended the job
+    (``END_KEY``), leaving the same blame for this node's launcher. On the reporter's node,
+    a few seconds later (the launcher stops it when the reporter ends, quoting the reporter's
+    report); elsewhere at once. Never raises."""
+    if watchdog is None or waits() or after_s() <= 0:
+        return
+    note = peer.loads(watchdog.own.get(END_KEY))
+    if not isinstance(note, dict) or not isinstance(note.get("rank"), int):
+        return
+    missing = [r for r in note.get("missing") or [] if isinstance(r, int)][:4096]
+    reporter, who = note["rank"], ", ".join(map(str, missing)) or "unknown"
+    said = peer.text(note.get("msg"), 1000) or f"rank(s) {who} never arrived in a collective"
+    msg = f"{said} (reported by rank {reporter}, which ended the job)"
+    fix = f"look at where rank(s) {who} were (the stall report on rank {reporter})."
+    node = getattr(watchdog, "node", None)
+    gather.write_diag_file(rank, msg, fix, missing, node=node)
+    if (node is not None and note.get("node") == node) or rank in missing:
+        time.sleep(3.0)  # the reporter (or a rank that waited) is quoted, not the missing one
+    _exit(rank, f"(rank {reporter} reported a stall: rank(s) {who} never arrived)")

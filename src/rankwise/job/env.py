@@ -306,8 +306,7 @@ def default_omp_threads(threads: int) -> None:
 
 
 def set_rank_prefix_for_workers(prefixed: bool) -> None:
-    """``RANKWISE_RANK_PREFIX`` for the workers: whether the launcher prefixes their output
-    lines with the rank (``launcher_prefixes_output`` reads it)."""
+    """``RANKWISE_RANK_PREFIX``: the launcher prefixes workers' lines (``launcher_prefixes_output``)."""
     os.environ["RANKWISE_RANK_PREFIX"] = "1" if prefixed else "0"
 
 
@@ -340,12 +339,9 @@ def fingerprints_enabled(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def diag_dir(environ: Mapping[str, str] | None = None) -> str | None:
-    """``RANKWISE_DIAG_DIR``: where each rank writes ``rank{r}.txt`` when it diagnoses a failure.
-
-    The launcher sets it and puts those files in its summary.
-    """
-    e = os.environ if environ is None else environ
-    return e.get("RANKWISE_DIAG_DIR") or None
+    """``RANKWISE_DIAG_DIR``: where each rank writes ``rank{r}.txt`` when it diagnoses a failure
+    (the launcher sets it and puts those files in its summary)."""
+    return (os.environ if environ is None else environ).get("RANKWISE_DIAG_DIR") or None
 
 
 STALL_REPORT_S = 50.0
@@ -354,21 +350,25 @@ STALL_REPORT_S = 50.0
 
 def stall_report_s(environ: Mapping[str, str] | None = None) -> float:
     """``RANKWISE_STALL_REPORT_S``: seconds a collective may wait before a stall report (0: off)."""
-    e = os.environ if environ is None else environ
-    raw = e.get("RANKWISE_STALL_REPORT_S", "").strip()
-    if not raw:
-        return STALL_REPORT_S
+    raw = (os.environ if environ is None else environ).get("RANKWISE_STALL_REPORT_S", "").strip()
     try:
-        value = float(raw)
+        value = float(raw) if raw else STALL_REPORT_S
     except ValueError:
         value = -1.0
     if not value >= 0:  # also refuses nan
-        raise EnvError(
-            f"RANKWISE_STALL_REPORT_S={raw!r} is not a number of seconds >= 0",
-            fix="set it to e.g. 60 (report a collective waiting for a minute), or 0 to turn "
-            "stall reports off.",
-        )
+        raise EnvError(f"RANKWISE_STALL_REPORT_S={raw!r} is not a number of seconds >= 0",
+                       fix="set it to e.g. 60 (report a collective waiting for a minute), or 0 "
+                       "to turn stall reports off.")  # fmt: skip
     return value
+
+
+def stall_waits(environ: Mapping[str, str] | None = None) -> bool:
+    """``RANKWISE_ON_STALL``: 'end' (default: a stall report ends the job) or 'wait'."""
+    raw = (os.environ if environ is None else environ).get("RANKWISE_ON_STALL", "").strip().lower()
+    if raw in ("", "end", "wait"):
+        return raw == "wait"
+    raise EnvError(f"RANKWISE_ON_STALL={raw!r} is not 'end' or 'wait'", fix="set it to end (a "
+                   "stall report ends the job) or wait (wait up to the timeout).")  # fmt: skip
 
 
 def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:

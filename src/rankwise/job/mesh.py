@@ -216,11 +216,11 @@ def create_groups(mesh: DeviceMesh) -> DeviceMesh:
     """
     if mesh.world_size == 1:
         return mesh
-    import torch.distributed as dist
+    from .process_group import new_group
 
     for dim in DIMS:
         for ranks in mesh.all_groups(dim):
-            made = dist.new_group(ranks)
+            made = new_group(ranks)  # the job's timeout, not torch's 30 minutes
             if mesh.rank in ranks:
                 mesh._groups[dim] = made
     return mesh

@@ -271,9 +271,27 @@ def _ending_on(exc: BaseException) -> None:
     sys.last_exc = exc  # Python 3.12's name for the same
 
 
+_FORKING = {"pid": 0}
+"""The pid of the process about to fork (``os.register_at_fork``'s ``before`` hook)."""
+
+
+def children_die_with_their_parent() -> None:
+    """Every process this rank forks (DataLoader workers, ``multiprocessing``'s fork start
+    method) asks to be SIGKILLed when its parent dies: the request is not inherited across
+    ``fork``, and a worker stuck in ``__getitem__`` never looks whether its rank is alive
+    (torch's own check runs between samples), so it outlived a rank ended by the launcher, a
+    stall report, or a ``kill -9``. Linux sends the signal when the *thread* that forked
+    ends: fork workers from a thread that lives as long as they do (the main thread does)."""
+    os.register_at_fork(
+        before=lambda: _FORKING.__setitem__("pid", os.getpid()),
+        after_in_child=lambda: die_with_parent(_FORKING["pid"] or None),
+    )
+
+
 def main(argv: list[str]) -> None:
     launcher = os.environ.get(LAUNCHER_PID, "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
+    children_die_with_their_parent()
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]

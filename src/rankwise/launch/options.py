@@ -138,13 +138,14 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
     A fixed port on one machine is what makes two jobs clash (EADDRINUSE); binding the agent's
     store to port 0 lets the kernel pick a free one and the workers learn it from the agent.
     """
-    timeout = {"timeout": opts.rdzv_timeout}
+    timeout = {"timeout": opts.rdzv_timeout}  # what torch's static rendezvous reads
+    joins = {"join_timeout": opts.rdzv_timeout}  # what torch's c10d rendezvous reads, uncapped
     single_node = opts.nnodes == 1 and opts.min_nodes in (None, 1)
     auto_port = (
         opts.rdzv_backend == "static" and not opts.rdzv_endpoint and opts.master_port is None
     )
     if opts.standalone or (single_node and auto_port):
-        return Rendezvous(backend="c10d", endpoint="localhost:0", run_id=new_id, config=timeout)
+        return Rendezvous(backend="c10d", endpoint="localhost:0", run_id=new_id, config=joins)
     if opts.rdzv_backend == "static":
         port = DEFAULT_MASTER_PORT if opts.master_port is None else opts.master_port
         endpoint = opts.rdzv_endpoint or f"{opts.master_addr}:{port}"
@@ -160,7 +161,7 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
             fix="pass the address of a host every node can reach, e.g. --rdzv-endpoint node0:29400.",
         )
     return Rendezvous(
-        backend=opts.rdzv_backend, endpoint=opts.rdzv_endpoint, run_id=opts.rdzv_id, config=timeout
+        backend=opts.rdzv_backend, endpoint=opts.rdzv_endpoint, run_id=opts.rdzv_id, config=joins
     )
 
 

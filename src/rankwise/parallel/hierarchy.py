@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import fingerprints
+from ..job.process_group import new_group
 from ..runtime import coords
 
 
@@ -115,8 +116,9 @@ class Hierarchy:
         backend = dist.get_backend(self.group)
         intra_ranks = [self.ranks[g] for g in self.map.intra(self.rank)]
         peers = [self.ranks[g] for g in self.map.inter(self.rank)]
-        intra = dist.new_group(intra_ranks, backend=backend, use_local_synchronization=True)
-        inter = dist.new_group(peers, backend=backend, use_local_synchronization=True)
+        # The job's timeout (torch's default is 30 minutes): a cut link must fail here too.
+        intra = new_group(intra_ranks, backend=backend, use_local_synchronization=True)
+        inter = new_group(peers, backend=backend, use_local_synchronization=True)
         made = Groups(
             intra=intra,
             inter=inter,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
+from ..job.process_group import new_group
 
 
 def shared_across(
@@ -48,7 +49,7 @@ class TiedWeights:
         for ranks in pipeline_groups:
             for positions, params in sets:
                 members = [ranks[p] for p in positions]
-                group = dist.new_group(members) if dist.is_initialized() else None
+                group = new_group(members) if dist.is_initialized() else None
                 if list(ranks) == list(my_group) and comm.rank() in members:
                     self.entries.append((group, params, members[0]))
         with torch.no_grad():

@@ -165,7 +165,11 @@ def failure_error(
     culprits = report.culprits(views, entry.seq)
     write_diag_file(g.global_rank, msg, fix, culprits, finished, raised, found,
                     lost=nodes.lost_nodes(views), unreachable=missed, gone=gone, node=node)  # fmt: skip
-    return DistributedError(msg, fix=fix, rank=g.global_rank)
+    err = DistributedError(msg, fix=fix, rank=g.global_rank)
+    # Caused by other ranks (they raised, or never came): this rank only waited for them, and
+    # must not be announced as one more rank that "raised" (watch.announce_raised).
+    err.waited_for = sorted((set(raised) | set(culprits)) - {g.global_rank})
+    return err
 
 
 def _rings(g: Any, seq: int, interval: float) -> dict[int, list[Record]]:

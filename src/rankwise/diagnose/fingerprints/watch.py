@@ -104,14 +104,20 @@ def _snapshot() -> dict[str, Any] | None:
 def _overdue() -> None:
     """Report collectives pending for all but two heartbeats of the timeout (backends that
     never raise, such as NCCL, which aborts the process at the timeout)."""
-    stall.check(list(STATE.groups.values()), STATE.watchdog, STATE.interval(), STATE.timeout_s())
     wd = STATE.watchdog
+    if wd is not None:  # another rank reported a stall and ended the job: so does this one
+        stall.follow(wd, wd.rank)
+    stall.check(list(STATE.groups.values()), STATE.watchdog, STATE.interval(), STATE.timeout_s())
     if wd is not None and STATE.world is not None:
         world = STATE.world.size()
         found = raw.check(wd.raw, wd.raw_now, wd.own, wd.rank, world, STATE.interval(),
-                          stall.after_s())  # fmt: skip
+                          stall.after_s(), stall.waits())  # fmt: skip
         if found is not None and found.deadlocked:
-            _end_deadlocked(wd.rank, found.text)
+            if found.missing:  # ranks in user code: they end through the stall's key
+                note = json.dumps({"rank": wd.rank, "missing": list(found.missing),
+                                   "node": wd.node, "msg": (found.text or "")[:1000]})  # fmt: skip
+                wd.own.set_bounded(stall.END_KEY, note, 2.0)
+            _end_deadlocked(wd.rank, found.text, found.missing)
     limit = STATE.timeout_s() - 2 * STATE.interval()
     now = time.time()
     for g in list(STATE.groups.values()):
@@ -129,7 +135,7 @@ _ENDED: dict[str, bool] = {"raised": False}
 "finished normally" over it (``spawn`` shuts down after reporting the error)."""
 
 
-def _end_deadlocked(rank: int, text: str | None) -> None:
+def _end_deadlocked(rank: int, text: str | None, missing: tuple[int, ...] = ()) -> None:
     """Every rank is blocked in a raw torch.distributed call that can never return (``raw``):
     leave the report for the launcher and end this rank now, not at the timeout. The main
     thread is inside the backend's C++ wait, where no Python exception can reach it: the
@@ -137,14 +143,15 @@ def _end_deadlocked(rank: int, text: str | None) -> None:
     if text is not None:
         body, _, fix = text.partition("\nFix: ")
         body = body.removeprefix(f"rankwise: [rank {rank}] ")
-        cause = report.Cause("mismatch", "", fix, [])
-        gather.write_diag_file(rank, body, fix, cause=cause)
-    print(
-        f"rankwise: [rank {rank}] ending this rank (exit code 1): the ranks are blocked in "
-        "torch.distributed calls that can never complete (see the stall report).",
-        file=sys.stderr,
-        flush=True,
+        cause = None if missing else report.Cause("mismatch", "", fix, [])
+        gather.write_diag_file(rank, body, fix, list(missing), cause=cause)
+    why = (
+        "the ranks are blocked in torch.distributed calls that can never complete"
+        if not missing
+        else f"rank(s) {', '.join(map(str, missing))} never arrived (RANKWISE_ON_STALL=wait waits)"
     )
+    print(f"rankwise: [rank {rank}] ending this rank (exit code 1): {why} (see the stall report).",
+          file=sys.stderr, flush=True)  # fmt: skip
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     os._exit(1)
@@ -198,6 +205,8 @@ def announce_raised(exc: BaseException) -> None:
     if _clean_exit(exc) or _ENDED["raised"]:
         return
     _ENDED["raised"] = True
+    if getattr(exc, "waited_for", None):  # a failed collective others caused: not a cause
+        return
     try:
         if not dist.is_initialized():
             return

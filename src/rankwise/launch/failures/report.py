@@ -128,7 +128,7 @@ class JobFailed(DistributedError):
             return (
                 f"look at where rank(s) {who} were (the diagnosis names the file and line; "
                 f"their output lines start with [rank{self.blamed[0]}]:): the other ranks "
-                "waited for them until the timeout."
+                "waited for them until the timeout (or the stall report ended the job)."
             )
         if diagnosis_fix:
             return diagnosis_fix
@@ -201,7 +201,9 @@ def raisers(
     failed, _ = split_stopped(failures, signalled)
     found = [(f.rank, f.exception) for f in failed if f.exception and f.rank not in diagnoses]
     named = {r for r, _ in found}
-    found += [(r, printable(e, 300)) for r, e in sorted(raised.items()) if r not in named]
+    # A rank that diagnosed its own failure waited for someone else, whoever saw it "raise".
+    found += [(r, printable(e, 300)) for r, e in sorted(raised.items())
+              if r not in named and r not in diagnoses]  # fmt: skip
     return found
 
 

@@ -49,8 +49,9 @@ class GuardedHandler:
             return self._rounds.call(self._handler.next_rendezvous)
         except Unreachable:
             raise RendezvousTimeoutError(
-                f"the rendezvous store did not answer within --rdzv-timeout={self._rdzv_timeout:.0f}s "
-                "(+30 s): this node is cut off from the endpoint's node, or that node is down"
+                f"the rendezvous round did not end within --rdzv-timeout={self._rdzv_timeout:.0f}s"
+                " (+30 s), and torch's own limit did not fire either: the store on the endpoint's "
+                "node stopped answering (this node is cut off from it, or that node is down)"
             ) from None
 
 

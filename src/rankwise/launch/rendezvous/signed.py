@@ -22,6 +22,7 @@ port: docs/launcher.md); it can no longer make a node run its code or accept a f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -102,20 +103,50 @@ class SignedBackend:
     """torch's ``RendezvousBackend`` interface around torch's c10d backend: seals what is
     written, checks what is read (module docstring)."""
 
-    def __init__(self, inner: Any, secret: bytes | None, key: str, endpoint: str) -> None:
+    def __init__(
+        self, inner: Any, secret: bytes | None, key: str, endpoint: str, store: Any = None
+    ) -> None:
         self._inner, self._secret, self._key, self._endpoint = inner, secret, key, endpoint
+        self._store = store
+        self._own: ForgedRendezvousState | None = None  # what this node refused, if it did
+        self._refused = f"{key}.refused"
+        """Set by a node that found the state signed with another secret: the node that wrote
+        it (the store's host, say) stops too, instead of waiting for nodes that never join."""
 
     @property
     def name(self) -> str:
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Any] | None:
+        self._check_refused()
         got = self._call(self._inner.get_state)
         return None if got is None else (self._open(got[0]), got[1])
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        self._check_refused()
         got = self._call(self._inner.set_state, self._seal(state), token)
         return None if got is None else (self._open(got[0]), got[1], got[2])
+
+    def _check_refused(self) -> None:
+        if self._own is not None:  # this node refused the state itself: say why, again
+            raise self._own
+        if self._store is None or not self._store.check([self._refused]):
+            return
+        raise ForgedRendezvousState(
+            f"another node refused the rendezvous state under key {self._key!r} in the store at "
+            f"{self._endpoint}: it was signed with a different --rdzv-token (RANKWISE_RDZV_TOKEN) "
+            "than that node's, so the nodes can never meet; the job stops here",
+            fix="give every node of the job the same --rdzv-token (or RANKWISE_RDZV_TOKEN), or "
+            "none on any node; a job started before with another token needs another --rdzv-id.",
+        )
+
+    def _refuse(self, why: str) -> ForgedRendezvousState:
+        """Tell the node that signed the state (it reads this key) that it was refused."""
+        self._own = self._forged(why)
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # the store is gone: this node stops anyway
+                self._store.set(self._refused, "the state's signature did not match")
+        return self._own
 
     def _call(self, fn: Any, *args: Any) -> Any:
         from torch.distributed.elastic.rendezvous import RendezvousStateError
@@ -136,10 +167,12 @@ class SignedBackend:
         state = sealed
         if self._secret is not None:
             if not sealed.startswith(MAGIC):
-                raise self._forged("is not signed with this job's rendezvous secret")
+                raise self._refuse("is not signed with this job's rendezvous secret")
             tag, state = sealed[len(MAGIC) : len(MAGIC) + _TAG], sealed[len(MAGIC) + _TAG :]
             if not hmac.compare_digest(tag, self._mac(state)):
-                raise self._forged("has a signature that does not match this job's secret")
+                raise self._refuse("has a signature that does not match this job's secret")
+        elif sealed.startswith(MAGIC):  # signed by a node that has a token, this one has none
+            raise self._refuse("is signed, but this node was given no --rdzv-token")
         why = check_pickle(state)
         if why:
             raise self._forged(f"is not a plain rendezvous state ({why})")
@@ -163,7 +196,7 @@ def _create_handler(params: Any) -> Any:
 
     inner, store = create_backend(params)
     key = f"torch.rendezvous.{params.run_id}"  # the key torch's c10d backend keeps it under
-    backend = SignedBackend(inner, _SECRETS.get(params.run_id), key, params.endpoint)
+    backend = SignedBackend(inner, _SECRETS.get(params.run_id), key, params.endpoint, store)
     return create_handler(store, backend, params)
 
 
@@ -191,15 +224,21 @@ def choose_secret(backend: str, max_nodes: int, token: str | None, new: bytes) -
 
 
 def unsigned_warning(endpoint: str) -> str:
-    """What a job without a secret on a non-loopback address is told ('' where it is safe)."""
+    """What a job without a secret is told: every such job, a loopback endpoint included,
+    since torch's store listens on every address of its machine, not only the endpoint's (a
+    store at 127.0.0.1 is reachable through the machine's other addresses)."""
     host = endpoint.rsplit(":", 1)[0]
-    if is_loopback(host):
-        return ""
+    where = (
+        f"its store listens on every address of this machine, not only on {host}, so the "
+        "machine's other addresses reach it too: "
+        if is_loopback(host)
+        else ""
+    )
     return (
-        f"rankwise run: warning: the c10d rendezvous at {endpoint} is not signed: anyone who can "
-        "reach that port can forge the rendezvous state (rankwise refuses any state holding "
-        "other objects, so no code runs, but forged members can disturb or stop the job)\n"
-        "Fix: give every node the same secret, e.g. export RANKWISE_RDZV_TOKEN=$(python -c "
+        f"rankwise run: warning: the c10d rendezvous at {endpoint} is not signed: {where}anyone "
+        "who can reach that port can forge the rendezvous state (rankwise refuses any state "
+        "holding other objects, so no code runs, but forged members can disturb or stop the job)"
+        "\nFix: give every node the same secret, e.g. export RANKWISE_RDZV_TOKEN=$(python -c "
         "'import secrets; print(secrets.token_hex(16))') on each node (or --rdzv-token), and "
         "keep the port reachable only from the job's nodes."
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...diagnose import fingerprints
 from ...timing import clock as timing
 from .shards import Group, check_divisible, group_rank, group_size
 
@@ -37,7 +38,12 @@ __all__ = [
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.contiguous().clone()  # never in place: autograd may still hold ``x``
-    with timing.span("blocked", any_thread=True):  # the step anatomy: waiting for the group
+    # Recorded like every collective rankwise issues: a rank that never comes (stuck in its
+    # DataLoader) is then reported, and the job ended, instead of waiting for the timeout.
+    with (
+        fingerprints.collective("all_reduce", out, label="tensor parallel", group=group),
+        timing.span("blocked", any_thread=True),  # the step anatomy: waiting for the group
+    ):
         dist.all_reduce(out, group=group)
     return out
 
@@ -46,7 +52,10 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = group_size(group)
     first = x.movedim(dim, 0).contiguous()
     out = first.new_empty((size * first.shape[0], *first.shape[1:]))
-    with timing.span("blocked", any_thread=True):
+    with (
+        fingerprints.collective("all_gather", first, label="tensor parallel", group=group),
+        timing.span("blocked", any_thread=True),
+    ):
         dist.all_gather_single(out, first, group=group)
     return out.movedim(0, dim)
 
@@ -56,7 +65,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     first = x.movedim(dim, 0).contiguous()
     piece = check_divisible(f"size of dim {dim}", first.shape[0], size)
     out = first.new_empty((piece, *first.shape[1:]))
-    with timing.span("blocked", any_thread=True):
+    with (
+        fingerprints.collective("reduce_scatter", first, label="tensor parallel", group=group),
+        timing.span("blocked", any_thread=True),
+    ):
         dist.reduce_scatter_single(out, first, group=group)
     return out.movedim(0, dim)
 

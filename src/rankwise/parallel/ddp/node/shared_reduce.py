@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ....errors import ConfigError
+from ....job.process_group import new_group
 from ...buckets import Bucket
 from . import shm_file
 from .shm_file import SHM_DIR
@@ -92,7 +93,7 @@ class _Channel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         timeout = group._get_backend(torch.device("cpu")).options._timeout
         ranks = dist.get_process_group_ranks(group)
-        self.barriers = dist.new_group(
+        self.barriers = new_group(
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,0 +1,139 @@
+"""``benchmarks/faults.py --matrix``: every cell of the fault matrix (tests/cluster/matrix.py).
+
+Cells run ``--parallel`` at a time (each on its own cluster of network namespaces; root only),
+in an order drawn with ``--seed`` so that a run cut short by ``--budget-s`` still samples every
+fault and topology; the cells it could not reach are listed as not run, never counted as
+passed. Cells a rule skips (a pipeline with one worker per host...) are counted with the rule.
+Writes ``benchmarks/results/fault_matrix.json``: the counts (cells, run, passed, failed,
+skipped by rule, not run), per cell its outcome and times, the worst and median of each time
+against its promise (stop <= 10 s; stall report <= 60 s, end <= 10 s after it), and the
+machine's load (os.getloadavg()) before, during and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cluster import matrix, unavailable
+
+OUT = Path(__file__).resolve().parent / "results" / "fault_matrix.json"
+STOPS = ("crash", "host_killed", "launcher_sigkill")  # stop_s: from the fault to all ended
+COMPLETES = ("cut_healed", "slow_link", "reinit")  # stop_s: from the fault to the job's end
+
+
+def _order(seed: int) -> list[matrix.Cell]:
+    """Runnable cells, shuffled, then round-robin over faults (a short run samples them all)."""
+    rng = random.Random(seed)
+    runnable = [c for c in matrix.CELLS if matrix.rule(c) is None]
+    rng.shuffle(runnable)
+    by_fault = {f: [c for c in runnable if c.fault == f] for f in matrix.FAULTS}
+    order = []
+    while any(by_fault.values()):
+        for cells in by_fault.values():
+            if cells:
+                order.append(cells.pop())
+    return order
+
+
+def budget(budget_s: float, until: str | None) -> float:
+    """Seconds to go on starting cells: ``budget_s``, cut to the UTC time ``until`` (HH:MM)."""
+    if until is None:
+        return budget_s
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    hour, minute = (int(x) for x in until.split(":"))
+    end = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    return max(0.0, min(budget_s, (end - now).total_seconds()))
+
+
+def _times(results: list[dict], key: str, promise: float | None) -> dict:
+    values = [r[key] for r in results if r.get(key) is not None]
+    if not values:
+        return {"n": 0}
+    over = None if promise is None else sum(v > promise for v in values)
+    return {"n": len(values), "max": max(values), "median": round(statistics.median(values), 2),
+            "promise": promise, "over_promise": over}  # fmt: skip
+
+
+def run(budget_s: float, parallel: int, seed: int, out: Path = OUT) -> dict:
+    reason = unavailable()
+    if reason is not None:
+        print(f"fault matrix skipped: {reason}", file=sys.stderr)
+        return {}
+    order, start, loads = _order(seed), time.monotonic(), [os.getloadavg()]
+    results: list[dict] = []
+    tmp = Path(tempfile.mkdtemp(prefix="rw-matrix-"))
+    pending = list(order)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        running = set()
+        while pending or running:
+            while pending and len(running) < parallel and time.monotonic() - start < budget_s:
+                cell = pending.pop(0)
+                running.add(pool.submit(_one, cell, tmp / cell.name))
+            if not running:
+                break
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                results.append(f.result())
+                loads.append(os.getloadavg())
+                r = results[-1]
+                print(f"{r['name']}: {'ok' if r['ok'] else r.get('problems') or r.get('skipped')}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    report = _report(results, pending, loads, time.monotonic() - start, seed, parallel)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _one(cell: matrix.Cell, folder: Path) -> dict:
+    try:
+        return matrix.run(cell, folder)
+    except Exception as exc:  # a cell that breaks the harness counts as failed, with why
+        return {"cell": cell.__dict__, "name": cell.name, "ok": False,
+                "problems": [f"harness: {type(exc).__name__}: {exc}"]}  # fmt: skip
+
+
+def _report(results, not_run, loads, wall_s, seed, parallel) -> dict:
+    ran = [r for r in results if r["ok"] is not None]
+    skipped = [c for c in matrix.CELLS if matrix.rule(c) is not None]
+    rules: dict[str, int] = {}
+    for c in skipped:
+        rules[matrix.rule(c)] = rules.get(matrix.rule(c), 0) + 1
+    by_fault = {f: {"run": sum(r["cell"]["fault"] == f for r in ran),
+                    "passed": sum(r["cell"]["fault"] == f and r["ok"] for r in ran)}
+                for f in matrix.FAULTS}  # fmt: skip
+    return {
+        "what": "fault matrix: topology x bucket (both sides of 1 MiB) x strategy x fault",
+        "counts": {"cells": len(matrix.CELLS), "run": len(ran),
+                   "passed": sum(bool(r["ok"]) for r in ran),
+                   "failed": sum(not r["ok"] for r in ran), "skipped_by_rule": len(skipped),
+                   "skipped_on_this_machine": len(results) - len(ran),
+                   "not_run": len(not_run)},
+        "by_fault": by_fault,
+        "times": {"stop_s": _times([r for r in ran if r["cell"]["fault"] in STOPS], "stop_s",
+                                   matrix.STOP_S),
+                  "complete_s": _times([r for r in ran if r["cell"]["fault"] in COMPLETES],
+                                       "stop_s", None),
+                  "report_s": _times(ran, "report_s", matrix.REPORT_S),
+                  "end_after_report_s": _times(ran, "end_after_report_s", matrix.STOP_S)},
+        "settings": {"RANKWISE_STALL_REPORT_S": matrix.STALL_S, "timeout_s": matrix.TIMEOUT_S,
+                     "parallel_cells": parallel, "seed": seed, "wall_s": round(wall_s, 1),
+                     "widths": matrix.WIDTHS},
+        "load": {"cores": os.cpu_count(), "loadavg_before": loads[0],
+                 "loadavg_max_1min": max(x[0] for x in loads), "loadavg_after": loads[-1],
+                 "note": "a shared 2-core machine, other jobs running: times are upper bounds"},
+        "rules": rules,
+        "failed": [{"name": r["name"], "problems": r["problems"]} for r in ran if not r["ok"]],
+        "cells": results,
+        "not_run": [c.name for c in not_run],
+    }
