@@ -99,7 +99,8 @@ def _hang_for_a_while() -> None:
 
 def test_a_stall_report_is_a_hang_event_of_the_run_directory(tmp_path):
     run_distributed(_hang_for_a_while, 2, init=False, timeout=120,
-                    env={"RANKWISE_RUN_DIR": str(tmp_path)})  # fmt: skip
+                    env={"RANKWISE_RUN_DIR": str(tmp_path),  # the stall ends, so wait it out
+                         "RANKWISE_ON_STALL": "wait"})  # fmt: skip
     hangs = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "hang"]
     assert hangs, "no hang event"
     assert hangs[0]["rank"] == 0 and "rank 1" in hangs[0]["text"], hangs
