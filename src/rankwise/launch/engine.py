@@ -172,7 +172,9 @@ def _tell_run_dir(opts: LaunchOptions, run_id: str) -> None:
         name = run_id if run_id and run_id != "none" else uuid.uuid4().hex
         folder = str(root / f"{time.strftime('%Y%m%d-%H%M%S')}-{name[:8]}")
         os.environ["RANKWISE_RUN_DIR"] = folder  # for the workers, as the variables above
-    print(f"rankwise run: step timing in {folder}", file=sys.stderr, flush=True)
+    # Not "rankwise run: ...": that prefix starts the summary a failed job ends with.
+    print(f"rankwise: step timing in {folder} (rankwise top {folder})", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def launch(opts: LaunchOptions) -> None:
