@@ -132,6 +132,12 @@ class SignedBackend:
             raise self._own
         if self._store is None or not self._store.check([self._refused]):
             return
+        # Refused by another node: because the state there was signed with another token, or
+        # because someone overwrote it (a forgery refuses everyone). Read it: if this node
+        # refuses it too, that is the reason to give (raised by ``_open``).
+        got = self._call(self._inner.get_state)
+        if got is not None:
+            self._open(got[0])
         raise ForgedRendezvousState(
             f"another node refused the rendezvous state under key {self._key!r} in the store at "
             f"{self._endpoint}: it was signed with a different --rdzv-token (RANKWISE_RDZV_TOKEN) "
