@@ -204,7 +204,7 @@ def test_legacy_launcher_passes_local_rank(job: Path):
 
 
 BAD_INPUT = [
-    (["--nproc-per-node", "0", "legacy.py"], "nproc-per-node = 0 is not at least 1"),
+    (["--nproc-per-node", "0", "legacy.py"], "--nproc-per-node: nproc-per-node = 0 is not at least 1"),
     (["--nnodes", "2", "--node-rank", "2", "legacy.py"],
      "--node-rank=2 is out of range for --nnodes=2"),
     (["missing.py"], "training script 'missing.py' not found"),
