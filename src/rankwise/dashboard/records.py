@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..timing.attribution import Straggler  # the record the file's line was written from
 from ..timing.files import EVENTS as EVENTS_FILE
 from ..timing.files import STEPS as STEPS_FILE
 
@@ -39,6 +38,22 @@ class RankStep:
     wait_for: int | None
     total: float
     mem: int | None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The rank the job waits for, what kind of slowness, and what it costs each step."""
+
+    rank: int
+    node: int
+    kind: str
+    cost_ms: float
+    since_step: int
+    chronic: bool
+    scope: str = "rank"
+    """``node`` when every rank of the node is slow (``rank`` is then its first)."""
+    why: str = ""
+    """A few words on the evidence (``data wait +12.0 ms``)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +124,6 @@ def straggler(obj: Any) -> Straggler | None:
         chronic=bool(obj.get("chronic", False)),
         scope="node" if obj.get("scope") == "node" else "rank",
         why=str(obj.get("why") or ""),
-        step_ms=_num(obj.get("step_ms", 0.0)),
     )
 
 
