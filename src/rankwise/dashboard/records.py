@@ -20,6 +20,7 @@ from typing import Any
 
 from ..timing.files import EVENTS as EVENTS_FILE
 from ..timing.files import STEPS as STEPS_FILE
+from ..timing.files import Straggler
 
 PHASES: tuple[str, ...] = (
     "data", "forward", "backward", "comm", "wait", "optimizer", "checkpoint", "other",
@@ -38,22 +39,6 @@ class RankStep:
     wait_for: int | None
     total: float
     mem: int | None
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """The rank the job waits for, what kind of slowness, and what it costs each step."""
-
-    rank: int
-    node: int
-    kind: str
-    cost_ms: float
-    since_step: int
-    chronic: bool
-    scope: str = "rank"
-    """``node`` when every rank of the node is slow (``rank`` is then its first)."""
-    why: str = ""
-    """A few words on the evidence (``data wait +12.0 ms``)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +109,7 @@ def straggler(obj: Any) -> Straggler | None:
         chronic=bool(obj.get("chronic", False)),
         scope="node" if obj.get("scope") == "node" else "rank",
         why=str(obj.get("why") or ""),
+        step_ms=_num(obj.get("step_ms", 0.0)),
     )
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .files import Straggler
 from .record import busy
 
 KINDS = ("input", "compute", "communication", "host")
@@ -56,26 +57,6 @@ class Settings:
     chronic_times: int = 3
     mem_growth: float = 0.1
     """Memory grown by this fraction over ``window`` records (and 32 MiB) while peers' is flat."""
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A named straggler: the contract's fields (``fields()``), plus what the line says."""
-
-    rank: int
-    node: int
-    kind: str
-    cost_ms: float
-    since_step: int
-    chronic: bool
-    scope: str = "rank"
-    """``rank``, or ``node`` when every rank of ``node`` is slow (``rank`` is its first)."""
-    why: str = ""
-    step_ms: float = 0.0
-    """The job's step now (ms); without the straggler it would take ``step_ms - cost_ms``."""
-
-    def fields(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

@@ -15,8 +15,29 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A named straggler as ``steps.jsonl`` holds it (``fields()``; the dashboard reads it back)."""
+
+    rank: int
+    node: int
+    kind: str
+    cost_ms: float
+    since_step: int
+    chronic: bool
+    scope: str = "rank"
+    """``rank``, or ``node`` when every rank of ``node`` is slow (``rank`` is its first)."""
+    why: str = ""
+    step_ms: float = 0.0
+    """The job's step now (ms); without the straggler it would take ``step_ms - cost_ms``."""
+
+    def fields(self) -> dict[str, Any]:
+        return asdict(self)
 
 STEPS, EVENTS, RUN = "steps.jsonl", "events.jsonl", "run.json"
 
