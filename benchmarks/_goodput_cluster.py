@@ -9,6 +9,7 @@ the script writes (phases, steps, saves) and the moment of the kill.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -16,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cluster import jobs  # noqa: E402
-from cluster.netns import Cluster  # noqa: E402
+from cluster import jobs
+from cluster.netns import Cluster
 
 SCRIPT = Path(__file__).resolve().parent / "_goodput_train.py"
 NODES = 3
@@ -79,9 +80,9 @@ def timeline(folder: Path, kill_t: float | None) -> dict:
     rows = _steps(folder)
     saves = [float(s[1]) for s in _lines(folder / "saves")]
     before = [(s, t) for s, t in rows if kill_t is None or t <= kill_t]
-    gaps = [t1 - t0 for (s0, t0), (s1, t1) in zip(before, before[1:]) if s1 == s0 + 1]
+    gaps = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(before) if s1 == s0 + 1]
     save_steps = {int(s[0]) for s in _lines(folder / "saves")}
-    plain = [t1 - t0 for (s0, t0), (s1, t1) in zip(before, before[1:])
+    plain = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(before)
              if s1 == s0 + 1 and s1 not in save_steps]  # fmt: skip
     out = {
         "step_s": round(statistics.median(plain or gaps or [0.0]), 4),

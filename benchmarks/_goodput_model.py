@@ -8,9 +8,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from rankwise.bench.goodput import (
-    POLICIES, Costs, Failures, Scenario, daly_interval_s, goodput, plan, replay, simulate,
+    POLICIES,
+    Costs,
+    Failures,
+    Scenario,
+    daly_interval_s,
+    goodput,
+    plan,
+    replay,
+    simulate,
     young_interval_s,
-)  # fmt: skip
+)
 from rankwise.bench.goodput import measured as m
 from rankwise.bench.goodput.closed_form import best_interval_s
 from rankwise.bench.goodput.inputs import DAY_S, LLAMA3_CAUSES
@@ -178,7 +186,7 @@ def report(cluster: dict, recovery: dict | None, *, mc_trials: int, load: list[f
         "closed_form_vs_mc_max_abs": round(max(abs(r["closed_form"] - r["monte_carlo"])
                                                for r in rows), 5),
         "inputs": {**meta, "device_mtbf_s": fail.device_mtbf_s, "horizon_s": HORIZON_S,
-                   "mc_trials": mc_trials, "base_devices": scen.devices},  # fmt: skip
+                   "mc_trials": mc_trials, "base_devices": scen.devices},
         "cluster_load": cluster.get("load"),
         "load_at_model_run": load,
     }

@@ -12,10 +12,18 @@ from pathlib import Path
 import pytest
 
 from rankwise.bench.goodput import (
-    POLICIES, Costs, Failures, Scenario, daly_interval_s, goodput, plan, replay, simulate,
+    POLICIES,
+    Costs,
+    Failures,
+    Scenario,
+    daly_interval_s,
+    goodput,
+    measured,
+    plan,
+    replay,
+    simulate,
     young_interval_s,
-)  # fmt: skip
-from rankwise.bench.goodput import measured
+)
 from rankwise.bench.goodput.closed_form import best_interval_s
 from rankwise.bench.goodput.montecarlo import HARDWARE, SOFTWARE, Timeline
 from rankwise.errors import ConfigError
@@ -152,9 +160,9 @@ def test_shrink_runs_slower_while_a_host_is_away_then_grows_back():
         (lambda: Failures(device_mtbf_s=0.0), ["device_mtbf_s", "0.0"]),
         (lambda: plan("gemini", _scenario(), COSTS, Failures.llama3()), ["'gemini'", "disk"]),
         (lambda: simulate(plan("disk", _scenario(), COSTS, Failures.llama3()), horizon_s=1.0,
-                          trials=0, seed=0), ["trials=0"]),  # fmt: skip
+                          trials=0, seed=0), ["trials=0"]),
         (lambda: measured.in_memory_costs({"kill_to_training_s": 3.0}, "recovery.json"),
-         ["recovery.json", "steps_lost", "grow_back_s"]),  # fmt: skip
+         ["recovery.json", "steps_lost", "grow_back_s"]),
         (lambda: measured.median_phases([], "cluster.json"), ["cluster.json", "--measure"]),
     ],
 )
