@@ -49,12 +49,11 @@ def test_the_llama3_rate_is_one_failure_every_three_hours_at_16k_gpus():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_failures_leave_one_minus_the_overhead(policy):
-    """Saves of 0.5 + 5.7e12/2e12 = 3.35 s every 600 s (disk); 3% replication and the same
-    disk saves in the background (memory, shrink)."""
+    """Saves of 0.5 + 5.7e12/2e12 = 3.35 s every 600 s (disk); 3% replication every step,
+    halved when every 2 steps, and the disk saves kept every hour (memory, shrink)."""
     never = Failures(device_mtbf_s=1e30)
-    p = plan(policy, _scenario(), COSTS, never)
-    disk_share = 3.35 / 603.35
-    want = 1 - disk_share if policy == "disk" else (1 - 0.03) * (1 - disk_share)
+    p = plan(policy, _scenario(replication_steps=2), COSTS, never)
+    want = 1 - 3.35 / 603.35 if policy == "disk" else (1 - 0.015) * (1 - 3.35 / 3603.35)
     assert goodput(p) == pytest.approx(want, rel=1e-9)
     horizon = 1000 * (p.tau + p.delta) / (1 - p.overhead)  # whole segments: no partial one
     est = simulate(p, horizon_s=horizon, trials=2, seed=0)
@@ -181,6 +180,8 @@ def test_the_in_memory_record_becomes_model_inputs():
     got = measured.in_memory_costs(record, "recovery.json")
     assert got["replication_overhead"] == pytest.approx(0.02)
     assert (got["kill_to_training_s"], got["grow_back_s"]) == (6.5, 12.0)
+    every_4 = measured.in_memory_costs({**record, "replication_steps": 4}, "recovery.json")
+    assert every_4["replication_overhead"] == pytest.approx(0.08)  # 2% every 4 steps: 8% each
 
 
 def test_the_same_seed_gives_the_same_estimate():

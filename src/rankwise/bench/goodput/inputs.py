@@ -96,7 +96,8 @@ class Costs:
     grow_back_s: float = 0.0
     """Shrink-and-continue: the pause while a returning host joins."""
     replication_overhead: float = 0.0
-    """In-memory replication: fraction of step time it costs (0.03 for 3%)."""
+    """In-memory replication every step: the fraction of step time it costs (0.03 for 3%);
+    replicating every K steps costs 1/K of it."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -127,6 +128,8 @@ class Scenario:
     step_s: float = 10.0
     replication_steps: int = 1
     """In-memory replication every this many steps."""
+    backup_interval_s: float = 3600.0
+    """In-memory policies: compute time between the disk saves they keep as the last line."""
 
     def __post_init__(self) -> None:
         for name in ("devices", "devices_per_host", "replication_steps"):
@@ -142,7 +145,7 @@ class Scenario:
             )
         for name in ("checkpoint_bytes",):
             _check("Scenario", name, float(getattr(self, name)))
-        for name in ("storage_Bps", "peer_Bps", "save_interval_s", "step_s"):
+        for name in ("storage_Bps", "peer_Bps", "save_interval_s", "step_s", "backup_interval_s"):
             _check("Scenario", name, float(getattr(self, name)), strict=True)
 
     @property

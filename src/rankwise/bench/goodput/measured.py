@@ -60,7 +60,8 @@ def disk_costs(phases: Mapping[str, float]) -> dict[str, float]:
 def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, float]:
     """The in-memory recovery's measured record (``IN_MEMORY_KEYS``) as model inputs:
     ``kill_to_training_s`` (the whole recovery, replacing detect + restart + rendezvous + load),
-    ``replication_overhead`` (from the percentage), ``grow_back_s``, and the record's
+    ``replication_overhead`` (from the percentage, per step: times the record's optional
+    ``replication_steps``, 1 when absent), ``grow_back_s``, and the record's
     ``steps_lost`` and ``state_bytes_per_rank`` (kept to check the model against)."""
     missing = [k for k in IN_MEMORY_KEYS if k not in record]
     if missing:
@@ -70,9 +71,12 @@ def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, floa
     if v["replication_overhead_pct"] >= 99:
         raise ConfigError(f"{source}: replication_overhead_pct must be < 99: got "
                           f"{v['replication_overhead_pct']}", fix="give it in percent, e.g. 2.5")  # fmt: skip
+    # The overhead as if replicated every step (the model divides it by K): measured every
+    # ``replication_steps`` steps when the record says so, every step otherwise.
+    k = _number(source, "replication_steps", record.get("replication_steps", 1))
     return {
         "kill_to_training_s": v["kill_to_training_s"],
-        "replication_overhead": v["replication_overhead_pct"] / 100.0,
+        "replication_overhead": min(0.99, max(k, 1.0) * v["replication_overhead_pct"] / 100.0),
         "grow_back_s": v["grow_back_s"],
         "steps_lost": v["steps_lost"],
         "state_bytes_per_rank": v["state_bytes_per_rank"],

@@ -4,9 +4,11 @@
   and the work since the last save is lost. A save blocks training for its bytes over the
   storage bandwidth (plus its fixed cost).
 - ``memory``: in-memory recovery (Gemini, SOSP'23, style). Every process restarts, but the
-  state comes from a peer's RAM, replicated every K steps at a fraction of each step's time;
-  the work since the last replication is lost. Disk saves stay, as the last line (their cost
-  counted in the overhead; the rare loss of a host and its buddy together is not modelled).
+  state comes from a peer's RAM, replicated every K steps (``replication_overhead / K`` of
+  the speed);
+  the work since the last replication is lost. Disk saves stay, as the last line, every
+  ``backup_interval_s`` (their cost counted in the overhead; the rare loss of a host and its
+  buddy together, which would fall back to them, is not modelled).
 - ``shrink``: shrink and continue. The survivors re-form at the smaller world from the
   replicas (no restart, no disk), run at (hosts-1)/hosts of the speed until the host returns
   (a replacement after a hardware failure, the same host after a software one), then pause
@@ -70,8 +72,9 @@ def plan(policy: str, s: Scenario, c: Costs, f: Failures) -> Plan:
         return Plan("disk", s.save_interval_s, disk_save_s(s, c), 0.0,
                     _restart(s, c, _disk_load(s, c)), **common)  # fmt: skip
     tau = s.replication_steps * s.step_s
-    disk_share = disk_save_s(s, c) / (s.save_interval_s + disk_save_s(s, c))
-    overhead = 1.0 - (1.0 - c.replication_overhead) * (1.0 - disk_share)
+    disk_share = disk_save_s(s, c) / (s.backup_interval_s + disk_save_s(s, c))
+    replication = c.replication_overhead / s.replication_steps
+    overhead = 1.0 - (1.0 - replication) * (1.0 - disk_share)
     peer_load = s.host_bytes / s.peer_Bps
     if policy == "memory":
         return Plan("memory", tau, 0.0, overhead, _restart(s, c, peer_load), **common)
