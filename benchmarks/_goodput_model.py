@@ -103,7 +103,7 @@ def inputs(cluster: dict, recovery: dict | None) -> tuple[Costs, Scenario, dict]
     costs = Costs(**disk, replace_s=REPLACE_S, **extra)
     scen = Scenario(devices=16_384, checkpoint_bytes=CHECKPOINT_BYTES, storage_Bps=STORAGE_BPS,
                     peer_Bps=PEER_BPS, save_interval_s=1.0, step_s=STEP_S)  # fmt: skip
-    meta = {"phases_median": phases, "in_memory_source": source, "costs": vars(costs),
+    meta = {"phases_median": phases, "hardware_fraction": Failures.llama3().hardware_fraction, "in_memory_source": source, "costs": vars(costs),
             "replace_s_assumed": REPLACE_S, "peer_Bps_assumed": PEER_BPS, "step_s": STEP_S,
             "checkpoint_bytes": CHECKPOINT_BYTES, "storage_Bps": STORAGE_BPS,
             "llama3_causes": LLAMA3_CAUSES}  # fmt: skip
@@ -144,7 +144,18 @@ def _scenario(axis: str, value: float, scen: Scenario, costs: Costs, fail: Failu
     return (replace(s, save_interval_s=value) if axis == "save_interval_s" else s), costs
 
 
+def best_steps(policy: str, scen: Scenario, costs: Costs, fail: Failures) -> int:
+    """The replication interval K (1..200 steps) with the best closed-form goodput: the
+    in-memory policies' counterpart of Daly's interval."""
+
+    def good(k: int) -> float:
+        return goodput(plan(policy, replace(scen, replication_steps=k), costs, fail))
+
+    return max(range(1, 201), key=good)
+
+
 def sweeps(scen: Scenario, costs: Costs, fail: Failures, trials: int) -> list[dict]:
+    """Every axis's values, each policy at its best interval unless that interval is swept."""
     rows, seed = [], 0
     for axis, values in AXES.items():
         policies = {"save_interval_s": ("disk",), "replication_steps": ("memory", "shrink")}
@@ -152,7 +163,10 @@ def sweeps(scen: Scenario, costs: Costs, fail: Failures, trials: int) -> list[di
             s, c = _scenario(axis, value, scen, costs, fail)
             for policy in policies.get(axis, POLICIES):
                 seed += 1
-                rows.append(_row(axis, value, policy, s, c, fail, seed, trials))
+                if policy != "disk" and axis != "replication_steps":
+                    s = replace(s, replication_steps=best_steps(policy, s, c, fail))
+                row = _row(axis, value, policy, s, c, fail, seed, trials)
+                rows.append({**row, "replication_steps": s.replication_steps})
     return rows
 
 
@@ -168,6 +182,8 @@ def intervals(scen: Scenario, costs: Costs, fail: Failures) -> dict:
     for name, tau in (("young", young_interval_s(save, mtbf)), ("daly", daly_interval_s(save, mtbf))):
         out[f"{name}_s"], out[f"{name}_goodput"] = round(tau, 1), round(1 - loss(tau), 5)
     out["best_goodput"] = round(1 - loss(best), 5)
+    for policy in ("memory", "shrink"):
+        out[f"{policy}_best_steps"] = best_steps(policy, scen, costs, fail)
     return out
 
 
@@ -212,7 +228,7 @@ def plot(result: dict, path: Path) -> None:
         if axis == "save_interval_s":
             for name, style in (("young_s", ":"), ("daly_s", "--")):
                 ax.axvline(result["intervals"][name], color="k", ls=style, label=name[:-2])
-        ax.set_xscale("log")
+        ax.set_xscale("linear" if axis == "replace_s" else "log")
         ax.set_xlabel(title)
         ax.set_ylabel("goodput")
         ax.grid(alpha=0.3)
