@@ -24,6 +24,7 @@ from rankwise.bench.goodput.closed_form import best_interval_s
 from rankwise.bench.goodput.inputs import DAY_S, LLAMA3_CAUSES
 from rankwise.bench.goodput.montecarlo import HARDWARE, Timeline
 from rankwise.bench.goodput.policies import disk_save_s
+from rankwise.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HORIZON_S = 54 * DAY_S  # the Llama 3 snapshot's length
@@ -90,16 +91,19 @@ def inputs(cluster: dict, recovery: dict | None) -> tuple[Costs, Scenario, dict]
     from recovery.json when it exists, else the assumptions."""
     phases = m.median_phases([r["killed"] for r in _recovered(cluster)], "goodput_cluster.json")
     disk = m.disk_costs(phases)
+    extra = {"reform_s": _detection_s() + disk["rendezvous_s"], **ASSUMED_IN_MEMORY}
+    source = ("assumed (no usable benchmarks/results/recovery.json): reform = the measured "
+              "detection (faults_cluster.json) + rendezvous; overhead and grow-back = "
+              "issue 45's targets")  # fmt: skip
     if recovery is not None:
-        mem = m.in_memory_costs(recovery, "benchmarks/results/recovery.json")
-        extra = {"reform_s": mem["kill_to_training_s"], "grow_back_s": mem["grow_back_s"],
-                 "replication_overhead": mem["replication_overhead"]}  # fmt: skip
-        source = "measured: benchmarks/results/recovery.json"
-    else:
-        extra = {"reform_s": _detection_s() + disk["rendezvous_s"], **ASSUMED_IN_MEMORY}
-        source = ("assumed (no benchmarks/results/recovery.json yet): reform = the measured "
-                  "detection (faults_cluster.json) + rendezvous; overhead and grow-back = "
-                  "issue 45's targets")  # fmt: skip
+        try:
+            mem = m.in_memory_costs(recovery, "recovery.json")
+        except ConfigError as err:
+            source += f"; recovery.json was not: {err.message}"
+        else:
+            extra = {"reform_s": mem["kill_to_training_s"], "grow_back_s": mem["grow_back_s"],
+                     "replication_overhead": mem["replication_overhead"]}  # fmt: skip
+            source = "measured: the in-memory recovery record (benchmarks/goodput.py --recovery)"
     costs = Costs(**disk, replace_s=REPLACE_S, **extra)
     scen = Scenario(devices=16_384, checkpoint_bytes=CHECKPOINT_BYTES, storage_Bps=STORAGE_BPS,
                     peer_Bps=PEER_BPS, save_interval_s=1.0, step_s=STEP_S)  # fmt: skip

@@ -80,18 +80,22 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1, help="cluster runs per config")
     p.add_argument("--mc-trials", type=int, default=40, help="Monte Carlo runs per point")
     p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
+    p.add_argument("--plot", type=Path, default=PLOT)
+    p.add_argument("--recovery", type=Path, default=RECOVERY_JSON,
+                   help="the in-memory recovery's record (used when the file exists)")
     a = p.parse_args()
     if a.measure:
         CLUSTER_JSON.write_text(json.dumps(measure(a.trials), indent=1) + "\n")
     import _goodput_model as model
 
     cluster = json.loads(CLUSTER_JSON.read_text())
-    recovery = json.loads(RECOVERY_JSON.read_text()) if RECOVERY_JSON.exists() else None
+    recovery = json.loads(a.recovery.read_text()) if a.recovery.exists() else None
     result = model.report(cluster, recovery, mc_trials=a.mc_trials, load=_load())
     a.out.write_text(json.dumps(result, indent=1) + "\n")
-    model.plot(result, PLOT)
+    model.plot(result, a.plot)
     print(json.dumps(result["validation"], indent=1))
-    print(f"wrote {a.out} and {PLOT}")
+    print(f"in-memory costs: {result['inputs']['in_memory_source']}")
+    print(f"wrote {a.out} and {a.plot}")
 
 
 if __name__ == "__main__":

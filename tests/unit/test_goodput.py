@@ -163,6 +163,12 @@ def test_shrink_runs_slower_while_a_host_is_away_then_grows_back():
         (lambda: measured.in_memory_costs({"kill_to_training_s": 3.0}, "recovery.json"),
          ["recovery.json", "steps_lost", "grow_back_s"]),
         (lambda: measured.median_phases([], "cluster.json"), ["cluster.json", "--measure"]),
+        (lambda: measured.in_memory_costs({"summary": {"kill_to_training_s": None}}, "r.json"),
+         ["r.json", "kill_to_training_s", "--cluster"]),
+        (lambda: measured.in_memory_costs(
+            {"kill_to_training_s": 3.0, "steps_lost": 1, "grow_back_s": 9.0,
+             "state_bytes_per_rank": 1e6, "replication_overhead_pct": {"1": float("inf")}},
+            "r.json"), ["r.json", "replication_overhead_pct[1]", "inf"]),
     ],
 )
 def test_bad_inputs_are_named_with_a_fix(build, names):
@@ -182,6 +188,13 @@ def test_the_in_memory_record_becomes_model_inputs():
     assert (got["kill_to_training_s"], got["grow_back_s"]) == (6.5, 12.0)
     every_4 = measured.in_memory_costs({**record, "replication_steps": 4}, "recovery.json")
     assert every_4["replication_overhead"] == pytest.approx(0.08)  # 2% every 4 steps: 8% each
+    # benchmarks/recovery.py's shape: the keys under "summary", a percentage per K (the
+    # smallest K's is used: 1.5% every 5 steps is 7.5% a step; a negative one is noise, 0).
+    per_k = {**record, "replication_overhead_pct": {"20": 0.2, "5": 1.5}}
+    got = measured.in_memory_costs({"summary": per_k, "overhead": {}}, "recovery.json")
+    assert got["replication_overhead"] == pytest.approx(0.075)
+    noise = {**record, "replication_overhead_pct": {"1": -0.4}}
+    assert measured.in_memory_costs(noise, "recovery.json")["replication_overhead"] == 0.0
 
 
 def test_the_same_seed_gives_the_same_estimate():

@@ -57,26 +57,50 @@ def disk_costs(phases: Mapping[str, float]) -> dict[str, float]:
     }
 
 
+def _per_step_overhead(record: Mapping[str, object], source: str) -> float:
+    """The replication's cost as a fraction of step time when replicating every step (the
+    model divides it by K). ``replication_overhead_pct`` is one percentage (measured every
+    ``replication_steps`` steps, 1 when absent) or ``{K: percentage}``, of which the smallest
+    K is used (the least noisy: the largest cost); a negative one (noise) counts as 0."""
+    pct = record["replication_overhead_pct"]
+    if isinstance(pct, Mapping):
+        if not pct:
+            raise ConfigError(f"{source}: replication_overhead_pct is empty",
+                              fix="give {K: percentage} for at least one K")  # fmt: skip
+        k = min(pct, key=lambda key: _number(source, "replication_overhead_pct key", int(key)))
+        value, steps = _signed(source, f"replication_overhead_pct[{k}]", pct[k]), int(k)
+    else:
+        value = _signed(source, "replication_overhead_pct", pct)
+        steps = int(_number(source, "replication_steps", record.get("replication_steps", 1)))
+    if value >= 99:
+        raise ConfigError(f"{source}: replication_overhead_pct must be < 99: got {value}",
+                          fix="give it in percent, e.g. 2.5")  # fmt: skip
+    return min(0.99, max(steps, 1) * max(value, 0.0) / 100.0)
+
+
+def _signed(source: str, key: str, value: object) -> float:
+    """A finite number, negative allowed (an overhead measured below the noise)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+        return -_number(source, key, -value)
+    return _number(source, key, value)
+
+
 def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, float]:
-    """The in-memory recovery's measured record (``IN_MEMORY_KEYS``) as model inputs:
-    ``kill_to_training_s`` (the whole recovery, replacing detect + restart + rendezvous + load),
-    ``replication_overhead`` (from the percentage, per step: times the record's optional
-    ``replication_steps``, 1 when absent), ``grow_back_s``, and the record's
+    """The in-memory recovery's measured record (``IN_MEMORY_KEYS``, at the top level or under
+    ``summary``) as model inputs: ``kill_to_training_s`` (the survivors' whole recovery),
+    ``replication_overhead`` (``_per_step_overhead``), ``grow_back_s``, and the record's
     ``steps_lost`` and ``state_bytes_per_rank`` (kept to check the model against)."""
-    missing = [k for k in IN_MEMORY_KEYS if k not in record]
+    if isinstance(record.get("summary"), Mapping):
+        record = record["summary"]
+    missing = [k for k in IN_MEMORY_KEYS if record.get(k) is None]
     if missing:
         raise ConfigError(f"{source} lacks {', '.join(missing)}",
-                          fix=f"write every one of {', '.join(IN_MEMORY_KEYS)}")  # fmt: skip
-    v = {k: _number(source, k, record[k]) for k in IN_MEMORY_KEYS}
-    if v["replication_overhead_pct"] >= 99:
-        raise ConfigError(f"{source}: replication_overhead_pct must be < 99: got "
-                          f"{v['replication_overhead_pct']}", fix="give it in percent, e.g. 2.5")  # fmt: skip
-    # The overhead as if replicated every step (the model divides it by K): measured every
-    # ``replication_steps`` steps when the record says so, every step otherwise.
-    k = _number(source, "replication_steps", record.get("replication_steps", 1))
+                          fix=f"write every one of {', '.join(IN_MEMORY_KEYS)} (the cluster "
+                              "ones: benchmarks/recovery.py --cluster, as root)")  # fmt: skip
+    v = {k: _number(source, k, record[k]) for k in IN_MEMORY_KEYS if k != "replication_overhead_pct"}
     return {
         "kill_to_training_s": v["kill_to_training_s"],
-        "replication_overhead": min(0.99, max(k, 1.0) * v["replication_overhead_pct"] / 100.0),
+        "replication_overhead": _per_step_overhead(record, source),
         "grow_back_s": v["grow_back_s"],
         "steps_lost": v["steps_lost"],
         "state_bytes_per_rank": v["state_bytes_per_rank"],
