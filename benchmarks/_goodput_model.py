@@ -21,7 +21,7 @@ from rankwise.bench.goodput import (
 )
 from rankwise.bench.goodput import measured as m
 from rankwise.bench.goodput.closed_form import best_interval_s
-from rankwise.bench.goodput.inputs import DAY_S, LLAMA3_CAUSES
+from rankwise.bench.goodput.inputs import ASSUMED, DAY_S, LLAMA3_CAUSES
 from rankwise.bench.goodput.montecarlo import HARDWARE, Timeline
 from rankwise.bench.goodput.policies import disk_save_s
 from rankwise.errors import ConfigError
@@ -29,12 +29,12 @@ from rankwise.errors import ConfigError
 RESULTS = Path(__file__).resolve().parent / "results"
 HORIZON_S = 54 * DAY_S  # the Llama 3 snapshot's length
 # Assumptions where nothing here measures the value (each swept or stated in the docs):
-REPLACE_S = 300.0  # a replacement host ready 5 minutes after a hardware failure
+REPLACE_S = ASSUMED["replace_s"]  # a replacement host ready 5 minutes after a hardware failure
 PEER_BPS = 50e9  # one 400 Gb/s link per host for copying a host's state from its buddy
 STEP_S = 6.0  # 405B x 16M tokens x 6 flops / (16,384 GPUs x ~400 TFLOP/s): about 6 s
 CHECKPOINT_BYTES = 405e9 * 14  # bf16 weights + fp32 master + Adam's two moments
 STORAGE_BPS = 2e12  # the Llama 3 paper's sustained storage throughput, 2 TB/s
-ASSUMED_IN_MEMORY = {"replication_overhead": 0.03, "grow_back_s": 15.0}  # issue 45's targets
+ASSUMED_IN_MEMORY = {k: ASSUMED[k] for k in ("replication_overhead", "grow_back_s")}
 WITHIN = 0.20
 
 

@@ -215,3 +215,38 @@ def test_the_cluster_rows_are_within_20_percent_of_the_model():
             pair = row[metric]
             err = abs(pair["predicted"] - pair["measured"]) / abs(pair["measured"])
             assert err <= 0.20, (row["save_every"], metric, pair)
+
+
+def test_rankwise_bench_goodput_prints_each_policy_at_its_interval(capsys):
+    """`rankwise bench goodput --json` at 1,024 devices: the disk policy at Daly's interval
+    (computed here by hand: a save of 0.07 + 5.67e12 / 2e12 s, one failure every 54 days x
+    16 / 419), and each closed form near its seeded Monte Carlo."""
+    from rankwise.cli import main
+
+    assert main(["bench", "goodput", "--devices", "1024", "--monte-carlo", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["disk", "memory", "shrink"]
+    d, m = 0.07 + 5.67e12 / 2e12, 54 * DAY * 16 / 419
+    x = d / (2 * m)
+    daly = math.sqrt(2 * d * m) * (1 + math.sqrt(x) / 3 + x / 9) - d
+    assert rows[0]["interval"] == f"save every {daly:.0f} s"
+    for r in rows:
+        assert 0.9 < r["goodput"] < 1 and abs(r["goodput"] - r["monte_carlo"]) < 0.01, r
+
+
+def test_rankwise_bench_goodput_names_a_bad_value(capsys):
+    from rankwise.cli import main
+
+    assert main(["bench", "goodput", "--storage-bps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "storage_Bps" in err and "got 0.0" in err and "Fix:" in err
+
+
+def test_the_commands_measured_costs_are_the_benchmarks():
+    """The defaults of `rankwise bench goodput` are the medians benchmarks/goodput.py found."""
+    from rankwise.bench.goodput.inputs import MEASURED_RESTART
+
+    phases = json.loads(RESULTS.read_text())["inputs"]["phases_median"]
+    got = measured.disk_costs(phases)
+    for key, value in MEASURED_RESTART.items():
+        assert value == pytest.approx(got[key], abs=0.06), key

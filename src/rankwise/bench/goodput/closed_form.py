@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .policies import Plan
 
 
@@ -70,5 +68,5 @@ def daly_interval_s(save_s: float, mtbf_s: float) -> float:
 
 def best_interval_s(loss, low: float, high: float, points: int = 400) -> float:
     """The interval in [low, high] (log-spaced) where ``loss(interval)`` is least."""
-    grid = np.geomspace(low, high, points)
-    return float(grid[int(np.argmin([loss(float(g)) for g in grid]))])
+    ratio = (high / low) ** (1.0 / (points - 1))
+    return min((low * ratio**i for i in range(points)), key=loss)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ...errors import ConfigError
 from .policies import Plan
 
@@ -86,6 +84,8 @@ def simulate(plan: Plan, *, horizon_s: float, trials: int, seed: int) -> Estimat
     if not (trials >= 1 and horizon_s > 0 and math.isfinite(horizon_s)):
         raise ConfigError(f"goodput simulate: trials={trials!r}, horizon_s={horizon_s!r}",
                           fix="pass trials >= 1 and a finite horizon_s > 0")  # fmt: skip
+    import numpy as np  # here: the `rankwise` command's parser imports this package
+
     rng = np.random.default_rng(seed)
     out = np.empty(trials)
     for i in range(trials):
