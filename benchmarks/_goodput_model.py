@@ -48,7 +48,8 @@ def _predict(pair: dict, phases: dict[str, float]) -> dict:
     step = phases["step_s"]
     scen = Scenario(devices=3, devices_per_host=1, checkpoint_bytes=0.0, storage_Bps=1.0,
                     save_interval_s=k["save_every"] * step, step_s=step)  # fmt: skip
-    p = plan("disk", scen, Costs(**m.disk_costs(phases)), Failures(device_mtbf_s=1.0))
+    costs = Costs(**m.disk_costs(phases))
+    p = plan("disk", scen, costs, Failures(device_mtbf_s=1.0))
     kill = replay(p, k["kill_at"] * step, []) + 1e-6  # once step kill_at is done
     line = Timeline(p)
     line.advance(kill)
@@ -59,6 +60,7 @@ def _predict(pair: dict, phases: dict[str, float]) -> dict:
     pairs = {
         "steps_lost": (k["steps_lost"], (before - line.work()) / step),
         "kill_to_training_s": (k["kill_to_training_s"], p.recover_s[HARDWARE] + step),
+        "recompute_s": (k["recompute_s"], before - line.work() + costs.warmup_s),
         "lost_s": (wall_k - wall_u, killed - straight),
         "goodput": (wall_u / wall_k, straight / killed),
     }

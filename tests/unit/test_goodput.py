@@ -211,7 +211,7 @@ def test_the_cluster_rows_are_within_20_percent_of_the_model():
     rows = result["validation"]
     assert len(rows) >= 3
     for row in rows:
-        for metric in ("steps_lost", "kill_to_training_s", "lost_s", "goodput"):
+        for metric in ("steps_lost", "kill_to_training_s", "recompute_s", "lost_s", "goodput"):
             pair = row[metric]
             err = abs(pair["predicted"] - pair["measured"]) / abs(pair["measured"])
             assert err <= 0.20, (row["save_every"], metric, pair)
@@ -249,4 +249,7 @@ def test_the_commands_measured_costs_are_the_benchmarks():
     phases = json.loads(RESULTS.read_text())["inputs"]["phases_median"]
     got = measured.disk_costs(phases)
     for key, value in MEASURED_RESTART.items():
-        assert value == pytest.approx(got[key], abs=0.06), key
+        assert value == pytest.approx(got[key], abs=0.06), (
+            f"{key}: the benchmark measured {got[key]:.3f}, inputs.MEASURED_RESTART has {value}. "
+            "Fix: update MEASURED_RESTART from benchmarks/results/goodput.json"
+        )
