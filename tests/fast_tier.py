@@ -40,6 +40,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_ddp_single.py", "test_ddp_torch_compat.py", "test_device_paths.py",
             "test_diagnose_report.py", "test_doctor.py", "test_dp_pieces.py", "test_env.py",
             "test_fast_tier.py", "test_launch_native_log.py",
+            "test_goodput.py",
             "test_launch_options.py", "test_launch_output.py", "test_loader.py",
             "test_loader_epochs.py", "test_loop.py", "test_mesh.py", "test_models.py",
             "test_no_pickle_from_peers.py", "test_pipeline.py", "test_pipeline_schedules.py",

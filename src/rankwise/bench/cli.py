@@ -258,7 +258,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _configure(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.set_defaults(func=run_bench)
-    _add_comm(p.add_subparsers(dest="bench_command", metavar="COMMAND"))
+    sub = p.add_subparsers(dest="bench_command", metavar="COMMAND")
+    _add_comm(sub)
+    _add_goodput(sub)
+
+
+def _add_goodput(sub: argparse._SubParsersAction) -> None:
+    from .goodput.cli import add_parser, run  # torch-free, as this module
+
+    add_parser(sub, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
