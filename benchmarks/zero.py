@@ -11,7 +11,8 @@ many million parameters, AdamW, fp32). In each rank, one strategy after another,
 - ``ddp`` (ours), ``zero1``, ``zero2``, ``zero3`` (ours), ``torch-zero1`` (torch's
   ``ZeroRedundancyOptimizer`` over torch's DDP), ``torch-fsdp2`` (``fully_shard`` per layer);
 - on request: ``zero3-p0`` / ``zero3-p2`` (stage 3 with prefetch off / two layers ahead;
-  ``zero3`` is the default, one ahead) and ``alone``, the no-communication ceiling: every rank
+  ``zero3`` is the default, one ahead), ``torch-fsdp2-prefetch`` (FSDP2 with its explicit
+  forward and backward prefetch, one block ahead) and ``alone``, the no-communication ceiling: every rank
   trains the bare model on its own batch, nothing sent. With ``zero3`` and ``torch-fsdp2`` in
   the run, the JSON's ``ratios`` give each stage-3 row over FSDP2 and over the ceiling;
 - **state MB**: what the rank holds after a step, counted from the tensors: parameters
@@ -52,7 +53,7 @@ from rankwise.testing import run_distributed
 WIDTH = 2048
 BATCH = 8
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "torch-zero1", "torch-fsdp2")
-EXTRA = ("zero3-p0", "zero3-p2", "alone")
+EXTRA = ("zero3-p0", "zero3-p2", "torch-fsdp2-prefetch", "alone")
 """Run only when named in ``--strategies`` (prefetch off / deeper, the no-communication step)."""
 
 
@@ -92,6 +93,11 @@ def _build(name: str, million: float):
     for block in net:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
+    if name == "torch-fsdp2-prefetch":  # its public explicit prefetch, one block ahead
+        blocks = list(net)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0) : i])
     return net, _adamw(net.parameters())
 
 
@@ -217,11 +223,11 @@ def _ratios(res: dict) -> dict[str, float]:
     with FSDP2's over the ceiling beside: how far from free communication both are."""
     out = {}
     peer, ceiling = res.get("torch-fsdp2"), res.get("alone")
-    for name in ("zero3", "zero3-p0", "zero3-p2", "torch-fsdp2"):
+    for name in ("zero3", "zero3-p0", "zero3-p2", "torch-fsdp2", "torch-fsdp2-prefetch"):
         if name not in res:
             continue
         ms = res[name]["step_ms"]
-        if peer is not None and name != "torch-fsdp2":
+        if peer is not None and not name.startswith("torch"):
             out[f"{name}/torch-fsdp2"] = round(ms / peer["step_ms"], 3)
         if ceiling is not None:
             out[f"{name}/alone"] = round(ms / ceiling["step_ms"], 3)
