@@ -89,6 +89,8 @@ class Stage3Hooks:
         # A recomputation during backward, or a full_parameters block, predicts nothing.
         busy = engine._full or engine._active
         self._fwd = None if busy else self.orders.start_forward(torch.is_grad_enabled())
+        if not busy:
+            self._bwd = None  # a backward pass that died half-way predicts nothing now
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         backward = torch.is_grad_enabled() and bool(_grad_outputs(out))
