@@ -2,8 +2,8 @@
 
     flock /tmp/bench.lock python benchmarks/zero.py --world 2 --params 50 --world 4 --params 12
     flock /tmp/rw-bench.lock python benchmarks/zero.py --world 2 --params 25 --batch 64 \
-        --strategies zero3,zero3-p0,zero3-p2,torch-fsdp2,alone --repeats 5 --steps 5 \
-        --out benchmarks/results/zero3_prefetch.json
+        --strategies zero3,zero3-p0,zero3-p2,torch-fsdp2,torch-fsdp2-prefetch,alone \
+        --repeats 5 --steps 5 --out benchmarks/results/zero3_prefetch_b64.json
 
 One spawned group per ``--world``/``--params`` pair (an MLP of 2048-wide layers with about that
 many million parameters, AdamW, fp32). In each rank, one strategy after another, fresh:
@@ -12,8 +12,8 @@ many million parameters, AdamW, fp32). In each rank, one strategy after another,
   ``ZeroRedundancyOptimizer`` over torch's DDP), ``torch-fsdp2`` (``fully_shard`` per layer);
 - on request: ``zero3-p0`` / ``zero3-p2`` (stage 3 with prefetch off / two layers ahead;
   ``zero3`` is the default, one ahead), ``torch-fsdp2-prefetch`` (FSDP2 with its explicit
-  forward and backward prefetch, one block ahead) and ``alone``, the no-communication ceiling: every rank
-  trains the bare model on its own batch, nothing sent. With ``zero3`` and ``torch-fsdp2`` in
+  forward and backward prefetch, one block ahead) and ``alone``, the no-communication
+  ceiling: every rank trains the bare model on its own batch, nothing sent. With ``zero3`` and ``torch-fsdp2`` in
   the run, the JSON's ``ratios`` give each stage-3 row over FSDP2 and over the ceiling;
 - **state MB**: what the rank holds after a step, counted from the tensors: parameters
   resident between steps, gradients, optimizer state (AdamW's two moments);
