@@ -160,3 +160,78 @@ def test_rt_clip_grad_norm_uses_the_engines_global_norm():
     model(x).pow(2).sum().backward()
     want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
     torch.testing.assert_close(rt.clip_grad_norm_(model, 0.1), want)
+
+
+def test_prefetch_predictor_hits_skips_ahead_and_falls_back_on_a_miss():
+    from rankwise.parallel.zero.prefetch import Lookahead, Orders
+
+    look = Lookahead([3, 1, 4, 1, 5])
+    assert look.ahead(2) == [3, 1]
+    assert look.arrive(3) and look.ahead(2) == [1, 4]
+    assert not look.arrive(4) and look.ahead(2) == [1, 5]  # 1 skipped: resumes after the 4
+    assert not look.arrive(9) and look.lost and look.ahead(2) == []  # unknown: on demand
+    assert (look.hits, look.misses, look.seen) == (1, 2, [3, 4, 9])
+    orders = Orders()
+    first = orders.start_forward(True)
+    assert first.lost and first.ahead(1) == []  # the first pass predicts nothing
+    for s in (0, 1, 2):
+        first.arrive(s)
+    orders.end_forward(first, grad=True, backward_follows=True)
+    assert orders.start_forward(True).ahead(3) == [0, 1, 2]
+    assert orders.start_forward(False).ahead(3) == []  # evaluation keeps its own order
+    assert orders.start_backward().ahead(3) == [2, 1, 0]  # autograd meets them reversed
+    orders.end_backward()
+    changed = orders.start_forward(True)
+    for s in (0, 2):
+        changed.arrive(s)
+    orders.end_forward(changed, grad=True, backward_follows=False)
+    assert orders.rerecorded == 1 and orders.start_forward(True).ahead(3) == [0, 2]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_bad_prefetch_names_the_value_and_the_fix(bad):
+    with pytest.raises(rw.ConfigError, match="prefetch") as info:
+        rw.ShardedDataParallel(_net(), _adamw, stage=3, prefetch=bad)
+    assert repr(bad) in str(info.value) or str(bad) in str(info.value)
+    assert "prefetch=1" in str(info.value)
+    engine = rw.ShardedDataParallel(_net(), _adamw, stage=3)
+    with pytest.raises(rw.ConfigError, match="prefetch"):
+        engine.prefetch = bad
+    assert engine.prefetch == 1 and engine.stage3.depth == 1
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_stage3_prefetch_frees_everything_when_the_order_changes(depth):
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, order: str) -> torch.Tensor:
+            for name in order:
+                x = torch.tanh(getattr(self, name)(x))
+            return x
+
+    torch.manual_seed(0)
+    plain = Two()
+    torch.manual_seed(0)
+    engine = rw.ShardedDataParallel(Two(), _adamw, stage=3, unit_numel=1, prefetch=depth)
+    opt = _adamw(list(plain.parameters()))
+    sizes = lambda: [u.full.untyped_storage().nbytes() for u in engine.units]  # noqa: E731
+    for order in ("abc", "abc", "cab", "ac", "abc"):
+        x = torch.randn(3, 4)
+        for model, o in ((plain, opt), (engine, engine.optimizer)):
+            model(x, order).sum().backward()
+            for p in plain.parameters():  # the engine's rule for a module not run: zeros
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            o.step()
+            o.zero_grad()
+        assert sizes() == [0, 0, 0], order
+        assert engine.stage3.stats["peak_gathered"] <= depth + 1
+    with torch.no_grad():
+        engine(torch.randn(3, 4), "ba")
+    assert sizes() == [0, 0, 0]
+    stats = engine.stage3.stats
+    assert stats["misses"] > 0 and (stats["prefetched"] > 0) == (depth > 0), stats
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(engine.state_dict()[k], v, rtol=0, atol=1e-6)

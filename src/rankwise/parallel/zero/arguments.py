@@ -22,6 +22,7 @@ def check_arguments(
     bucket_cap_mb: Any,
     unit_numel: Any,
     wrap: Any,
+    prefetch: Any = 1,
 ) -> None:
     """Every rank checks the same arguments, so a wrong one fails every rank at once."""
     validate.module("module", module, where=_WHERE)
@@ -39,6 +40,7 @@ def check_arguments(
     validate.process_group("process_group", process_group, where=_WHERE)
     validate.number("bucket_cap_mb", bucket_cap_mb, positive=True, where=_WHERE, example=25)
     validate.integer("unit_numel", unit_numel, minimum=1, where=_WHERE, example=2**20)
+    validate.integer("prefetch", prefetch, minimum=0, where=_WHERE, example=1)
     policy = isinstance(wrap, (type, tuple, list, set, frozenset)) or callable(wrap)
     if wrap is not None and not policy:
         validate.fail("wrap", wrap, "a module class, a set of classes, a function module -> bool "

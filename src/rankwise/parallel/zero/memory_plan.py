@@ -12,8 +12,8 @@ zero2       b*P*(1 + (1 + k)/N)         4P + 12P/N
 zero3       b*P*(2 + k)/N               16P/N (+ the gathered units)
 ==========  ==========================  ===========================
 
-Stage 3 also holds, briefly, the full parameters of the unit being computed and of the one
-being prefetched; stages 2 and 3 hold up to two units' full gradients while they are reduced.
+Stage 3 also holds, briefly, the full parameters of the unit being computed and of the
+``prefetch`` ones (default 1) gathered ahead of it; stages 2 and 3 hold up to two units' full gradients while they are reduced.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from ... import validate
 from ...errors import ConfigError
 from ...timing import clock as timing
 from .. import deferred
@@ -48,6 +49,9 @@ from .wrap import WrapPolicy
 
 _IN_FLIGHT = 2
 """Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight."""
+
+DEFAULT_PREFETCH = 1
+"""Stage 3: unit modules gathered ahead of the one computing (docs/zero.md, "Prefetch")."""
 
 DEFAULT_UNIT_NUMEL = 1 << 20
 """Stage 3: a module becomes its own gather unit from this many parameter elements (1M)."""
@@ -77,6 +81,10 @@ class ShardedDataParallel(nn.Module):
     engine: they run on the wrapped module, whose hooks gather what they need.
     ``hierarchical_reduce``: a job over several nodes reduces and gathers node first
     (``hier_comm``); None whenever the job spans nodes, False never, True insists.
+    ``prefetch``: stage 3 starts the gathers of this many unit modules ahead of the one
+    computing, in the order the last pass ran them (0: gather each on demand); at most
+    ``prefetch + 1`` unit modules are then gathered at once besides the root's. The
+    ``prefetch`` attribute may be changed between steps (``model.prefetch = 0``).
 
     After a synchronised backward the averaged gradient lives in the optimizer's shards, not in
     the model parameters' ``.grad`` (stage 1 keeps the full ``.grad`` as well); clip with
@@ -101,10 +109,12 @@ class ShardedDataParallel(nn.Module):
         exact_init: bool = False,
         device: torch.device | str | None = None,
         hierarchical_reduce: bool | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         super().__init__()
         check_arguments(module, optimizer, stage, process_group=process_group,
-                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, wrap=wrap)  # fmt: skip
+                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, wrap=wrap,
+                        prefetch=prefetch)  # fmt: skip
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -129,7 +139,8 @@ class ShardedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
         ]
-        self.stage3 = Stage3Hooks(self, self._unit_modules) if stage == 3 else None
+        self._prefetch = prefetch
+        self.stage3 = Stage3Hooks(self, self._unit_modules, prefetch) if stage == 3 else None
         self._reset()
 
     # -- the backward pass --------------------------------------------------------------------
@@ -190,7 +201,7 @@ class ShardedDataParallel(nn.Module):
                     self.units[u].finish_reduce()
         finally:
             if self.stage3 is not None:
-                self.stage3.free_all()
+                self.stage3.end_backward()
             self._reset()
 
     def _fill_unused(self) -> None:
@@ -221,6 +232,19 @@ class ShardedDataParallel(nn.Module):
         self._done = 0
 
     # -- forward, no_sync, step ---------------------------------------------------------------
+
+    @property
+    def prefetch(self) -> int:
+        """Stage 3's prefetch depth (see the class text); settable between steps."""
+        return self._prefetch
+
+    @prefetch.setter
+    def prefetch(self, depth: int) -> None:
+        where = "ShardedDataParallel.prefetch"
+        validate.integer("prefetch", depth, minimum=0, where=where, example=1)
+        self._prefetch = depth
+        if self.stage3 is not None:
+            self.stage3.depth = depth
 
     @property
     def _root(self) -> nn.Module:
@@ -354,4 +378,3 @@ class ShardedDataParallel(nn.Module):
             fix="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
             rank=self.rank,
         )
-
