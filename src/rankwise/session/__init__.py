@@ -198,6 +198,21 @@ class Session(runtime.Runtime, TrainingLoop):
         saving.remember_loaded(self.saves, path)
         return result
 
+    def replicas(self, model: nn.Module, optimizer: Any = None, loader: Any = None,
+                 **kwargs: Any) -> Any:  # fmt: skip
+        """In-memory replicas of the training state (``rankwise.replicas.Replicas``: ``every``,
+        ``global_batch``, ``folder``), with the prepared scheduler and loss scale, resumed at
+        any world by ``.restore()`` (docs/elastic.md). Sync point: all ranks."""
+        from ..replicas import Replicas
+
+        state = self._checkpoint_kwargs({}, saving=False)
+        kwargs.setdefault("scheduler", state.get("scheduler"))
+        kwargs.setdefault("local_world", self.env.local_world_size)
+        scaler = self.loop.scaler
+        extra = None if scaler is None else (lambda: {"grad_scaler": scaler.state_dict()})
+        return Replicas(model=model, optimizer=optimizer, loader=loader, extra=extra,
+                        after_restore=self._restore_scaler, **kwargs)  # fmt: skip
+
     def load_pretrained(self, model: nn.Module, path: str | Path, **kwargs: Any) -> Any:
         """``rw.load_pretrained``: a safetensors checkpoint (file, or a folder with its index)
         into the prepared ``model``, each rank reading only its part. Sync point: all ranks
