@@ -80,4 +80,10 @@ def prune(folder: Path, keep_from: int) -> None:
 
 
 def remove(folder: Path) -> None:
+    """Delete the host's folder, then its run's and the root when they are left empty."""
     shutil.rmtree(folder, ignore_errors=True)
+    for parent in (folder.parent, folder.parent.parent):
+        try:
+            parent.rmdir()
+        except OSError:
+            return  # not empty (another host's, another job's), or not ours
