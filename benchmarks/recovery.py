@@ -115,6 +115,7 @@ def cluster(total: int) -> dict:
         r = replicas.host_lost(Path(folder), total=total, every=1)
     r.pop("text")
     r.pop("worlds")
+    r.pop("cause_lines")
     return {"hosts": 3, "processes_per_host": 1, "every": 1, **r}
 
 

@@ -88,5 +88,10 @@ def _facts(rows, killed, joined, started, shrunk, back, codes, text) -> dict:
         "steps_lost": None if first2 is None or not before else max(before) - (first2["step"] - 1),
         "grow_back_s": None if first3 is None else round(first3["time"] - joined, 2),
         "shrink_lines": [line for line in text.splitlines() if "continuing from step" in line],
+        "cause_lines": [
+            line
+            for line in text.splitlines()
+            if "stopped responding" in line or "restarting all workers" in line
+        ],
         "text": text[-4000:],
     }

@@ -24,4 +24,6 @@ def test_a_lost_host_shrinks_the_job_and_a_returning_one_grows_it_back(tmp_path)
     lines = r["shrink_lines"]
     assert any("shrank from 3 to 2" in line for line in lines), lines
     assert any("grew from 2 to 3" in line for line in lines), lines
+    causes = "\n".join(r["cause_lines"])  # the launcher still names the lost machine first
+    assert "node 2 (rank 2) stopped responding" in causes and "restarting all workers" in causes
     assert not list((tmp_path / "out").glob("disk")), "no disk checkpoint was written"

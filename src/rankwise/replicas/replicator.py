@@ -220,7 +220,7 @@ class Replicas:
             joined_hosts=tuple(sorted(set(self.hosts) - set(old_hosts))),
             seconds_lost=time.time() - (taken if isinstance(taken, (int, float)) else started),
         )  # fmt: skip
-        print0(describe(event, self.global_batch))
+        print0(describe(event, self.global_batch), ranks_agree=False)  # each rank its own clock
         return event
 
 
