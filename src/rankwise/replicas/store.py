@@ -73,7 +73,7 @@ def read(folder: Path, held: Held) -> torch.Tensor:
 
 
 def prune(folder: Path, keep_from: int) -> None:
-    """Delete the replicas of steps before ``keep_from`` (and stale temporary files)."""
+    """Delete the replicas of steps before ``keep_from``."""
     for held in listing(folder):
         if held.step < keep_from:
             path_of(folder, held).unlink(missing_ok=True)
