@@ -61,7 +61,8 @@ def train(rt, model, opt, loader, *, step: int, epoch: int, stop: int, accumulat
 
 
 def params(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in rw.unwrap_model(model).state_dict().items()}
+    """The full model state (a collective under zero3: every rank calls it)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def first_run(root: str, strategy: str, optimizer: str, steps: int, every: int, disk_at: int):
@@ -104,7 +105,8 @@ def after_loss(root: str, strategy: str, optimizer: str, host_of: list[int] | No
     train(rt, model, opt, loader, step=got["step"], epoch=got["epoch"],
           stop=got["step"] + AFTER, accumulation=got["accumulation"])  # fmt: skip
     reps.close()
+    replicas = params(model)
     rw.shutdown()
-    return {"reference": reference, "replicas": params(model), "step": got["step"],
+    return {"reference": reference, "replicas": replicas, "step": got["step"],
             "disk_step": info["step"], "accumulation": got["accumulation"],
             "event": events[0] if events else None}  # fmt: skip

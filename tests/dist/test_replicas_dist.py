@@ -28,7 +28,7 @@ def _equal(result: dict) -> None:
     ("strategy", "optimizer", "lost", "host_of"),
     [
         ("ddp", "adamw", 0, [2, 1]),  # new rank 0 (host 2) gets old rank 0's from host 1
-        ("zero2", "adamw", 1, [2, 0]),  # both take theirs from the other survivor
+        ("zero3", "adamw", 1, [2, 0]),  # both take theirs from the other survivor
     ],
 )
 def test_host_lost_continues_from_ram_equal_to_disk_reference(
