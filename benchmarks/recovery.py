@@ -41,7 +41,7 @@ from rankwise.testing import run_distributed
 
 def _block(rt, model, opt, steps: int, reps, start: int) -> float:
     """Seconds per step over ``steps`` steps (replicating through ``reps`` when given)."""
-    torch.manual_seed(start)
+    torch.manual_seed(start + 7919 * rt.rank)  # each rank its own batch, as a split loader's
     x, y = torch.randn(32, rw.unwrap_model(model)[0].in_features), torch.randint(0, 10, (32,))
     begin = time.perf_counter()
     for i in range(steps):
@@ -100,6 +100,9 @@ def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
         "step_ms": {mode: round(1000 * s, 2) for mode, s in step_s.items()},
         "replication_overhead_pct": {
             k: round(100 * (s - off) / off, 2) for k, s in step_s.items() if k != "off"
+        },
+        "cost_per_replication_ms": {  # the extra time of a block over off, per copy made
+            k: round(1000 * (s - off) * int(k), 2) for k, s in step_s.items() if k != "off"
         },
         "blocks": {mode: [round(1000 * t, 2) for t in v] for mode, v in times.items()},
         "steps_per_block": steps,
