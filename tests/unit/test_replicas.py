@@ -228,3 +228,29 @@ def test_the_resize_line_names_world_step_accumulation_and_time():
                                 seconds_lost=6.25), 12)  # fmt: skip
     for fact in ("3 to 2", "lost host node-c", "step 40", "2 -> 3", "global batch 12", "6.2 s"):
         assert fact in line
+
+
+@pytest.mark.parametrize(("cost", "step", "every"), [(0.1, 1.0, 4), (0.03, 1.0, 1), (0.001, 1.0, 1),
+                                                     (0.3, 0.1, 100), (100.0, 0.001, 1000),
+                                                     (0.0, 1.0, 1)])  # fmt: skip
+def test_the_auto_interval_keeps_copies_within_the_budget(cost, step, every):
+    from rankwise.replicas.interval import BUDGET, interval
+
+    assert interval(cost, step) == every
+    if every < 1000:  # the smallest such K: one less would exceed the budget
+        assert cost <= BUDGET * every * step + 1e-12
+        assert every == 1 or cost > BUDGET * (every - 1) * step
+
+
+def test_auto_calibrates_on_the_second_step_then_replicates_on_its_multiples(tmp_path):
+    model, opt = _fresh()
+    reps = Replicas(model=model, optimizer=opt, folder=tmp_path)  # every="auto", the default
+    assert reps.every is None
+    assert reps.step(1)  # the first call copies and times the copy
+    _train(model, opt, 1)
+    reps.step(2)
+    k = reps.every
+    assert isinstance(k, int) and 1 <= k <= 1000
+    assert [s for s in range(3, 3 + 2 * k) if reps.step(s)] == [s for s in range(3, 3 + 2 * k)
+                                                               if s % k == 0]  # fmt: skip
+    reps.close()

@@ -27,10 +27,10 @@ from ..comm import collectives as comm
 from ..comm import wire
 from ..errors import DistributedError
 from ..output.log import print0
-from . import blob, exchange, plan, store
+from . import blob, exchange, interval, plan, store
 
-DEFAULT_EVERY = 1
-"""Replicate after every step: the measured cost is small (docs/elastic.md)."""
+DEFAULT_EVERY = "auto"
+"""The interval chosen from the measured cost of a copy and of a step (``interval.py``)."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,20 @@ class Replicas:
     """
 
     def __init__(self, *, model: nn.Module, optimizer: Any = None, scheduler: Any = None,
-                 loader: Any = None, every: int = DEFAULT_EVERY, global_batch: int | None = None,
+                 loader: Any = None, every: int | str = DEFAULT_EVERY,
+                 global_batch: int | None = None,
                  folder: str | Path | None = None, local_world: int = 1,
                  extra: Callable[[], dict[str, Any]] | None = None,
                  after_restore: Callable[[dict[str, Any]], Any] | None = None) -> None:  # fmt: skip
         validate.module("model", model, where="rt.replicas()")
-        validate.integer("every", every, minimum=1, where="rt.replicas()")
+        if every != "auto":
+            validate.integer("every", every, minimum=1, where="rt.replicas()")
         validate.integer("global_batch", global_batch, minimum=1, optional=True,
                          where="rt.replicas()")  # fmt: skip
         self.objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
-        self.every, self.global_batch, self.extra = every, global_batch, extra
+        self.every: int | None = None if every == "auto" else every
+        self.global_batch, self.extra = global_batch, extra
+        self._timing: dict[str, float] = {}
         self.after_restore = after_restore
         self.rank, self.world = comm.rank(), comm.world_size()
         self.local_world = max(1, min(local_world, self.world))
@@ -113,14 +117,40 @@ class Replicas:
     def step(self, step: int, *, epoch: int | None = None) -> bool:
         """After optimizer step ``step``: every ``every`` steps, snapshot the state (one copy,
         now) and hand it to the background thread. True when this step was replicated."""
+        if self.every is None:
+            return self._calibrate(step, epoch)
         if step % self.every:
             return False
+        self._replicate(step, epoch)
+        return True
+
+    def _replicate(self, step: int, epoch: int | None) -> None:
         self.wait()
         buf = self.capture(step, epoch)
         self._thread = threading.Thread(target=self._spread, args=(buf, step),
                                         name="rankwise-replicas", daemon=True)  # fmt: skip
         self._thread.start()
-        return True
+
+    def _calibrate(self, step: int, epoch: int | None) -> bool:
+        """``every="auto"``: the first call copies and times it; the second times the step in
+        between, agrees with the other ranks on the interval and goes on with it."""
+        now = time.perf_counter()
+        if "end" not in self._timing:
+            self._replicate(step, epoch)
+            self._timing.update(capture=time.perf_counter() - now, end=time.perf_counter())
+            return True
+        step_s = now - self._timing["end"]
+        self.wait()
+        figures = torch.tensor([self._timing["capture"] + self._timing.get("spread", 0.0), -step_s])
+        if self.group is not None:
+            torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.group)  # fmt: skip
+        cost, step_s = float(figures[0]), -float(figures[1])
+        self.every = interval.interval(cost, step_s)
+        print0(f"rankwise: replicas every {self.every} step(s): a copy costs {1000 * cost:.0f} "
+               f"ms, a step {1000 * step_s:.0f} ms (copies within {interval.BUDGET:.0%} of the "
+               "time)")  # fmt: skip
+        return self.step(step, epoch=epoch)
 
     def capture(self, step: int, epoch: int | None) -> torch.Tensor:
         """This rank's state at ``step`` as one buffer (``blob``)."""
@@ -134,6 +164,7 @@ class Replicas:
 
     def _spread(self, buf: torch.Tensor, step: int) -> None:
         """The background half: own folder, then the buddy's copy, then older steps pruned."""
+        start = time.perf_counter()
         try:
             store.write(self.folder, plan.Held(self.rank, step, self.world), buf)
             if self.group is not None:
@@ -144,6 +175,7 @@ class Replicas:
             if self.last_replicated is not None:
                 store.prune(self.folder, self.last_replicated)  # this step and the one before
             self.last_replicated = step
+            self._timing["spread"] = time.perf_counter() - start
         except BaseException as exc:  # re-raised on the training thread by wait()
             self._error = exc
 
