@@ -5,7 +5,7 @@ host's RAM and into a buddy's on another host; after torch's elastic agent resta
 survivors at a smaller (or, when a host returns, larger) world, ``restore`` resumes from the
 newest whole step without reading the disk, keeping the global batch by the accumulation.
 ``blob`` (the format), ``plan`` (pure decisions), ``store`` (the host's tmpfs folder),
-``exchange`` (the collectives), ``replicator`` (``Replicas``).
+``exchange`` (the collectives), ``interval`` (``every="auto"``), ``replicator`` (``Replicas``).
 """
 
 from .replicator import DEFAULT_EVERY, Replicas, ResizeEvent, describe
