@@ -254,3 +254,16 @@ def test_auto_calibrates_on_the_second_step_then_replicates_on_its_multiples(tmp
     assert [s for s in range(3, 3 + 2 * k) if reps.step(s)] == [s for s in range(3, 3 + 2 * k)
                                                                if s % k == 0]  # fmt: skip
     reps.close()
+
+
+def test_the_last_call_setting_reaches_the_c10d_rendezvous(monkeypatch):
+    from rankwise.launch.options import LaunchOptions, choose_rendezvous
+
+    opts = LaunchOptions(script="t.py", nproc_per_node=1, nnodes=3, min_nodes=1,
+                         rdzv_backend="c10d", rdzv_endpoint="node0:29400")  # fmt: skip
+    assert "last_call_timeout" not in choose_rendezvous(opts, new_id="A").config  # torch's 30 s
+    monkeypatch.setenv("RANKWISE_RDZV_LAST_CALL_S", "2")
+    assert choose_rendezvous(opts, new_id="A").config["last_call_timeout"] == 2
+    monkeypatch.setenv("RANKWISE_RDZV_LAST_CALL_S", "soon")
+    with pytest.raises(ConfigError, match="RANKWISE_RDZV_LAST_CALL_S='soon'"):
+        choose_rendezvous(opts, new_id="A")
