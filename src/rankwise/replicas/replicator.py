@@ -70,8 +70,9 @@ class Replicas:
                  extra: Callable[[], dict[str, Any]] | None = None,
                  after_restore: Callable[[dict[str, Any]], Any] | None = None) -> None:  # fmt: skip
         validate.module("model", model, where="rt.replicas()")
-        if every != "auto":
-            validate.integer("every", every, minimum=1, where="rt.replicas()")
+        if every != "auto" and not (validate.is_int(every) and every >= 1):
+            validate.fail("every", every, "'auto' or an int >= 1", where="rt.replicas()",
+                          fix="pass every='auto' (from the measured cost) or e.g. every=10.")
         validate.integer("global_batch", global_batch, minimum=1, optional=True,
                          where="rt.replicas()")  # fmt: skip
         self.objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
@@ -100,9 +101,9 @@ class Replicas:
         micro = getattr(self.objects["loader"], "batch_size", None)
         if not isinstance(micro, int) or micro < 1:
             validate.fail("loader", self.objects["loader"], "a loader with a batch_size",
-                                where="rt.replicas(global_batch=...)",
-                                fix="pass the prepared loader, whose batch_size is the "
-                                "per-rank micro-batch.")  # fmt: skip
+                          where="rt.replicas(global_batch=...)",
+                          fix="pass the prepared loader, whose batch_size is the per-rank "
+                          "micro-batch.")  # fmt: skip
         return plan.accumulation_for(self.global_batch, self.world, micro)
 
     def on_resize(self, fn: Callable[[ResizeEvent], Any]) -> Callable[[ResizeEvent], Any]:
@@ -110,7 +111,7 @@ class Replicas:
         learning rate, logging, ...). Returns ``fn`` (usable as a decorator)."""
         if not callable(fn):
             validate.fail("fn", fn, "a callable", where="replicas.on_resize()",
-                                fix="pass a function taking the ResizeEvent.")  # fmt: skip
+                          fix="pass a function taking the ResizeEvent.")  # fmt: skip
         self._hooks.append(fn)
         return fn
 
