@@ -35,6 +35,7 @@ from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
+from ..errors import ConfigError
 from ..job.env import DistEnv
 from ..job.plan import check_init_arguments
 from ..output.log import print0
@@ -205,6 +206,13 @@ class Session(runtime.Runtime, TrainingLoop):
         any world by ``.restore()`` (docs/elastic.md). Sync point: all ranks."""
         from ..replicas import Replicas
 
+        sizes = self.mesh.sizes if self.mesh is not None else {}
+        if sizes.get("tensor", 1) > 1 or sizes.get("pipeline", 1) > 1:
+            raise ConfigError(
+                f"rt.replicas() under a mesh of {dict(sizes)}: in-memory replicas keep whole "
+                "replicas of data-parallel state (ddp, zero1-3), not tensor or pipeline slices",
+                fix="use disk checkpoints (rt.save) under tensor or pipeline parallelism.",
+            )
         state = self._checkpoint_kwargs({}, saving=False)
         kwargs.setdefault("scheduler", state.get("scheduler"))
         kwargs.setdefault("local_world", self.env.local_world_size)
