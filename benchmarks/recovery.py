@@ -110,14 +110,15 @@ def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
     }
 
 
-def cluster(total: int) -> dict:
+def cluster() -> dict:
     from cluster import replicas
     from cluster.required import require_cluster  # noqa: F401  (the same requirements)
 
     with tempfile.TemporaryDirectory(prefix="rw-recovery-cluster-") as folder:
-        r = replicas.host_lost(Path(folder), total=total, every=1)
+        r = replicas.host_lost(Path(folder), every=1)
     r.pop("text")
     r.pop("worlds")
+    r.pop("steps")
     r.pop("cause_lines")
     return {"hosts": 3, "processes_per_host": 1, "every": 1, **r}
 
@@ -129,7 +130,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--every", default="1,5,20")
     p.add_argument("--cluster", action="store_true")
-    p.add_argument("--total", type=int, default=80)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     everys = [int(k) for k in args.every.split(",")]
@@ -137,7 +137,7 @@ def main() -> None:
               "torch": torch.__version__}  # fmt: skip
     result["overhead"] = overhead(args.width, args.steps, args.repeats, everys)
     if args.cluster:
-        result["cluster"] = cluster(args.total)
+        result["cluster"] = cluster()
     result["load_after"] = os.getloadavg()
     o, c = result["overhead"], result.get("cluster", {})
     result["summary"] = {  # the keys the goodput model reads

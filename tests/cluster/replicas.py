@@ -47,16 +47,18 @@ def _first(rows: list[dict], world: int, after: float) -> dict | None:
     return next((r for r in rows if r["world"] == world and r["time"] > after), None)
 
 
-def host_lost(folder: Path, *, total: int = 60, every: int = 1, sleep: float = 0.1,
-              grow: bool = True, victim: int = 2) -> dict:  # fmt: skip
+def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float = 0.1,
+              grow: bool = True, victim: int = 2, after: int = 5) -> dict:  # fmt: skip
     """Kill node ``victim`` after 8 steps; the survivors continue at world 2; with ``grow``, a
     replacement joins once they train again and the job returns to 3. Returns the facts and
     the times: ``kill_to_training_s`` (the kill to the first step finished at world 2),
     ``steps_lost`` (steps done at world 3 past the step resumed from), ``grow_back_s`` (the
-    replacement's start to the first step finished at world 3 again)."""
+    replacement's start to the first step finished at world 3 again). The job is stopped
+    (a stop file) ``after`` steps past the last resize."""
     out = folder / "out"
     out.mkdir(parents=True)
-    args = [str(out), "--steps", str(total), "--every", str(every), "--sleep", str(sleep)]
+    args = [str(out), "--steps", str(total), "--every", str(every), "--sleep", str(sleep),
+            "--stop-file", str(folder / "stop")]  # fmt: skip
     with Cluster(3) as cluster:
         launchers = [_launch(cluster, n, folder, args, f"node{n}") for n in (2, 1, 0)][::-1]
         started = wait_until(lambda: len(progress(out)) >= 8, 300)
@@ -69,6 +71,9 @@ def host_lost(folder: Path, *, total: int = 60, every: int = 1, sleep: float = 0
             joined = time.time()
             launchers[victim] = _launch(cluster, victim, folder, args, f"node{victim}-back")
             back = wait_until(lambda: _first(progress(out), 3, joined) is not None, 120)
+        n = len(progress(out))
+        wait_until(lambda: len(progress(out)) >= n + after, 120)
+        (folder / "stop").touch()
         survivors = [launcher for i, launcher in enumerate(launchers) if grow or i != victim]
         codes = jobs.finish(survivors, 300)
         text = "\n".join(launcher.stdout + launcher.stderr for launcher in survivors)
@@ -83,6 +88,7 @@ def _facts(rows, killed, joined, started, shrunk, back, codes, text) -> dict:
         "hung": started is None or shrunk is None or None in codes,
         "codes": codes,
         "worlds": [r["world"] for r in rows],
+        "steps": [r["step"] for r in rows],
         "last_step": rows[-1]["step"] if rows else None,
         "kill_to_training_s": None if first2 is None else round(first2["time"] - killed, 2),
         "steps_lost": None if first2 is None or not before else max(before) - (first2["step"] - 1),

@@ -3,6 +3,7 @@ replicated (own host's RAM folder and a buddy's); started again after a host is 
 returns), it resumes from the replicas at the new world, keeping the global batch.
 
     replicas_train.py OUT --steps N [--every K] [--disk] [--resume-from CKPT] [--sleep S]
+                      [--stop-file PATH]
 
 Rank 0 appends ``{"step", "world", "time"}`` to ``OUT/progress.jsonl`` after every step and
 writes the final parameters to ``OUT/final.pt``; ``--disk`` also saves a checkpoint every step
@@ -27,6 +28,11 @@ from rankwise.replicas.plan import accumulation_for
 GLOBAL, MICRO = 12, 2
 
 
+def _stop(path: str | None) -> bool:
+    """Every rank stops at the same step: the file seen by any rank, agreed by a collective."""
+    return path is not None and rw.all_reduce_max(float(Path(path).exists())) > 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -35,6 +41,7 @@ def main() -> None:
     p.add_argument("--disk", action="store_true")
     p.add_argument("--resume-from", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--stop-file", default=None, help="stop when it exists (ranks agree)")
     args = p.parse_args()
     out = Path(args.out)
     rt = rw.init(strategy="ddp", timeout=20)
@@ -75,7 +82,8 @@ def main() -> None:
                         f.write(json.dumps({"step": step, "world": rt.world_size,
                                             "time": time.time()}) + "\n")  # fmt: skip
                 time.sleep(args.sleep)
-                if step == args.steps:
+                if step == args.steps or _stop(args.stop_file):
+                    args.steps = step
                     break
         epoch += 1
     if reps is not None:
