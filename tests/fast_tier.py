@@ -122,6 +122,9 @@ FAST: dict[str, tuple[str, ...]] = {
         E2E + "test_check_module.py::test_python_dash_m_rankwise_check",
         E2E + "test_mistakes_corpus.py::test_the_pitfalls_table_is_generated_from_the_corpus",
     ),
+    "in-memory replicas (issue 45): format, buddy map, global-batch rule, one-process restore": (
+        UNIT + "test_replicas.py",
+    ),
 }
 """Feature area -> the fast tests that cover it (a file, or a test by name)."""
 

@@ -101,3 +101,17 @@ def load_checkpoint(
         found, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         map_location=map_location, strict=strict, restore_rng=restore_rng, trusted=trusted,
     )  # fmt: skip
+
+
+def capture_state(*, model: nn.Module, optimizer: Any = None, scheduler: Any = None,
+                  loader: Any = None, step: int | None = None, epoch: int | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """This rank's training state as the single-file checkpoint holds it, with this rank's RNG
+    state alone (``rng[0]``) and nothing written: the in-memory replicas' snapshot
+    (``replicas/``). Tensors are the live ones, not copies. Sync point: all ranks only under a
+    sharded engine (its ``state_dict()`` gathers the shards)."""
+    from . import rng
+
+    states = single._collective_states(model, optimizer)
+    return single._payload(model, optimizer, scheduler, loader, step, epoch, [rng.capture()],
+                           extra or {}, states)  # fmt: skip

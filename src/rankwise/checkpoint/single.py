@@ -5,9 +5,8 @@ state and ends with a collective telling every rank whether the write succeeded 
 rank-0 branch that then meets a barrier hangs the job: the classic mistake this prevents).
 Rank 0 alone writes, atomically: a temporary file beside it, fsync, rename; a process killed
 mid-save leaves the previous checkpoint intact. Loading uses ``torch.load(weights_only=True)``
-(unpickling an untrusted file can run code): a checkpoint holding objects outside torch's
-allow-list is refused unless the caller trusts it.
-Each record is checked against its checksum as it loads: a flipped byte names file and record.
+(unpickling an untrusted file can run code): objects outside torch's allow-list are refused
+unless trusted. Each record is checked against its checksum: a flipped byte is named.
 """
 
 from __future__ import annotations
@@ -378,6 +377,14 @@ def load_checkpoint(
     ckpt = _read(file, _default_map_location() if map_location is None else map_location, trusted)
     if not (isinstance(ckpt, Mapping) and ckpt.get("format") == FORMAT):
         return _load_plain(file, ckpt, model, strict)
+    return apply_payload(ckpt, file, model=model, optimizer=optimizer, scheduler=scheduler,
+                         loader=loader, strict=strict, rng_of=comm.rank() if restore_rng else None)
+
+
+def apply_payload(ckpt: Mapping[str, Any], path: Any, *, model: Any, optimizer: Any,
+                  scheduler: Any, loader: Any, strict: bool, rng_of: int | None) -> dict:
+    """Put a read payload into the objects (``rng_of``: whose saved RNG this rank takes, None
+    to keep its own); also the in-memory replicas' restore (``replicas/``)."""
     if model is not None and getattr(model, "collective_state_dict", False):
         model.load_state_dict(ckpt["model"], strict=strict)  # the sharded engine keeps its slice
     elif model is not None:
@@ -387,13 +394,7 @@ def load_checkpoint(
     if scheduler is not None and ckpt["scheduler"] is not None:
         scheduler.load_state_dict(ckpt["scheduler"])
     _load_stateful(loader, ckpt["loader"])
-    saved_rng = ckpt["rng"]
-    if restore_rng and comm.rank() < len(saved_rng):
-        rng.restore(saved_rng[comm.rank()])
-    return {
-        "step": ckpt["step"],
-        "epoch": _resume_epoch(ckpt["epoch"], loader),
-        "extra": ckpt["extra"],
-        "meta": ckpt["meta"],
-        "path": file,
-    }
+    if rng_of is not None and rng_of < len(ckpt["rng"]):
+        rng.restore(ckpt["rng"][rng_of])
+    return {"step": ckpt["step"], "epoch": _resume_epoch(ckpt["epoch"], loader),
+            "extra": ckpt["extra"], "meta": ckpt["meta"], "path": path}  # fmt: skip

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..job import env as _env
 from ..job.env import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S
 
 DEFAULT_RDZV_TIMEOUT_S = int(DEFAULT_TIMEOUT_S)
@@ -140,6 +141,7 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
     """
     timeout = {"timeout": opts.rdzv_timeout}  # what torch's static rendezvous reads
     joins = {"join_timeout": opts.rdzv_timeout}  # what torch's c10d rendezvous reads, uncapped
+    joins.update(_last_call())
     single_node = opts.nnodes == 1 and opts.min_nodes in (None, 1)
     auto_port = (
         opts.rdzv_backend == "static" and not opts.rdzv_endpoint and opts.master_port is None
@@ -163,6 +165,21 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
     return Rendezvous(
         backend=opts.rdzv_backend, endpoint=opts.rdzv_endpoint, run_id=opts.rdzv_id, config=joins
     )
+
+
+def _last_call() -> dict[str, int]:
+    """``RANKWISE_RDZV_LAST_CALL_S``: how long a c10d round that has its minimum of nodes waits
+    for more (torch's default is 30 s, paid again by every shrink of an elastic job; the
+    in-memory replicas want it short: docs/elastic.md)."""
+    raw = _env.snapshot().get("RANKWISE_RDZV_LAST_CALL_S", "").strip()
+    if not raw:
+        return {}
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(
+            f"RANKWISE_RDZV_LAST_CALL_S={raw!r} is not a whole number of seconds >= 1",
+            fix="set it to e.g. 2, or unset it for torch's 30 s.",
+        )
+    return {"last_call_timeout": int(raw)}
 
 
 def count_accelerators() -> int:

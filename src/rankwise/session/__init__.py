@@ -35,6 +35,7 @@ from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state_dict import unwrap_model
 from ..data import Loader
 from ..diagnose import fingerprints
+from ..errors import ConfigError
 from ..job.env import DistEnv
 from ..job.plan import check_init_arguments
 from ..output.log import print0
@@ -197,6 +198,28 @@ class Session(runtime.Runtime, TrainingLoop):
         self._restore_scaler(result)
         saving.remember_loaded(self.saves, path)
         return result
+
+    def replicas(self, model: nn.Module, optimizer: Any = None, loader: Any = None,
+                 **kwargs: Any) -> Any:  # fmt: skip
+        """In-memory replicas of the training state (``rankwise.replicas.Replicas``: ``every``,
+        ``global_batch``, ``folder``), with the prepared scheduler and loss scale, resumed at
+        any world by ``.restore()`` (docs/elastic.md). Sync point: all ranks."""
+        from ..replicas import Replicas
+
+        sizes = self.mesh.sizes if self.mesh is not None else {}
+        if sizes.get("tensor", 1) > 1 or sizes.get("pipeline", 1) > 1:
+            raise ConfigError(
+                f"rt.replicas() under a mesh of {dict(sizes)}: in-memory replicas keep whole "
+                "replicas of data-parallel state (ddp, zero1-3), not tensor or pipeline slices",
+                fix="use disk checkpoints (rt.save) under tensor or pipeline parallelism.",
+            )
+        state = self._checkpoint_kwargs({}, saving=False)
+        kwargs.setdefault("scheduler", state.get("scheduler"))
+        kwargs.setdefault("local_world", self.env.local_world_size)
+        scaler = self.loop.scaler
+        extra = None if scaler is None else (lambda: {"grad_scaler": scaler.state_dict()})
+        return Replicas(model=model, optimizer=optimizer, loader=loader, extra=extra,
+                        after_restore=self._restore_scaler, **kwargs)  # fmt: skip
 
     def load_pretrained(self, model: nn.Module, path: str | Path, **kwargs: Any) -> Any:
         """``rw.load_pretrained``: a safetensors checkpoint (file, or a folder with its index)
