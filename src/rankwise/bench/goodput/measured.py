@@ -61,13 +61,22 @@ def _per_step_overhead(record: Mapping[str, object], source: str) -> float:
     """The replication's cost as a fraction of step time when replicating every step (the
     model divides it by K). ``replication_overhead_pct`` is one percentage (measured every
     ``replication_steps`` steps, 1 when absent) or ``{K: percentage}``, of which the smallest
-    K is used (the least noisy: the largest cost); a negative one (noise) counts as 0."""
+    K that keeps up (under 99%) is used (the least noisy: the largest cost); a negative one
+    (noise) counts as 0."""
     pct = record["replication_overhead_pct"]
     if isinstance(pct, Mapping):
         if not pct:
             raise ConfigError(f"{source}: replication_overhead_pct is empty",
                               fix="give {K: percentage} for at least one K")  # fmt: skip
-        k = min(pct, key=lambda key: _number(source, "replication_overhead_pct key", int(key)))
+        # a K whose copy outlasts its K steps (>= 99%) cannot keep up: not an operating point
+        usable = {
+            k: v
+            for k, v in pct.items()
+            if _signed(source, f"replication_overhead_pct[{k}]", v) < 99
+        }
+        k = min(
+            usable or pct, key=lambda key: _number(source, "replication_overhead_pct key", int(key))
+        )
         value, steps = _signed(source, f"replication_overhead_pct[{k}]", pct[k]), int(k)
     else:
         value = _signed(source, "replication_overhead_pct", pct)
@@ -97,7 +106,9 @@ def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, floa
         raise ConfigError(f"{source} lacks {', '.join(missing)}",
                           fix=f"write every one of {', '.join(IN_MEMORY_KEYS)} (the cluster "
                               "ones: benchmarks/recovery.py --cluster, as root)")  # fmt: skip
-    v = {k: _number(source, k, record[k]) for k in IN_MEMORY_KEYS if k != "replication_overhead_pct"}
+    v = {
+        k: _number(source, k, record[k]) for k in IN_MEMORY_KEYS if k != "replication_overhead_pct"
+    }
     return {
         "kill_to_training_s": v["kill_to_training_s"],
         "replication_overhead": _per_step_overhead(record, source),
