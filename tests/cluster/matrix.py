@@ -293,8 +293,10 @@ def _naming(c: Cell, body: str, victim: int, last: int) -> list[str]:
         return ([] if ok else [f"headline does not name rank {victim}'s sys.exit(3): {head!r}"]) + (
             [f"headline names rank(s) {others} as raising: {head!r}"] if others else [])
     if c.fault == "stuck":
-        ok = f"rank(s) {victim} never reached" in head or f"rank {victim}" in head
-        return [] if ok else [f"headline does not name the stuck rank {victim}: {head!r}"]
+        ok = re.match(rf"rankwise run: rank(\(s\))? {victim} never reached", head) is not None
+        where = f"{SCRIPT.name}:{_loader_line()}"  # the stuck rank waits on its loader there
+        return ([] if ok else [f"headline does not name the stuck rank {victim}: {head!r}"]) + (
+            [] if where in body else [f"the summary does not say where rank {victim} is: {where}"])
     if c.fault in ("host_killed", "link_cut", "launcher_sigkill"):
         lost = set(range(last * c.per_host, c.world))  # the last host's ranks
         named = {int(r) for r in re.findall(r"\d+", head.split(" never reached", 1)[0])}
@@ -302,6 +304,12 @@ def _naming(c: Cell, body: str, victim: int, last: int) -> list[str]:
             "never reached" in head and named and named <= lost)
         return [] if ok else [f"headline names no lost node or rank: {head!r}"]
     return []
+
+
+def _loader_line() -> int:
+    """The job script's line that takes the next batch (a stuck loader worker holds it)."""
+    lines = SCRIPT.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "for x, y in loader:" in line)
 
 
 def sample(n: int, seed: int, max_world: int | None = None) -> list[Cell]:

@@ -33,6 +33,7 @@ from .failures.report import (
     read_diagnoses,
     read_finished,
     read_raised,
+    read_stalled,
 )
 from .failures.restarts import RestartLog, reporting_restarts
 from .native_log import NativeStderr, workers_unfiltered
@@ -264,6 +265,7 @@ def _job_failed(
         machines=read_machines(diag),
         raised=read_raised(diag),
         causes=read_causes(diag),
+        stalled=read_stalled(diag),
     )
 
 

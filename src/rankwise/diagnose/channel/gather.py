@@ -213,6 +213,7 @@ def write_diag_file(
     finished: list[int] | None = None,
     raised: dict[int, str] | None = None,
     cause: report.Cause | None = None,
+    stalled: str | None = None,
     **machines: Any,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
@@ -220,7 +221,8 @@ def write_diag_file(
     those that raised, with their exception, and the cause found (the launcher's headline);
     ``machines``: ``lost`` (``{node: ranks}`` that all stopped responding), ``unreachable``
     (the store's 'host:port' when it did not answer), ``gone`` (... when it closed the
-    connection) and ``node`` (this rank's node)."""
+    connection) and ``node`` (this rank's node); ``stalled``: the headline of a rank that a
+    stall report named as missing (where it was, ``stall.stalled_sentence``)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -238,6 +240,7 @@ def write_diag_file(
                 "unreachable": machines.get("unreachable"),
                 "gone": machines.get("gone"),
                 "node": machines.get("node"),
+                "stalled": stalled,
             }
             json.dump(facts, f)
     except OSError:

@@ -10,12 +10,20 @@ from dataclasses import dataclass
 
 from ...errors import DistributedError
 from ...output.console import printable
-from .diagnoses import read_causes, read_culprits, read_diagnoses, read_finished, read_raised
+from .diagnoses import (
+    read_causes,
+    read_culprits,
+    read_diagnoses,
+    read_finished,
+    read_raised,
+    read_stalled,
+)
 from .machines import Machines
 
 __all__ = [
     "JobFailed", "RankFailure", "blame", "from_elastic", "raisers", "read_causes",
-    "read_culprits", "read_diagnoses", "read_finished", "read_raised", "split_stopped",
+    "read_culprits", "read_diagnoses", "read_finished", "read_raised", "read_stalled",
+    "split_stopped",
     "summarize",
 ]  # fmt: skip
 
@@ -73,6 +81,7 @@ class JobFailed(DistributedError):
         machines: Machines | None = None,
         raised: dict[int, str] | None = None,
         causes: dict[int, tuple[str, list[int]]] | None = None,
+        stalled: dict[int, str] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
@@ -86,6 +95,13 @@ class JobFailed(DistributedError):
         self.cause = (causes or {}).get(quoted) if quoted is not None else None
         """The quoted diagnosis' cause: ('uneven', [ranks that left the loop]), ('batch', ...)."""
         self.blamed = [] if self.raisers or self._specific() else blamed
+        stuck = [f.rank for f in split_stopped(failures, signalled)[0] if f.rank in (stalled or {})]
+        self.stalled = None if self.raisers or not stuck else (stalled or {})[stuck[0]]
+        """The headline of a rank of this node that a stall report named as missing and that
+        ended on it (its exit code says nothing of why; the ranks that waited beside it end at
+        the same moment): the collective it never reached, where it was."""
+        if self.stalled:
+            self.blamed = (culprits or {}).get(stuck[0]) or stuck[:1]
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
         self.machines = machines or Machines()
@@ -100,6 +116,9 @@ class JobFailed(DistributedError):
             self.blamed, failed, world_size, node_rank
         )
         fix = None
+        if self.stalled and not machine_line:
+            head = f"{self.stalled} (world size {world_size}, node {node_rank})"
+            text = head + text[text.index("\n") :] if "\n" in text else head
         if machine_line:  # a node went silent, or the master's machine is out of reach
             text = machine_line + text[text.index("\n") :] if "\n" in text else machine_line
             fix = self.machines.fix(self.blamed, node_rank)
