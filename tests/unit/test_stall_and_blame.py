@@ -255,3 +255,20 @@ def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
     other = JobFailed([RankFailure(rank=0, local_rank=0, pid=10, exitcode=1)], world_size=3,
                       node_rank=0, diagnoses={0: "d"}, culprits={0: [1]}, stalled={1: "x"})  # fmt: skip
     assert str(other).startswith("rank(s) 1 never reached the collective that rank(s) 0 waited")
+
+
+def test_silence_is_counted_from_a_ranks_last_heartbeat_and_watched_at_least_1_5_beats():
+    """A rank killed a moment ago has been silent since its last beat: the survivors need not
+    watch it 2.5 heartbeats from now, only until 2.5 since that beat; never under 1.5 (a
+    live rank, whatever its clock, shows its next beat), never over 2.5."""
+    import time
+
+    from rankwise.diagnose.channel.gather import _Peer, _settle_s
+
+    now = time.time()
+    cases = {None: 2.5, now: 2.5, now - 0.6: 1.9, now - 1.0: 1.5, now - 100.0: 1.5,
+             now + 100.0: 2.5}  # fmt: skip
+    for beat, want in cases.items():
+        got = _settle_s(_Peer(beat, None, None), 1.0)
+        assert want - 0.05 <= got <= want, (beat and now - beat, got, want)
+    assert _settle_s(_Peer(now - 0.6, None, None), 0.2) == pytest.approx(0.3)  # 1.5 beats
