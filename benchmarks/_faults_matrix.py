@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cluster import matrix, unavailable
+from cluster import matrix, netem_unavailable, unavailable
 
 OUT = Path(__file__).resolve().parent / "results" / "fault_matrix.json"
 STOPS = ("crash", "host_killed", "launcher_sigkill")  # stop_s: from the fault to all ended
@@ -60,6 +60,14 @@ def budget(budget_s: float, until: str | None) -> float:
     hour, minute = (int(x) for x in until.split(":"))
     end = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
     return max(0.0, min(budget_s, (end - now).total_seconds()))
+
+
+def _slow_link() -> dict:
+    """How the slow link was shaped here: by rate alone where the kernel has no netem."""
+    if netem_unavailable():
+        return {"rate": "50mbit", "delay": None,
+                "note": "this kernel has no netem: the link is shaped by rate alone, no delay"}
+    return {"rate": "50mbit", "delay": "20ms", "note": "rate and netem delay"}
 
 
 def _spread(values: list[float]) -> dict:
@@ -189,6 +197,7 @@ def _report(results, loads, wall_s, seed, parallel) -> dict:
                  "per_cell_1min": _spread(per_cell),
                  "note": "a shared 2-core machine, other jobs running: times are upper bounds"},
         "commits": commits,
+        "slow_link": _slow_link(),
         "rules": rules,
         "failed": [{"name": r["name"], "problems": r["problems"]} for r in ran if not r["ok"]],
         "cells": results,

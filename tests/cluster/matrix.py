@@ -219,6 +219,7 @@ def _drive(c: Cell, folder: Path, cluster: Cluster | None, launchers) -> dict:
     elif c.fault == "slow_link":  # without netem (a kernel without it): the rate alone
         delay = {} if netem_unavailable() else {"delay": "20ms"}
         cluster.shape(c.hosts - 1, rate="50mbit", **delay)
+        facts["shaped"] = {"rate": "50mbit", **delay}  # no "delay": the rate alone
     elif c.fault in ("stuck", "launcher_sigkill"):
         _wait(lambda: (folder / "stuck_now").exists(), 120)
         begin = time.monotonic()
