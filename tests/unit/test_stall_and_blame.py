@@ -218,7 +218,8 @@ def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
 
     from rankwise.diagnose import stall
     from rankwise.diagnose.channel import gather
-    from rankwise.launch.failures.report import read_culprits, read_diagnoses, read_stalled
+    from rankwise.launch.failures.diagnoses import read_stalled
+    from rankwise.launch.failures.report import read_culprits, read_diagnoses
 
     views = _views()  # rank 1 missing, at train.py:33; ranks 0, 2 waiting in all_reduce #5
     note = {"rank": 0, "missing": [1], "node": 0, "msg": stall_report(0, _AR, views, 12, 90)[0],

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import DistributedError
 from ..job import env as envmod
 from ..job import netif
+from .failures.diagnoses import read_stalled
 from .failures.machines import read_machines
 from .failures.report import (
     JobFailed,
@@ -33,7 +34,6 @@ from .failures.report import (
     read_diagnoses,
     read_finished,
     read_raised,
-    read_stalled,
 )
 from .failures.restarts import RestartLog, reporting_restarts
 from .native_log import NativeStderr, workers_unfiltered
