@@ -179,6 +179,11 @@ def run(c: Cell, folder: Path) -> dict:
         if cluster is not None:
             cluster.close()
     facts["summaries"] = [_summary(launcher.stderr) for launcher in launchers]
+    # How long the survivors' diagnosis watched a killed host's ranks fall silent (the
+    # settle window, gather._settle_s): the silence it quotes when it names them.
+    silences = [float(x) for la in launchers
+                for x in re.findall(r"stopped responding ([0-9.]+)s ago", la.stderr)]  # fmt: skip
+    facts["verdict_silence_s"] = max(silences) if silences else None
     problems = check(c, facts, [launcher.stderr for launcher in launchers])
     return {"cell": asdict(c), "name": c.name, "ok": not problems, "problems": problems,
             **{k: v for k, v in facts.items() if k != "summaries"},
