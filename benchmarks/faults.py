@@ -273,13 +273,20 @@ def main() -> None:
                         help="--matrix: start no cell after this UTC time (HH:MM), whenever the "
                         "run began (it may wait for the benchmark lock)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="--matrix: the order of the cells")
+    parser.add_argument("--resume", action="store_true",
+                        help="--matrix: keep the cells the output file holds, run the rest")
+    parser.add_argument("--rerun-failed", action="store_true",
+                        help="--matrix --resume: run the file's failed cells again too")
+    parser.add_argument("--faults", nargs="*", default=None,
+                        help="--matrix: run only these faults' cells (e.g. host_killed)")
     args = parser.parse_args()
     if args.matrix:
         import _faults_matrix  # beside this script
 
         out = Path(args.out) if args.out else _faults_matrix.OUT
         budget = _faults_matrix.budget(args.budget_s, args.until)
-        report = _faults_matrix.run(budget, args.parallel, args.seed, out)
+        report = _faults_matrix.run(budget, args.parallel, args.seed, out, resume=args.resume,
+                                    rerun_failed=args.rerun_failed, faults=args.faults)
         print(json.dumps({k: report.get(k) for k in ("counts", "times", "load")}, indent=1))
         return
     random.seed(0)

@@ -19,7 +19,11 @@ report; ``end_after_report_s``), and the facts behind them. The promises:
   process ended within ``STOP_S`` s after it;
 - link cut then healed, slow link, shutdown + init again: the job completes (nothing lost);
 - token mismatch: every host stops, naming the mismatch;
-- always: no orphan (no rank or DataLoader worker alive after its launcher ended).
+- always: no orphan (no rank or DataLoader worker alive after its launcher ended), and nothing
+  lost: the job saves a checkpoint every ``SAVE_EVERY`` steps (``rt.save``, the strategy's
+  format); once it ended, every checkpoint that looks complete loads with its digests checked
+  into the bare model, and the newest and the one ``latest`` names are no older than the last
+  save that returned (a save the fault interrupted leaves only a temporary).
 
 Wall-clock promises are checked here because the matrix is the benchmark (benchmarks/faults.py
 --matrix); the cluster test samples cells with generous bounds (``bounds``).
@@ -28,6 +32,7 @@ Wall-clock promises are checked here because the matrix is the benchmark (benchm
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
@@ -51,6 +56,7 @@ STOP_S, REPORT_S = 10.0, 60.0
 STALL_S = "10"  # RANKWISE_STALL_REPORT_S of the matrix's jobs (the promise is <= 60 s)
 TIMEOUT_S = 120  # the jobs' collective timeout: every stop must come long before it
 COMPLETE_STEPS = 30
+SAVE_EVERY = 5  # rt.save every 5 steps (the fault comes at step 8-10: one save before it)
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,8 @@ def _script_args(c: Cell, folder: Path) -> list[str]:
     return [str(SCRIPT), str(folder), "--strategy", c.strategy, "--width", str(WIDTHS[c.bucket]),
             "--hosts", str(c.hosts), "--per-host", str(c.per_host), "--timeout", str(TIMEOUT_S),
             "--fault", fault, "--victim", str(c.world - 1), "--at", "10",
-            "--steps", str(COMPLETE_STEPS if complete else 100000)]  # fmt: skip
+            "--steps", str(COMPLETE_STEPS if complete else 100000),
+            "--save-every", str(SAVE_EVERY)]  # fmt: skip
 
 
 def _start(c: Cell, folder: Path, cluster: Cluster | None) -> list[jobs.Launcher]:
@@ -164,6 +171,7 @@ def run(c: Cell, folder: Path) -> dict:
         launchers = _start(c, folder, cluster)
         facts = _drive(c, folder, cluster, launchers)
         facts["orphans"] = _orphans(folder, launchers)
+        facts["checkpoint"] = _checkpoints(c, folder)
     finally:
         for launcher in locals().get("launchers", []):
             if launcher.proc.poll() is None:
@@ -171,6 +179,11 @@ def run(c: Cell, folder: Path) -> dict:
         if cluster is not None:
             cluster.close()
     facts["summaries"] = [_summary(launcher.stderr) for launcher in launchers]
+    # How long the survivors' diagnosis watched a killed host's ranks fall silent (the
+    # settle window, gather._settle_s): the silence it quotes when it names them.
+    silences = [float(x) for la in launchers
+                for x in re.findall(r"stopped responding ([0-9.]+)s ago", la.stderr)]  # fmt: skip
+    facts["verdict_silence_s"] = max(silences) if silences else None
     problems = check(c, facts, [launcher.stderr for launcher in launchers])
     return {"cell": asdict(c), "name": c.name, "ok": not problems, "problems": problems,
             **{k: v for k, v in facts.items() if k != "summaries"},
@@ -211,6 +224,7 @@ def _drive(c: Cell, folder: Path, cluster: Cluster | None, launchers) -> dict:
     elif c.fault == "slow_link":  # without netem (a kernel without it): the rate alone
         delay = {} if netem_unavailable() else {"delay": "20ms"}
         cluster.shape(c.hosts - 1, rate="50mbit", **delay)
+        facts["shaped"] = {"rate": "50mbit", **delay}  # no "delay": the rate alone
     elif c.fault in ("stuck", "launcher_sigkill"):
         _wait(lambda: (folder / "stuck_now").exists(), 120)
         begin = time.monotonic()
@@ -245,6 +259,43 @@ def _orphans(folder: Path, launchers) -> list[str]:
     return left
 
 
+def _checkpoints(c: Cell, folder: Path) -> dict:
+    """What the job's checkpoint folder holds once every process ended (the job script's
+    ``--check``, in its own process: a hang there is a finding, not the harness's)."""
+    if not (folder / "steps").exists():
+        return {}
+    cmd = [sys.executable, str(SCRIPT), str(folder), "--check", "--width", str(WIDTHS[c.bucket])]
+    try:
+        done = subprocess.run(cmd, env=jobs.rankwise_env(folder), capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": "the check did not end within 120 s"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+
+
+def _lost(ck: dict) -> list[str]:
+    """Nothing lost: every checkpoint that looks complete loads intact, and the newest, and
+    the one ``latest`` names, are no older than the last save that returned."""
+    if not ck:
+        return []
+    if "error" in ck:
+        return [f"checkpoint check: {ck['error']}"]
+    problems = [f"checkpoint {name} looks complete but does not load: {why}"
+                for name, why in ck["bad"].items()]  # fmt: skip
+    last = ck["last_saved"]
+    if last is not None and (ck["newest"] is None or ck["newest"] < last):
+        problems.append(f"lost: the newest loadable checkpoint is step {ck['newest']}, "
+                        f"a save of step {last} had returned")  # fmt: skip
+    if last is not None and (ck["latest"] is None or ck["latest"] < last):
+        problems.append(f"lost: 'latest' names step {ck['latest']}, a save of step {last} had "
+                        "returned")  # fmt: skip
+    return problems
+
+
 def _summary(text: str) -> str:
     return text[text.rfind("rankwise run: ") :] if "rankwise run: " in text else ""
 
@@ -256,6 +307,7 @@ def check(c: Cell, f: dict, errs: list[str]) -> list[str]:
         return ["the job never reached step 8"]
     if f.get("orphans"):
         problems.append(f"orphans: {f['orphans']}")
+    problems += _lost(f.get("checkpoint") or {})
     codes, victim, last = f.get("codes") or [], c.world - 1, c.hosts - 1
     if c.fault in ("cut_healed", "slow_link", "reinit"):
         if codes != [0] * len(codes) or len(f.get("done", [])) != c.world:
@@ -293,8 +345,10 @@ def _naming(c: Cell, body: str, victim: int, last: int) -> list[str]:
         return ([] if ok else [f"headline does not name rank {victim}'s sys.exit(3): {head!r}"]) + (
             [f"headline names rank(s) {others} as raising: {head!r}"] if others else [])
     if c.fault == "stuck":
-        ok = f"rank(s) {victim} never reached" in head or f"rank {victim}" in head
-        return [] if ok else [f"headline does not name the stuck rank {victim}: {head!r}"]
+        ok = re.match(rf"rankwise run: rank(\(s\))? {victim} never reached", head) is not None
+        where = f"{SCRIPT.name}:{_loader_line()}"  # the stuck rank waits on its loader there
+        return ([] if ok else [f"headline does not name the stuck rank {victim}: {head!r}"]) + (
+            [] if where in body else [f"the summary does not say where rank {victim} is: {where}"])
     if c.fault in ("host_killed", "link_cut", "launcher_sigkill"):
         lost = set(range(last * c.per_host, c.world))  # the last host's ranks
         named = {int(r) for r in re.findall(r"\d+", head.split(" never reached", 1)[0])}
@@ -302,6 +356,12 @@ def _naming(c: Cell, body: str, victim: int, last: int) -> list[str]:
             "never reached" in head and named and named <= lost)
         return [] if ok else [f"headline names no lost node or rank: {head!r}"]
     return []
+
+
+def _loader_line() -> int:
+    """The job script's line that takes the next batch (a stuck loader worker holds it)."""
+    lines = SCRIPT.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "for x, y in loader:" in line)
 
 
 def sample(n: int, seed: int, max_world: int | None = None) -> list[Cell]:

@@ -4,11 +4,12 @@ The matrix crosses every fault (rank crash, rank stuck in a DataLoader worker, h
 link cut, cut then healed, slow link, shutdown + init again, token mismatch, launcher SIGKILL
 with stuck loader workers) with topology, bucket size on both sides of 1 MiB, and strategy;
 benchmarks/faults.py --matrix runs every cell and writes the counts and times. Here: one cell
-per fault, drawn once (``SEED``), run three at a time, each on its own cluster. A cell passes
-when its promise holds (``matrix.check``: who is named, nobody else blamed, no orphan, the job
-completes or ends) within bounds a loaded machine meets: the time promises (10 s, 60 s) are
-the benchmark's, here each bound is the promise plus a margin, well under the jobs' 120 s
-timeout (ending at all, that early, is what a hang would not do).
+per fault, drawn once (``SEED``), and the cells the matrix once failed (``REGRESSIONS``), run
+three at a time, each on its own cluster. A cell passes when its promise holds
+(``matrix.check``: who is named, nobody else blamed, no orphan, nothing lost of the job's
+checkpoints, the job completes or ends) within bounds a loaded machine meets: the time
+promises (10 s, 60 s) are the benchmark's, here each bound is the promise plus a margin, well
+under the jobs' 120 s timeout (ending at all, that early, is what a hang would not do).
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from cluster.required import require_cluster
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 SEED = 42
-CELLS = matrix.sample(len(matrix.FAULTS), SEED, max_world=4)  # 2 cores: small jobs
+SAMPLE = matrix.sample(len(matrix.FAULTS), SEED, max_world=4)  # 2 cores: small jobs
+REGRESSIONS = [matrix.Cell(2, 1, "small", "ddp", "stuck")]
+"""Cells the matrix once failed, always run: a stuck rank alone on its host was headed only
+'rank(s) 1 failed' by its own node (not where it was stuck)."""
+CELLS = SAMPLE + [c for c in REGRESSIONS if c not in SAMPLE]
 MARGIN_S = 30.0  # a loaded machine's slack over the benchmark's promise (matrix.STOP_S...)
 
 
@@ -37,7 +42,7 @@ def outcomes(tmp_path_factory):
 
 
 def test_the_sample_covers_every_fault_and_the_rules_skip_what_cannot_exist():
-    assert sorted(c.fault for c in CELLS) == sorted(matrix.FAULTS)
+    assert sorted(c.fault for c in SAMPLE) == sorted(matrix.FAULTS)
     assert all(matrix.rule(c) is None for c in CELLS)
     skipped = [c for c in matrix.CELLS if matrix.rule(c)]
     assert matrix.Cell(3, 1, "small", "pipeline", "crash") in skipped

@@ -204,3 +204,30 @@ def test_a_diagnosis_prints_without_the_backend_chain_and_internal_frames():
     assert "GLHF" not in text and "direct cause" not in text and "During handling" not in text
     assert "in _inner" in text and "rankwise.errors.DistributedError: all_reduce #3" in text
     assert not [ln for ln in text.splitlines() if ln.strip() and set(ln.strip()) <= set("^~")]
+
+
+def test_a_pipeline_stage_whose_peer_died_blames_the_peer_not_itself(tmp_path, monkeypatch):
+    """A stage's receive failing on a closed connection (its peer's host killed) was headed
+    'rank 3 raised DistributedError' by its node's launcher: it only waited for rank 6."""
+    from datetime import timedelta
+
+    import torch
+
+    from rankwise.launch.failures.report import read_culprits, read_diagnoses
+    from rankwise.pipeline.execution.p2p import Link
+
+    monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
+    link = Link(torch.device("cpu"), timedelta(seconds=120), rank=3)
+    reset = "RuntimeError: [pair.cc:537] Read error [10.0.0.3]:26246: Connection reset by peer"
+    err = link._error("gradient of micro-batch 0 from stage 2 from rank 6", reset)
+    assert err.waited_for == [6]
+    failures = [RankFailure(rank=3, local_rank=0, pid=30, exitcode=1,
+                            exception=f"DistributedError: {err}")]  # fmt: skip
+    job = JobFailed(failures, world_size=9, node_rank=1, diagnoses=read_diagnoses(tmp_path),
+                    culprits=read_culprits(tmp_path))  # fmt: skip
+    head = str(job).splitlines()[0]
+    assert job.raisers == [] and "raised" not in head, head
+    assert head.startswith("rank(s) 6 never reached"), head
+    # A timeout names no peer as dead: the stall report is what explains it.
+    assert link._error("activation of micro-batch 1 from rank 2", "timed out").__dict__.get(
+        "waited_for") is None

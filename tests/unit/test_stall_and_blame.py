@@ -205,3 +205,71 @@ def test_a_wait_for_a_checkpoints_write_never_ends_the_job():
     assert stall._long_by_design(rec("sharded checkpoint writes"))
     assert not stall._long_by_design(rec("gradient bucket 0"))
     assert not stall._long_by_design(rec(None))
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
+    tmp_path, monkeypatch, per_node
+):
+    """The missing rank's own launcher names it, the collective it never reached and where it
+    was (alone on its node, its exit code 1 says nothing; beside a waiting rank, either ends
+    first), not 'rank(s) 1 failed'."""
+    import json
+
+    from rankwise.diagnose import stall
+    from rankwise.diagnose.channel import gather
+    from rankwise.launch.failures.diagnoses import read_stalled
+    from rankwise.launch.failures.report import read_culprits, read_diagnoses
+
+    views = _views()  # rank 1 missing, at train.py:33; ranks 0, 2 waiting in all_reduce #5
+    note = {"rank": 0, "missing": [1], "node": 0, "msg": stall_report(0, _AR, views, 12, 90)[0],
+            **stall.end_facts(_AR, views, [1])}  # fmt: skip
+
+    class Own:
+        def get(self, key):
+            return json.dumps(note) if key == stall.END_KEY else None
+
+    class Watchdog:
+        own, node = Own(), 1
+
+    exits = []
+    monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
+    monkeypatch.setattr(stall, "_exit", lambda rank, why: exits.append(rank))
+    stall.configure(None, wait=False)
+    try:
+        stall.follow(Watchdog(), 1)
+    finally:
+        stall.configure(None)
+    assert exits == [1]
+    failures = [RankFailure(rank=1, local_rank=per_node - 1, pid=11, exitcode=1)]
+    if per_node == 2:  # a waiting rank of the same node, ended on the same note, first
+        gather.write_diag_file(2, "stall: rank(s) 1 never reached #5", "f", [1], node=1)
+        failures.insert(0, RankFailure(rank=2, local_rank=0, pid=12, exitcode=1))
+    err = JobFailed(failures, world_size=3, node_rank=1, diagnoses=read_diagnoses(tmp_path),
+                    culprits=read_culprits(tmp_path), stalled=read_stalled(tmp_path))  # fmt: skip
+    head = str(err).splitlines()[0]
+    assert head.startswith("rank 1 never reached all_reduce #5, which rank(s) 0, 2 waited in"), head
+    assert "train.py:33" in head and "rank 0 reported the stall" in head, head
+    assert "failed" not in head and err.blamed == [1]
+    assert "Fix: look at where rank(s) 1 were" in str(err)
+    # A node without the stuck rank: its waiting rank's diagnosis heads, blaming rank 1.
+    other = JobFailed([RankFailure(rank=0, local_rank=0, pid=10, exitcode=1)], world_size=3,
+                      node_rank=0, diagnoses={0: "d"}, culprits={0: [1]}, stalled={1: "x"})  # fmt: skip
+    assert str(other).startswith("rank(s) 1 never reached the collective that rank(s) 0 waited")
+
+
+def test_silence_is_counted_from_a_ranks_last_heartbeat_and_watched_at_least_1_5_beats():
+    """A rank killed a moment ago has been silent since its last beat: the survivors need not
+    watch it 2.5 heartbeats from now, only until 2.5 since that beat; never under 1.5 (a
+    live rank, whatever its clock, shows its next beat), never over 2.5."""
+    import time
+
+    from rankwise.diagnose.channel.gather import _Peer, _settle_s
+
+    now = time.time()
+    cases = {None: 2.5, now: 2.5, now - 0.6: 1.9, now - 1.0: 1.5, now - 100.0: 1.5,
+             now + 100.0: 2.5}  # fmt: skip
+    for beat, want in cases.items():
+        got = _settle_s(_Peer(beat, None, None), 1.0)
+        assert want - 0.05 <= got <= want, (beat and now - beat, got, want)
+    assert _settle_s(_Peer(now - 0.6, None, None), 0.2) == pytest.approx(0.3)  # 1.5 beats

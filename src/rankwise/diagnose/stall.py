@@ -36,6 +36,7 @@ from . import causes, nodes, report
 from .channel import gather, peer
 
 _config: dict[str, Any] = {"after_s": None, "wait": None}
+MAX_NAMED = 64  # ranks named one by one in the end note (its size stays bounded)
 END_KEY = "rankwise/diag/stall/end"
 """Set in the store by the rank that reported a stall and ends the job: JSON ``{"rank": r,
 "missing": [ranks]}``; every rank that reads it ends too (``follow``)."""
@@ -123,9 +124,20 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             lost = nodes.lost_nodes(views)
             gather.write_diag_file(g.global_rank, msg, fix, missing, lost=lost,
                                    unreachable=missed, node=node)  # fmt: skip
-            _end_job(watchdog, g.global_rank, missing, interval, msg)
+            facts = end_facts(e.record(), views, missing)
+            _end_job(watchdog, g.global_rank, missing, interval, msg, facts)
         return text
     return None
+
+
+def end_facts(pending: Any, views: list[Any], missing: list[int]) -> dict:
+    """What the end note tells the missing ranks' launchers: the collective they never
+    reached, who waited in it, and where each was (``stalled_sentence``)."""
+    named = set(missing[:MAX_NAMED])
+    where = {str(v.rank): report.rank_sentence(v, pending.seq)[:400] for v in views
+             if v.rank in named}  # fmt: skip
+    waiting = [v.rank for v in views if v.rank not in set(missing)][:MAX_NAMED]
+    return {"op": f"{pending.op} #{pending.seq}", "waiting": waiting, "where": where}
 
 
 def _hang_event(rank: int, text: str) -> None:
@@ -148,12 +160,17 @@ def _long_by_design(pending: Any) -> bool:
     return "checkpoint" in label or "save" in label
 
 
-def _end_job(watchdog: Any, rank: int, missing: list[int], interval: float, msg: str) -> None:
+def _end_job(
+    watchdog: Any, rank: int, missing: list[int], interval: float, msg: str, facts: dict
+) -> None:
     """Tell every rank to end (``END_KEY``), give the other nodes' ranks a heartbeat or so to
     read it (so each node's launcher hears the blame from its own ranks, not from a peer's
-    closed socket), end first on this node (its launcher quotes this rank's report)."""
+    closed socket), end first on this node (its launcher quotes this rank's report).
+    ``facts``: the pending collective, the waiting ranks and where each missing rank is, for
+    the missing ranks' own launchers (``stalled_sentence``)."""
     node = getattr(watchdog, "node", None)
-    note = {"rank": rank, "missing": [int(r) for r in missing], "node": node, "msg": msg[:1000]}
+    note = {"rank": rank, "missing": [int(r) for r in missing], "node": node, "msg": msg[:1000],
+            **facts}  # fmt: skip
     watchdog.own.set_bounded(END_KEY, json.dumps(note), 2.0)
     time.sleep(min(2.0, 1.5 * interval))
     _exit(rank, "after the stall report above")
@@ -184,7 +201,21 @@ def follow(watchdog: Any, rank: int) -> None:
     msg = f"{said} (reported by rank {reporter}, which ended the job)"
     fix = f"look at where rank(s) {who} were (the stall report on rank {reporter})."
     node = getattr(watchdog, "node", None)
-    gather.write_diag_file(rank, msg, fix, missing, node=node)
-    if (node is not None and note.get("node") == node) or rank in missing:
-        time.sleep(3.0)  # the reporter (or a rank that waited) is quoted, not the missing one
+    stalled = stalled_sentence(note, rank) if rank in missing else None
+    gather.write_diag_file(rank, msg, fix, missing, node=node, stalled=stalled)
+    if node is not None and note.get("node") == node:
+        time.sleep(3.0)  # the reporter is quoted; a missing rank elsewhere heads with its own
     _exit(rank, f"(rank {reporter} reported a stall: rank(s) {who} never arrived)")
+
+
+def stalled_sentence(note: dict, rank: int) -> str:
+    """What a missing rank's own launcher heads its summary with (it ended on the report, so
+    its exit code says nothing): which collective it never reached, who waited in it, and
+    where the reporter saw it. ``note``: the reporter's ``END_KEY`` value (a peer's: checked)."""
+    waiting = [r for r in note.get("waiting") or [] if isinstance(r, int)][:MAX_NAMED]
+    where = note.get("where") if isinstance(note.get("where"), dict) else {}
+    seen = peer.text(where.get(str(rank)), 400) or f"rank {rank} never reported where it was"
+    op = peer.text(note.get("op"), 100) or "a collective"
+    who = ", ".join(map(str, waiting)) or "the other ranks"
+    return (f"rank {rank} never reached {op}, which rank(s) {who} waited in until rank "
+            f"{note['rank']} reported the stall and ended the job; there, {seen}")  # fmt: skip

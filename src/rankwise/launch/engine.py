@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import DistributedError
 from ..job import env as envmod
 from ..job import netif
+from .failures.diagnoses import read_stalled
 from .failures.machines import read_machines
 from .failures.report import (
     JobFailed,
@@ -264,6 +265,7 @@ def _job_failed(
         machines=read_machines(diag),
         raised=read_raised(diag),
         causes=read_causes(diag),
+        stalled=read_stalled(diag),
     )
 
 

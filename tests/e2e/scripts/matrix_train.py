@@ -3,6 +3,8 @@
     matrix_train.py OUT --strategy ddp|zero2|zero3|mesh|pipeline --width W --hosts H
                         --per-host L [--steps N] [--sleep S] [--timeout T]
                         [--fault none|crash|stuck|reinit] [--victim R] [--at STEP]
+                        [--save-every N]
+    matrix_train.py OUT --check --width W   (no job: the checkpoints OUT holds, as JSON)
 
 A small MLP (8 -> W -> W -> 4) whose W x W weight decides the gradient bucket's size (the
 matrix picks W on both sides of 1 MiB, the switch to shared memory and to the hierarchical
@@ -13,7 +15,13 @@ comes through a DataLoader with one worker process per rank.
 Faults, on rank ``--victim`` at step ``--at``: ``crash`` (``sys.exit(3)``), ``stuck`` (its
 DataLoader worker hangs in ``__getitem__`` for good), ``reinit`` (every rank: ``rw.shutdown()``
 then ``rw.init()`` and training on, twice). Files in OUT: ``steps`` (rank 0: ``<step> <time>``),
-``pid<R>`` (each rank), ``loader<R>-<pid>`` (each DataLoader worker of rank R), ``done<R>``.
+``pid<R>`` (each rank), ``loader<R>-<pid>`` (each DataLoader worker of rank R), ``done<R>``,
+``ckpt/`` (``rt.save`` every ``--save-every`` steps, in the strategy's format) and ``saved``
+(rank 0: the step of each save that returned).
+
+``--check`` loads every checkpoint of ``OUT/ckpt`` that looks complete (a published name; the
+temporaries a save in flight leaves are counted apart) into the bare model, in this one
+process, and prints what it found (``check_checkpoints``): the fault matrix's "nothing lost".
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +92,7 @@ def start(a: argparse.Namespace):
 
 
 def train(a: argparse.Namespace, first: int, last: int) -> None:
-    rt, _model, opt, loader, step_fn = start(a)
+    rt, model, opt, loader, step_fn = start(a)
     with open(os.path.join(a.out, f"pid{rt.rank}"), "w") as f:
         f.write(str(os.getpid()))
     step, epoch = first, 0
@@ -102,11 +111,54 @@ def train(a: argparse.Namespace, first: int, last: int) -> None:
                     sys.exit(3)
                 if a.fault == "stuck":  # the worker's next sample hangs; prefetched ones drain
                     open(os.path.join(a.out, "stuck_now"), "w").close()
+            if a.save_every and step % a.save_every == 0:
+                rt.save(os.path.join(a.out, "ckpt"), model=model, optimizer=opt, step=step)
+                if rt.rank == 0:
+                    with open(os.path.join(a.out, "saved"), "a") as f:
+                        f.write(f"{step}\n")
             time.sleep(a.sleep)
             if step >= last:
                 break
         epoch += 1
     rw.shutdown()
+
+
+def check_checkpoints(out: str, width: int) -> dict:
+    """Every complete-looking checkpoint of ``out/ckpt`` must load (digests verified) into the
+    bare model with finite, trained values and its own step; ``latest`` must name one; the
+    newest must be no older than the last save that returned."""
+    import glob
+
+    from rankwise.checkpoint import files
+
+    folder = os.path.join(out, "ckpt")
+    marks = Path(out, "saved")
+    saved = marks.read_text().split() if marks.exists() else []
+    found = files.list_checkpoints(folder) if os.path.isdir(folder) else []
+    bad, steps, init = {}, [], model_for(width).state_dict()
+    for path in found:
+        try:
+            model = model_for(width)
+            got = rw.load_checkpoint(path, model=model, restore_rng=False)
+            state = model.state_dict()
+            if got["step"] != files.step_of(path):
+                raise ValueError(f"step {got['step']} in a checkpoint named {path.name}")
+            if not all(bool(t.isfinite().all()) for t in state.values()):
+                raise ValueError("non-finite values")
+            if all(torch.equal(state[k], init[k]) for k in init):
+                raise ValueError("the values are the untrained model's")
+            steps.append(got["step"])
+        except Exception as exc:  # any failure to load is the finding
+            bad[path.name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        latest = None if not found else rw.load_checkpoint(
+            folder, model=model_for(width), restore_rng=False)["step"]  # fmt: skip
+    except Exception as exc:
+        latest, bad["latest"] = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return {"checkpoints": len(found), "loaded": len(steps), "bad": bad,
+            "newest": max(steps) if steps else None, "latest": latest,
+            "last_saved": int(saved[-1]) if saved else None,
+            "temporaries": len(glob.glob(os.path.join(folder, ".*.tmp")))}  # fmt: skip
 
 
 def main() -> None:
@@ -122,7 +174,14 @@ def main() -> None:
     p.add_argument("--fault", default="none")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--at", type=int, default=8)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--check", action="store_true")
     a = p.parse_args()
+    if a.check:
+        import json
+
+        print(json.dumps(check_checkpoints(a.out, a.width)))
+        return
     rounds = 3 if a.fault == "reinit" else 1  # reinit: shutdown + init, twice, training on
     per = a.steps // rounds
     for r in range(rounds):

@@ -83,12 +83,14 @@ def collect_views(
     g: Any, mine: Record, channel: Channel, interval: float, settle: bool, node: int | None = None
 ) -> list[RankView]:
     """Every rank's view. A rank counts as alive when its heartbeat advances (``settle``: wait
-    up to 2.5 heartbeats for that) or, after a timeout, when its heartbeat is recent."""
+    for that until it has been silent ``SILENT_BEATS`` heartbeats, ``_settle_s``) or, after a
+    timeout, when its heartbeat is recent."""
     me = g.global_rank
     others = [r for r in g.ranks if r != me]
     first = {r: _read(channel, g.name, r) for r in others}
     latest, alive, done = dict(first), set(), set()
-    deadline = time.monotonic() + (2.5 * interval if settle else 0.0)
+    start = time.monotonic()
+    deadline = {r: start + (_settle_s(p, interval) if settle else 0.0) for r, p in first.items()}
     while True:
         now = time.time()
         for r in others:
@@ -105,7 +107,8 @@ def collect_views(
             elif cur.finished or cur.raised:  # settled: it ended, no heartbeat will come
                 done.add(r)
         cut_off = getattr(channel, "missed", None)  # no answer from the store: stop asking
-        if len(alive | done) == len(others) or time.monotonic() >= deadline or cut_off:
+        waited = time.monotonic()
+        if all(r in alive or r in done or waited >= deadline[r] for r in others) or cut_off:
             break
         time.sleep(interval / 4)
     views = [RankView(me, mine, True, node=node)]
@@ -117,6 +120,23 @@ def collect_views(
         raised = cur.raised if r not in alive else None
         views.append(RankView(r, cur.latest, state, silent, cur.frame, finished, raised, cur.node))
     return views
+
+
+SILENT_BEATS = 2.5
+"""A rank whose heartbeat has not advanced for this many heartbeats stopped responding."""
+SEEN_BEATS = 1.5
+"""...counted from its last heartbeat, but watched for at least this many: a live rank beats
+once per heartbeat, so one with a clock behind ours (another machine's) still shows it."""
+
+
+def _settle_s(peer_state: _Peer, interval: float) -> float:
+    """How long to watch a rank for a heartbeat: until its silence, counted from its own last
+    heartbeat (not from now: a rank killed a moment ago has been silent since its last beat),
+    reaches ``SILENT_BEATS``; never under ``SEEN_BEATS``, never over ``SILENT_BEATS``."""
+    if peer_state.beat is None:
+        return SILENT_BEATS * interval
+    age = min(max(0.0, time.time() - peer_state.beat), SILENT_BEATS * interval)
+    return max(SEEN_BEATS * interval, SILENT_BEATS * interval - age)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -213,6 +233,7 @@ def write_diag_file(
     finished: list[int] | None = None,
     raised: dict[int, str] | None = None,
     cause: report.Cause | None = None,
+    stalled: str | None = None,
     **machines: Any,
 ) -> None:
     """Leave the diagnosis where the launcher looks (``RANKWISE_DIAG_DIR``): ``rank<r>.txt``,
@@ -220,7 +241,8 @@ def write_diag_file(
     those that raised, with their exception, and the cause found (the launcher's headline);
     ``machines``: ``lost`` (``{node: ranks}`` that all stopped responding), ``unreachable``
     (the store's 'host:port' when it did not answer), ``gone`` (... when it closed the
-    connection) and ``node`` (this rank's node)."""
+    connection) and ``node`` (this rank's node); ``stalled``: the headline of a rank that a
+    stall report named as missing (where it was, ``stall.stalled_sentence``)."""
     folder = envmod.diag_dir()
     if not folder:
         return
@@ -238,6 +260,7 @@ def write_diag_file(
                 "unreachable": machines.get("unreachable"),
                 "gone": machines.get("gone"),
                 "node": machines.get("node"),
+                "stalled": stalled,
             }
             json.dump(facts, f)
     except OSError:

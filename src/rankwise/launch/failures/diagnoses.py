@@ -60,6 +60,15 @@ def read_causes(folder: str | os.PathLike) -> dict[int, tuple[str, list[int]]]:
     return found
 
 
+def read_stalled(folder: str | os.PathLike) -> dict[int, str]:
+    """Headlines that ranks a stall report named as missing left (``rank<r>.json``'s
+    ``stalled``: the collective they never reached and where they were), by rank."""
+    from ...output.console import printable
+
+    return {rank: printable(facts["stalled"], 800) for rank, facts in _facts(folder)
+            if isinstance(facts.get("stalled"), str)}  # fmt: skip
+
+
 def read_diagnoses(folder: str | os.PathLike) -> dict[int, str]:
     """The ``rank<r>.txt`` diagnoses that ranks wrote (``rankwise.diagnose``), by rank."""
     found: dict[int, str] = {}

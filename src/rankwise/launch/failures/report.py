@@ -73,6 +73,7 @@ class JobFailed(DistributedError):
         machines: Machines | None = None,
         raised: dict[int, str] | None = None,
         causes: dict[int, tuple[str, list[int]]] | None = None,
+        stalled: dict[int, str] | None = None,
     ) -> None:
         self.failures = failures
         self.world_size = world_size
@@ -86,6 +87,10 @@ class JobFailed(DistributedError):
         self.cause = (causes or {}).get(quoted) if quoted is not None else None
         """The quoted diagnosis' cause: ('uneven', [ranks that left the loop]), ('batch', ...)."""
         self.blamed = [] if self.raisers or self._specific() else blamed
+        head, stuck = _stalled(split_stopped(failures, signalled)[0], stalled or {}, culprits)
+        self.stalled = None if self.raisers else head
+        """A rank that a stall report named missing and that ended on it: its own headline."""
+        self.blamed = stuck if self.stalled else self.blamed
         self.finished = sorted(set(finished or ()) - {f.rank for f in failures})
         """Ranks that had ended normally before the failure (their diagnosis said so)."""
         self.machines = machines or Machines()
@@ -96,13 +101,13 @@ class JobFailed(DistributedError):
             raisers=self.raisers, cause=self.cause,
         )  # fmt: skip
         failed = [f.rank for f in split_stopped(failures, signalled)[0]]
-        machine_line = None if self.raisers else self.machines.headline(
-            self.blamed, failed, world_size, node_rank
-        )
-        fix = None
-        if machine_line:  # a node went silent, or the master's machine is out of reach
+        lost = self.machines.headline(self.blamed, failed, world_size, node_rank)
+        machine_line = None if self.raisers else lost  # a node went silent, or the store did
+        fix = self.machines.fix(self.blamed, node_rank) if machine_line else None
+        if not machine_line and self.stalled:
+            machine_line = f"{self.stalled} (world size {world_size}, node {node_rank})"
+        if machine_line:
             text = machine_line + text[text.index("\n") :] if "\n" in text else machine_line
-            fix = self.machines.fix(self.blamed, node_rank)
         super().__init__(text, fix=fix or self._fix(diagnosis_fix))
 
     def _fix(self, diagnosis_fix: str | None) -> str:
@@ -147,6 +152,14 @@ class JobFailed(DistributedError):
         """The root failure's exit code, or 128 + signal for a killed worker (shell convention)."""
         code = self.root.exitcode
         return 128 - code if code < 0 else (code if 0 < code < 256 else 1)
+
+
+def _stalled(
+    failed: list[RankFailure], stalled: dict[int, str], culprits: dict[int, list[int]] | None
+) -> tuple[str | None, list[int]]:
+    """(headline, blamed) of this node's first failed rank that a stall report named missing."""
+    stuck = [f.rank for f in failed if f.rank in stalled]
+    return (stalled[stuck[0]], (culprits or {}).get(stuck[0]) or stuck[:1]) if stuck else (None, [])
 
 
 def split_stopped(

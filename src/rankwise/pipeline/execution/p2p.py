@@ -323,9 +323,22 @@ class Link:
             raise self._error(what, "timed out")
 
     def _error(self, what: str, cause: str) -> DistributedError:
-        return DistributedError(
-            f"pipeline {what} failed after at most {self.timeout.total_seconds():.0f}s ({cause})",
-            fix="every rank of the pipeline must call train_step with the same chunks, schedule "
-            "and number of steps; look for a rank that died or skipped a step.",
-            rank=self.rank,
-        )
+        msg = f"pipeline {what} failed after at most {self.timeout.total_seconds():.0f}s ({cause})"
+        fix = ("every rank of the pipeline must call train_step with the same chunks, schedule "
+               "and number of steps; look for a rank that died or skipped a step.")  # fmt: skip
+        err = DistributedError(msg, fix=fix, rank=self.rank)
+        peer = _peer_of(what)
+        if peer is not None and cause != "timed out":  # the peer's connection failed: its fault
+            from ...diagnose.channel.gather import write_diag_file
+
+            said = f"{msg}: rank {peer}'s connection failed (it ended, or its machine went down)"
+            write_diag_file(self.rank, said, fix, [peer])
+            err.waited_for = [peer]  # this rank only waited for it: not announced as a cause
+        return err
+
+
+def _peer_of(what: str) -> int | None:
+    """The peer rank a transfer's description ends with ('... from rank 6', '... to rank 2',
+    as this module words them), or None."""
+    head, sep, tail = what.rpartition(" rank ")
+    return int(tail) if sep and tail.isdigit() and head.endswith((" from", " to")) else None
