@@ -321,3 +321,20 @@ def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
     assert rdzv_guard.guard(static, 300) is static  # its calls never wait on a store
     signed = _Handler(signed_rdzv.BACKEND)  # what `rankwise run --rdzv-backend c10d` registers
     assert isinstance(rdzv_guard.guard(signed, 300), rdzv_guard.GuardedHandler)
+
+
+class _GoneStore(_Handler):
+    def shutdown(self):
+        from torch.distributed import DistNetworkError
+
+        raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+
+def test_closing_a_rendezvous_whose_store_host_already_ended_is_not_a_failure():
+    # the end-of-job race: the endpoint's node saw every node in the exit barrier and ended,
+    # then this node's launcher closed the rendezvous through the store it hosted
+    from rankwise.launch.rendezvous import guard as rdzv_guard
+
+    assert rdzv_guard.guard(_GoneStore(), 300).shutdown() is False
+    with pytest.raises(Exception, match="Connection was likely closed"):
+        _GoneStore().shutdown()  # unguarded, torch's handler raises it into the launcher
