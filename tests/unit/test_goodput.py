@@ -203,6 +203,11 @@ def test_the_in_memory_record_becomes_model_inputs():
     assert got["replication_overhead"] == pytest.approx(0.075)
     noise = {**record, "replication_overhead_pct": {"1": -0.4}}
     assert measured.in_memory_costs(noise, "recovery.json")["replication_overhead"] == 0.0
+    # a K whose copy outlasted its K steps (>= 99%: it cannot keep up) is not an operating
+    # point: the smallest K that keeps up is used (2.76% every 10 steps is 27.6% a step)
+    behind = {**record, "replication_overhead_pct": {"1": 363.7, "10": 2.76, "50": -3.0}}
+    got = measured.in_memory_costs(behind, "recovery.json")
+    assert got["replication_overhead"] == pytest.approx(0.276)
 
 
 def test_the_same_seed_gives_the_same_estimate():
