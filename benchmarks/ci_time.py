@@ -6,9 +6,11 @@ With ``--durations-min=S`` pytest lists only phases of at least S seconds: the s
     python benchmarks/ci_time.py --pass fast=fast.txt --conditions "quiet, 2 cores" \\
         --out benchmarks/results/ci_time.json
 
-``--before OLD.txt --after NEW.txt`` compares the same tests in two outputs (the ratio of their
+``--compare NAME=OLD.txt:NEW.txt`` compares the same tests in two outputs (the ratio of their
 summed durations over the tests both ran), for a change measured twice in the same conditions.
-The machine's load average when the JSON is written is recorded beside the figures.
+A line ``W s wall U user S sys`` in an output (GNU time's ``-f "%e s wall %U user %S sys"``
+around pytest) adds the run's CPU seconds, children included: under load, wall time says
+little and CPU time still compares. The machine's load average at writing is recorded too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 PHASE = re.compile(r"^\s*(?P<s>\d+(?:\.\d+)?)s (?P<phase>setup|call|teardown)\s+(?P<id>\S+)")
 SUMMARY = re.compile(r"^=* ?(\d+ \w+.*|no tests ran) in (?P<s>\d+(?:\.\d+)?)s\b")
+TIME = re.compile(r"(?P<wall>\d+(?:\.\d+)?) s wall (?P<user>\d+(?:\.\d+)?) user (?P<sys>\d+(?:\.\d+)?) sys")
 COUNT = re.compile(r"(?P<n>\d+) (?P<what>passed|failed|skipped|error|errors|deselected)\b")
 
 
@@ -41,7 +44,11 @@ def summary(text: str) -> dict:
     if not lines:
         return {"wall_s": None}
     counts = {m["what"]: int(m["n"]) for m in COUNT.finditer(lines[-1])}
-    return {"wall_s": float(SUMMARY.match(lines[-1].strip())["s"]), **counts}
+    out = {"wall_s": float(SUMMARY.match(lines[-1].strip())["s"]), **counts}
+    timed = TIME.search(text)
+    if timed:
+        out["cpu_s"] = round(float(timed["user"]) + float(timed["sys"]), 1)
+    return out
 
 
 def describe(path: Path, top: int) -> dict:
@@ -57,19 +64,24 @@ def describe(path: Path, top: int) -> dict:
 
 
 def compare(before: Path, after: Path) -> dict:
-    old, new = per_test(before.read_text()), per_test(after.read_text())
+    texts = before.read_text(errors="replace"), after.read_text(errors="replace")
+    old, new = per_test(texts[0]), per_test(texts[1])
     both = sorted(set(old) & set(new))
     a, b = sum(old[t] for t in both), sum(new[t] for t in both)
-    return {"tests": len(both), "before_s": round(a, 1), "after_s": round(b, 1),
-            "ratio_after_over_before": round(b / a, 3) if a else None}  # fmt: skip
+    out = {"tests": len(both), "before_s": round(a, 1), "after_s": round(b, 1),
+           "ratio_after_over_before": round(b / a, 3) if a else None}  # fmt: skip
+    cpu = [summary(t).get("cpu_s") for t in texts]
+    if None not in cpu:
+        out.update(before_cpu_s=cpu[0], after_cpu_s=cpu[1], cpu_ratio=round(cpu[1] / cpu[0], 3))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME=FILE",
                    help="a pytest output with --durations=0; repeat per pass of .ci/run")
-    p.add_argument("--before", type=Path, help="a --durations=0 output before a change")
-    p.add_argument("--after", type=Path, help="the same tests' output after it")
+    p.add_argument("--compare", action="append", default=[], metavar="NAME=BEFORE:AFTER",
+                   help="two --durations=0 outputs of the same tests, before and after a change")
     p.add_argument("--conditions", default="", help="the machine and its load, in words")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the JSON here too")
@@ -82,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     walls = [v["wall_s"] for v in result["passes"].values()]
     if walls and None not in walls:
         result["total_wall_s"] = round(sum(walls), 1)
-    if args.before and args.after:
-        result["same_tests_before_after"] = compare(args.before, args.after)
+    for spec in args.compare:
+        name, _, files = spec.partition("=")
+        before, _, after = files.partition(":")
+        result.setdefault("same_tests_before_after", {})[name] = compare(Path(before), Path(after))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
