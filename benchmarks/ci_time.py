@@ -63,6 +63,25 @@ def describe(path: Path, top: int) -> dict:
     }
 
 
+def cpu_log(path: Path, top: int) -> dict:
+    """A ``benchmarks/_ci_durlog.py`` log: per test, wall (its phases) and CPU seconds."""
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    loads = []
+    for line in path.read_text().splitlines():
+        w, c, phase, _, test, _, load = line.split("\t")
+        wall[test] = wall.get(test, 0.0) + float(w)
+        if phase == "teardown":
+            cpu[test] = float(c)
+            loads.append(float(load))
+    rows = sorted(cpu, key=lambda t: -cpu[t])[:top]
+    return {"tests": len(cpu), "wall_s": round(sum(wall[t] for t in cpu), 1),
+            "cpu_s": round(sum(cpu.values()), 1),
+            "load_1min": [min(loads), max(loads)] if loads else None,
+            "costliest_cpu": [{"test": t, "cpu_s": cpu[t], "wall_s": round(wall[t], 1)}
+                              for t in rows]}  # fmt: skip
+
+
 def compare(before: Path, after: Path) -> dict:
     texts = before.read_text(errors="replace"), after.read_text(errors="replace")
     old, new = per_test(texts[0]), per_test(texts[1])
@@ -82,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a pytest output with --durations=0; repeat per pass of .ci/run")
     p.add_argument("--compare", action="append", default=[], metavar="NAME=BEFORE:AFTER",
                    help="two --durations=0 outputs of the same tests, before and after a change")
+    p.add_argument("--cpu-log", type=Path, help="a benchmarks/_ci_durlog.py log")
     p.add_argument("--conditions", default="", help="the machine and its load, in words")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the JSON here too")
@@ -94,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     walls = [v["wall_s"] for v in result["passes"].values()]
     if walls and None not in walls:
         result["total_wall_s"] = round(sum(walls), 1)
+    if args.cpu_log:
+        result["cpu_log"] = cpu_log(args.cpu_log, args.top)
     for spec in args.compare:
         name, _, files = spec.partition("=")
         before, _, after = files.partition(":")
