@@ -312,7 +312,7 @@ def test_a_cut_off_agent_keeps_watching_its_workers_and_ends(monkeypatch):
     assert guarded.num_nodes_waiting() == 0  # no answer: nobody can join a cut-off node
     assert guarded.num_nodes_waiting() == 0  # at once while the first call is stuck
     assert guarded.shutdown() is False
-    with pytest.raises(RendezvousTimeoutError, match="--rdzv-timeout=.*stopped answering"):
+    with pytest.raises(RendezvousTimeoutError, match=r"--rdzv-timeout=.*stopped answering"):
         guarded.next_rendezvous()
     assert time.monotonic() - begin < 10
     assert guarded.get_run_id() == "job42"  # the rest is torch's own
