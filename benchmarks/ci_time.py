@@ -87,9 +87,11 @@ def compare(before: Path, after: Path) -> dict:
     old, new = per_test(texts[0]), per_test(texts[1])
     both = sorted(set(old) & set(new))
     a, b = sum(old[t] for t in both), sum(new[t] for t in both)
-    out = {"tests": len(both), "before_s": round(a, 1), "after_s": round(b, 1),
+    out = {"tests_listed_in_both": len(both), "before_s": round(a, 1), "after_s": round(b, 1),
            "ratio_after_over_before": round(b / a, 3) if a else None}  # fmt: skip
-    cpu = [summary(t).get("cpu_s") for t in texts]
+    runs = [summary(t) for t in texts]
+    out.update(before_run_wall_s=runs[0]["wall_s"], after_run_wall_s=runs[1]["wall_s"])
+    cpu = [run.get("cpu_s") for run in runs]
     if None not in cpu:
         out.update(before_cpu_s=cpu[0], after_cpu_s=cpu[1], cpu_ratio=round(cpu[1] / cpu[0], 3))
     return out
