@@ -64,13 +64,14 @@ def test_failed_write_is_reported_on_every_rank_without_hanging(tmp_path):
 def world2_checkpoint(tmp_path_factory) -> str:
     """One world-2 save for every load below (a load only reads it)."""
     folder = tmp_path_factory.mktemp("world2")
-    run_distributed(_write_world2, 2, args=(str(folder),), timeout=60)
+    run_distributed(_write_world2, 2, args=(str(folder),), timeout=120)
     return str(folder)
 
 
 @pytest.mark.parametrize(("world", "into"), [(1, "bare"), (1, "dp"), (3, "torch-ddp"), (3, "ddp")])
 def test_checkpoint_from_our_ddp_at_world_2_loads_anywhere(world2_checkpoint, world, into):
-    results = run_distributed(_load_anywhere, world, args=(world2_checkpoint, into), timeout=60)
+    # 120 s: a hang guard; 3 ranks starting on 2 loaded cores took over 60 s (load 15)
+    results = run_distributed(_load_anywhere, world, args=(world2_checkpoint, into), timeout=120)
     reference = _net()
     with torch.no_grad():
         for p in reference.parameters():
