@@ -60,10 +60,18 @@ def test_failed_write_is_reported_on_every_rank_without_hanging(tmp_path):
         assert "failed on rank 0" in text and "previous checkpoint is untouched" in text
 
 
+@pytest.fixture(scope="module")
+def world2_checkpoint(tmp_path_factory) -> str:
+    """One world-2 save for every load below (a load only reads it)."""
+    folder = tmp_path_factory.mktemp("world2")
+    run_distributed(_write_world2, 2, args=(str(folder),), timeout=120)
+    return str(folder)
+
+
 @pytest.mark.parametrize(("world", "into"), [(1, "bare"), (1, "dp"), (3, "torch-ddp"), (3, "ddp")])
-def test_checkpoint_from_our_ddp_at_world_2_loads_anywhere(tmp_path, world, into):
-    run_distributed(_write_world2, 2, args=(str(tmp_path),), timeout=60)
-    results = run_distributed(_load_anywhere, world, args=(str(tmp_path), into), timeout=60)
+def test_checkpoint_from_our_ddp_at_world_2_loads_anywhere(world2_checkpoint, world, into):
+    # 120 s: a hang guard; 3 ranks starting on 2 loaded cores took over 60 s (load 15)
+    results = run_distributed(_load_anywhere, world, args=(world2_checkpoint, into), timeout=120)
     reference = _net()
     with torch.no_grad():
         for p in reference.parameters():

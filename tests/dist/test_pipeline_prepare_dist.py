@@ -225,20 +225,41 @@ def _mesh_run(mesh: dict, strategy: str, schedule: str, v: int | None, cfg: GPTC
             "clip_refused": refused}  # fmt: skip
 
 
+MESH_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=8, n_head=2, n_embd=16)
+MESH_CASES = {
+    "pipeline4-1f1b": ({"pipeline": 4}, "ddp", "1f1b", None),
+    "pipeline4-zb-v2": ({"pipeline": 4}, "ddp", "zero_bubble", 2),
+    "pipeline2-data2-ddp-interleaved": ({"pipeline": 2, "data": 2}, "ddp", "interleaved_1f1b", 2),
+    "pipeline2-data2-zero2-zb": ({"pipeline": 2, "data": 2}, "zero2", "zero_bubble", 1),
+}
+
+
+def _in_turn(run, cases: dict) -> dict:
+    """Each case in turn in one job, the runtime shut down between them: the ranks start once
+    (each start imports torch: seconds of CPU per rank) instead of once per case."""
+    out = {}
+    for name, args in cases.items():
+        try:
+            out[name] = run(*args)
+        except Exception as exc:
+            raise RuntimeError(f"case {name} failed") from exc
+        rw.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh_runs() -> list[dict]:
+    cases = {name: (*case, MESH_CFG) for name, case in MESH_CASES.items()}
+    return run_distributed(_in_turn, 4, args=(_mesh_run, cases), init=False, timeout=1500)
+
+
 @pytest.mark.slow  # 4 ranks
-@pytest.mark.parametrize(
-    ("mesh", "strategy", "schedule", "v"),
-    [({"pipeline": 4}, "ddp", "1f1b", None), ({"pipeline": 4}, "ddp", "zero_bubble", 2),
-     ({"pipeline": 2, "data": 2}, "ddp", "interleaved_1f1b", 2),
-     ({"pipeline": 2, "data": 2}, "zero2", "zero_bubble", 1)],
-    ids=["pipeline4-1f1b", "pipeline4-zb-v2", "pipeline2-data2-ddp-interleaved",
-         "pipeline2-data2-zero2-zb"],
-)  # fmt: skip
-def test_gpt_on_4_ranks_equals_one_process(mesh, strategy, schedule, v):
-    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=8, n_head=2, n_embd=16)
-    results = run_distributed(_mesh_run, 4, args=(mesh, strategy, schedule, v, cfg),
-                              init=False, timeout=400)  # fmt: skip
-    want, _, want_losses = _oracle(cfg, 2 * BATCH)
+@pytest.mark.timeout(1600)  # the first test waits for the shared job
+@pytest.mark.parametrize("case", list(MESH_CASES))
+def test_gpt_on_4_ranks_equals_one_process(mesh_runs, case):
+    mesh, strategy, _, _ = MESH_CASES[case]
+    results = [by_case[case] for by_case in mesh_runs]
+    want, _, want_losses = _oracle(MESH_CFG, 2 * BATCH)
     held = set()
     data = mesh.get("data", 1)
     for rank, r in enumerate(results):
@@ -343,15 +364,25 @@ def _tensor_stages(schedule: str, tmp: str) -> dict:
     return {k: v.numpy() for k, v in tp.full_state_dict(model).items()}
 
 
+TENSOR_SCHEDULES = ["1f1b", "zero_bubble"]
+
+
+@pytest.fixture(scope="module")
+def tensor_stage_runs(tmp_path_factory) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("tensor-stages"))
+    cases = {schedule: (schedule, tmp) for schedule in TENSOR_SCHEDULES}
+    return run_distributed(_in_turn, 4, args=(_tensor_stages, cases), init=False, timeout=800)
+
+
 @pytest.mark.slow  # 4 ranks
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule, tmp_path: Path):
+@pytest.mark.timeout(900)  # the first test waits for the shared job
+@pytest.mark.parametrize("schedule", TENSOR_SCHEDULES)
+def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule, tensor_stage_runs):
     import mesh_cases as mc
 
     from rankwise.models import GPT as TinyGPT
 
-    results = run_distributed(_tensor_stages, 4, args=(schedule, str(tmp_path)), init=False,
-                              timeout=400)
+    results = [by_schedule[schedule] for by_schedule in tensor_stage_runs]
     torch.manual_seed(0)
     model = TinyGPT(mc.CFG)
     opt = mc.adamw(model.parameters())

@@ -131,11 +131,25 @@ def _one_process(per_rank, world, steps):
     return model.state_dict()
 
 
+def _in_turn(cases: dict) -> dict:
+    """Every case in one job, each shutting its runtime down: two ranks start once (each start
+    imports torch: seconds of CPU) instead of once per case."""
+    return {name: fn(*args) for name, (fn, args) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def prepared_runs() -> list[dict]:
+    """Ranks' results of the cases below (2 samples per rank, 3 steps; 4 for the warnings)."""
+    cases = {s: (_train_prepared, (s, 2, 3)) for s in ("ddp", "zero2", "zero3")}
+    cases["ddp unconverted"] = (_train_prepared, ("ddp", 2, 3, False))
+    cases |= {f"warn {s}": (_prepared_warnings, (s, 4, False, w)) for s, w in WARN_CASES}
+    return run_distributed(_in_turn, 2, args=(cases,), init=False, timeout=400)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_training_with_sync_batchnorm_under_prepare_equals_one_process(strategy):
+def test_training_with_sync_batchnorm_under_prepare_equals_one_process(strategy, prepared_runs):
     per_rank, world, steps = 2, 2, 3  # 2 samples per rank: plain BatchNorm would be far off
-    ranks = run_distributed(_train_prepared, world, args=(strategy, per_rank, steps),
-                            init=False, timeout=180)  # fmt: skip
+    ranks = [by_case[strategy] for by_case in prepared_runs]
     want = _one_process(per_rank, world, steps)
     for state in ranks:
         assert set(state) == set(want)
@@ -143,11 +157,10 @@ def test_training_with_sync_batchnorm_under_prepare_equals_one_process(strategy)
             assert torch.allclose(state[k].float(), want[k].float(), atol=1e-5), k
 
 
-def test_without_conversion_the_same_training_is_far_from_one_process():
+def test_without_conversion_the_same_training_is_far_from_one_process(prepared_runs):
     """The control: plain BatchNorm on 2 samples per rank is what the tests above catch."""
     per_rank, world, steps = 2, 2, 3
-    ranks = run_distributed(_train_prepared, world, args=("ddp", per_rank, steps, False),
-                            init=False, timeout=180)  # fmt: skip
+    ranks = [by_case["ddp unconverted"] for by_case in prepared_runs]
     want = _one_process(per_rank, world, steps)
     assert max((ranks[0][k].float() - want[k].float()).abs().max() for k in want) > 1e-2
 
@@ -174,10 +187,13 @@ def _prepared_warnings(strategy, per_rank, convert, with_loader):
     return [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
 
 
-@pytest.mark.parametrize("strategy,with_loader", [("ddp", True), ("zero2", False)])
-def test_prepare_warns_when_batchnorm_meets_a_small_per_rank_batch(strategy, with_loader):
-    said = run_distributed(_prepared_warnings, 2, args=(strategy, 4, False, with_loader),
-                           init=False, timeout=180)  # fmt: skip
+WARN_CASES = [("ddp", True), ("zero2", False)]
+
+
+@pytest.mark.parametrize("strategy,with_loader", WARN_CASES)
+def test_prepare_warns_when_batchnorm_meets_a_small_per_rank_batch(strategy, with_loader,
+                                                                    prepared_runs):  # fmt: skip
+    said = [by_case[f"warn {strategy}"] for by_case in prepared_runs]
     (message,) = said[0]
     assert "1 (BatchNorm1d)" in message  # the layer
     assert "own 4 sample(s)" in message and "below 16" in message  # the batch, the threshold
