@@ -3,8 +3,11 @@
 Every rank's wall time per step is the same (the fast ones wait inside the collectives), so the
 ranks are compared by **busy time**: the step's time outside waits for peers, i.e. when each
 rank arrived at the step's syncs (``record.busy``). A rank is *flagged* in a record when its busy
-time exceeds what is expected of it by more than ``Settings.threshold`` of the step (and
-``floor_s``). Expected: the median of its peers (the ranks with the same role), or, for a rank
+time exceeds what is expected of it by more than ``Settings.threshold`` of the step, ``floor_s``,
+and ``noise_k`` robust deviations of the excesses seen in the window (``_noise``: 1.4826 times
+their median absolute deviation, larger for a record of fewer steps than the window's: a shared,
+loaded machine's ranks differ by a few ms from record to record, and no one of them is a
+straggler for that). Expected: the median of its peers (the ranks with the same role), or, for a rank
 without peers (a pipeline stage alone), its own median over its earlier healthy records.
 
 A flag makes the records dense (every step, ``dense_steps`` of them); ``confirm`` flags of the
@@ -13,6 +16,10 @@ a flag. Its **kind** is where its excess lies against the same expectation: the 
 (``input``), CPU time per busy second well below its peers' (a throttled or shared CPU:
 ``host``), memory growing while its peers' does not (``host``), else forward and backward
 (``compute``). A node is named instead of a rank when every rank of that node is flagged.
+A **slow link** slows nobody's busy time: the job's own communication (the last arrival's
+blocked time) grows beyond its window's median by the same bar; with three nodes or more, the
+ranks then time transfers between them (``want_probe``; ``links``) and the node whose every
+transfer is slow is named, kind ``communication``.
 **Cost**: the excess itself, since every other rank waits for it: the job would step that much
 faster without it. **Chronic**: named for ``chronic_steps`` steps, or named again and again
 (``chronic_times`` within the last ``window`` records); else one-off.
@@ -24,11 +31,13 @@ gather densely), so it is tested without processes.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import links
 from .files import Straggler
 from .record import busy
 
@@ -57,6 +66,10 @@ class Settings:
     chronic_times: int = 3
     mem_growth: float = 0.1
     """Memory grown by this fraction over ``window`` records (and 32 MiB) while peers' is flat."""
+    noise_k: float = 4.0
+    """A flag needs the excess above this many robust deviations of the window's excesses."""
+    noise_records: int = 5
+    """Records in the window before its noise (and the communication baseline) counts."""
 
 
 @dataclass
@@ -111,6 +124,19 @@ def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[
     return out
 
 
+def _noise(hist: list[tuple[float, float]], steps: float) -> float:
+    """The spread of ``hist``'s values ``(value, steps)``: 1.4826 median absolute deviations (a
+    standard deviation where they are normal, unmoved by a few outliers), scaled up to 3 times
+    for a record of fewer steps than the window's (a dense record is one step, not ten)."""
+    if not hist:
+        return 0.0
+    values = [v for v, _ in hist]
+    mid = statistics.median(values)
+    mad = statistics.median(abs(v - mid) for v in values) * 1.4826
+    usual = statistics.median(n for _, n in hist)
+    return mad * min(3.0, max(1.0, math.sqrt(usual / max(steps, 1.0))))
+
+
 def _ratio(r: dict[str, float]) -> float:
     return r["cpu"] / max(busy(r), 1e-9)
 
@@ -137,24 +163,61 @@ class Attributor:
         self.own: dict[int, deque] = {}  # rank -> its healthy records (own baselines)
         self.named_at: deque = deque(maxlen=self.settings.window)  # rank named per record
         self.mems: deque = deque(maxlen=self.settings.window)
+        # (value, steps) of the window's healthy records: every rank's busy excess (its
+        # noise), the job's own communication (its baseline and noise), its step.
+        self.excesses: deque = deque(maxlen=self.settings.window)  # a list per record
+        self.comms: deque = deque(maxlen=self.settings.window)
+        self.steps: deque = deque(maxlen=self.settings.window)
+        self.link: tuple[int, float] | None = None  # the last probe's slow node, and ratio
+        self.probe = False
+
+    def want_probe(self) -> bool:
+        """Time the links now (every rank decides the same: the same table, the same state)."""
+        return self.probe
+
+    def probed(self, times: list[list[float]], nodes: list[int]) -> None:
+        """The probe's gathered times (``links.slow_node``)."""
+        self.link, self.probe = links.slow_node(times, nodes), False
 
     def want_dense(self) -> bool:
         return self.dense_left > 0
 
+    def _bar(self, step: float, hist: list[tuple[float, float]], steps: float, records: int) -> float:
+        """How far above expectation a flag must be (see the module docstring)."""
+        s = self.settings
+        noise = _noise(hist, steps) if records >= s.noise_records else 0.0
+        return max(s.threshold * step, s.floor_s, s.noise_k * noise)
+
     def flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """The slowest rank of this record when it is slow enough, else None."""
         step = statistics.median(r["total"] for r in ranks)
-        bar = max(self.settings.threshold * step, self.settings.floor_s)
+        steps = ranks[0].get("steps", 1.0)
+        bar = self._bar(step, [v for rec in self.excesses for v in rec], steps, len(self.excesses))
         best: Flag | None = None
+        self._last_excess = []
         for i, (r, expect) in enumerate(zip(ranks, _expectations(ranks, self.own), strict=True)):
             if expect is None:
                 continue
             excess = busy(r) - expect["busy"]
+            self._last_excess.append(excess)
             if excess > bar and (best is None or excess > best.excess):
                 mine = _parts(r)
                 deltas = {k: mine[k] - expect[k] for k in KEYS}
                 best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
-        return best or self._memory_flag(ranks)
+        return best or self._memory_flag(ranks) or self._link_flag(ranks)
+
+    def _link_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
+        """The job's own communication slower than its window's median by the bar, where a
+        probe can tell whose link it is (three nodes or more)."""
+        if len({int(r["node"]) for r in ranks}) < 3 or len(self.comms) < self.settings.noise_records:
+            return None
+        comm = min(r["blocked"] for r in ranks)
+        base = statistics.median(c for c, _ in self.comms)
+        step = statistics.median(t for t, _ in self.steps)
+        excess = comm - base
+        if excess <= self._bar(step, list(self.comms), ranks[0].get("steps", 1.0), len(self.comms)):
+            return None
+        return Flag(-1, excess, {"data": 0.0, "compute": 0.0}, (1.0, 1.0), who=("link", -1))
 
     def _memory_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """A rank whose memory grows while its peers' does not, even before it slows."""
@@ -167,6 +230,11 @@ class Attributor:
 
     def kind(self, f: Flag, ranks: list[dict[str, float]]) -> tuple[str, str]:
         """The kind of flagged rank's slowness, and a few words on the evidence."""
+        if f.who[0] == "link":
+            node, ratio = self.link or (-1, 0.0)
+            return "communication", (f"communication +{f.excess * 1e3:.1f} ms; transfers to and "
+                                     f"from node {node} {ratio:.0f}x slower than between the "
+                                     "other nodes (slow link)")  # fmt: skip
         if f.excess > 0 and f.deltas["data"] >= 0.5 * f.excess:
             return "input", f"data wait +{f.deltas['data'] * 1e3:.1f} ms"
         grown = self.memory_growth(f.rank)
@@ -195,9 +263,11 @@ class Attributor:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
         if step <= self.settings.warmup:
+            self.flag(ranks)
+            self._remember(ranks, None)
             return []
         f = self.flag(ranks)
-        if f is not None:
+        if f is not None and f.rank >= 0:
             f.who = self._who(f, ranks)
         self.dense_left = max(0, self.dense_left - 1) if dense else self.dense_left
         events = self._named_state(step, f, ranks)
@@ -207,15 +277,22 @@ class Attributor:
 
     def _named_state(self, step: int, f: Flag | None, ranks: list[dict[str, float]]) -> list[dict]:
         if self.named is not None:
-            return self._while_named(step, f, ranks)
+            events = self._while_named(step, f, ranks)
+            if self.named is not None or f is None or f.who == _key(events[0]):
+                return events
+            # Gone because someone else is slow now: that one is suspected from this record.
+            return events + self._named_state(step, f, ranks)
         if f is None:
             self._drop_suspicion()
             return []
         if self.suspect != f.who:
             self.suspect, self.hits, self.misses, self.first_flag = f.who, 0, 0, step
             self.dense_left = self.settings.dense_steps
+            self.probe = f.who[0] == "link"
         self.hits += 1
-        if self.hits < self.settings.confirm:
+        if f.who[0] == "link" and self.link is None:
+            self.probe = True  # no node stands out yet: time the links again
+        if self.hits < self.settings.confirm or (f.who[0] == "link" and self.link is None):
             return []
         self.named = self._name(step, f, ranks)
         self.suspect, self.hits, self.misses, self.dense_left = None, 0, 0, 0  # back to cadence
@@ -230,7 +307,7 @@ class Attributor:
     def _while_named(self, step: int, f: Flag | None, ranks: list[dict[str, float]]) -> list[dict]:
         named = self.named
         assert named is not None
-        if f is not None and f.who == (named.scope, named.node if named.scope == "node" else named.rank):
+        if f is not None and f.who == _key(named.fields()):
             self.quiet = 0
             cost = f.excess * 1e3
             self.named = replace(named, cost_ms=cost, step_ms=_step_ms(ranks),
@@ -250,9 +327,9 @@ class Attributor:
 
     def _name(self, step: int, f: Flag, ranks: list[dict[str, float]]) -> Straggler:
         kind, why = self.kind(f, ranks)
-        node = int(ranks[f.rank]["node"])
+        node = self.link[0] if f.who[0] == "link" and self.link else int(ranks[f.rank]["node"])
         scope, rank = "rank", f.rank
-        if f.who[0] == "node":
+        if f.who[0] in ("node", "link"):
             scope, rank = "node", min(i for i, r in enumerate(ranks) if int(r["node"]) == node)
         s = Straggler(rank, node, kind, f.excess * 1e3, self.first_flag, False, scope, why,
                       _step_ms(ranks))  # fmt: skip
@@ -276,14 +353,31 @@ class Attributor:
         return all(busy(ranks[i]) - base > bar for i in on_node)
 
     def _remember(self, ranks: list[dict[str, float]], f: Flag | None) -> None:
-        """Healthy records (no flag, nobody named) feed the own baselines."""
-        if f is not None or self.named is not None:
+        """Healthy records (no flag, nobody named) feed the window's noise, the communication
+        baseline and the own baselines. A flagged record is left out even where it is noise:
+        half a job's ranks slow (a node) would otherwise be taken for noise; the values left
+        are those under the bar, whose spread lifts the bar where the noise is larger."""
+        if self.named is not None or f is not None:
             return
+        n = ranks[0].get("steps", 1.0)
+        values = sorted(getattr(self, "_last_excess", ()))
+        if len(values) > 32:  # a large job: 32 of its quantiles stand for the record
+            values = [values[i * (len(values) - 1) // 31] for i in range(32)]
+        self.excesses.append([(e, n) for e in values])
+        self.comms.append((min(r["blocked"] for r in ranks), n))
+        self.steps.append((statistics.median(r["total"] for r in ranks), n))
         for i, r in enumerate(ranks):
             self.own.setdefault(i, deque(maxlen=self.settings.window)).append(dict(r))
 
     def _event(self, kind: str, step: int, s: Straggler) -> dict[str, Any]:
         return {"step": step, "event": kind, "text": line(kind, step, s), **s.fields()}
+
+
+def _key(s: dict[str, Any]) -> tuple[str, int]:
+    """The flag's ``who`` that a named straggler (its fields) stands for."""
+    if s["kind"] == "communication":
+        return ("link", -1)
+    return (s["scope"], s["node"] if s["scope"] == "node" else s["rank"])
 
 
 def _step_ms(ranks: list[dict[str, float]]) -> float:

@@ -8,7 +8,11 @@ on the same table, so they agree on when to gather densely without another messa
 then writes the record to the run directory (``files``), prints one line when a straggler
 appears or is gone, and hands the rows to the listeners (the trackers).
 
-Sync point: all ranks, at every recorded step (the gather). Every rank steps its optimizer the
+When attribution suspects a slow link (``Attributor.want_probe``), the record also times a
+transfer of ``links.PROBE_BYTES`` from each of a few peers on every rank (``_probe``) and
+gathers the times: the node whose every transfer is slow is the slow link's.
+
+Sync point: all ranks, at every recorded step (the gather; the probe when asked for). Every rank steps its optimizer the
 same number of times under a synchronous strategy; an asynchronous one is not recorded.
 """
 
@@ -21,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..comm import collectives
 from ..output.log import write
 from . import clock as clocks
+from . import links
 from .attribution import Attributor, Settings, Straggler
 from .files import RunFiles
 from .record import FIELDS, Window, memory_bytes, rows, unpack
@@ -95,6 +101,8 @@ class Recorder:
         ranks = unpack(self._gather(mine))
         # One process has no peer to slow down: its anatomy is recorded, nobody is named.
         events = self.attributor.observe(self.step, ranks, dense) if self.world > 1 else []
+        if self.attributor.want_probe():
+            self.attributor.probed(self._probe(), [int(r["node"]) for r in ranks])
         if self.rank == 0:
             self._publish(rows(ranks), events)
 
@@ -104,6 +112,26 @@ class Recorder:
         device = collectives._comm_device()
         parts = collectives.all_gather_tensors(mine.to(device), label="step timing")
         return torch.stack(parts).cpu()
+
+    def _probe(self) -> list[list[float]]:
+        """Every rank's seconds waiting for ``PROBE_BYTES`` from each of ``links.shifts``'s
+        peers, gathered (the ranks post their sends and receives together, one shift at a
+        time). Plain point-to-point and all-gather of float64 tensors: the timing's own
+        messages, every rank taking part by the same decision."""
+        device = collectives._comm_device()
+        out = torch.zeros(links.PROBE_BYTES // 8, dtype=torch.float64, device=device)
+        into = torch.empty_like(out)
+        mine = []
+        for k in links.shifts(self.world):
+            t0 = time.perf_counter()
+            ops = [dist.P2POp(dist.isend, out, (self.rank + k) % self.world),
+                   dist.P2POp(dist.irecv, into, (self.rank - k) % self.world)]  # fmt: skip
+            send, recv = dist.batch_isend_irecv(ops)
+            recv.wait()
+            mine.append(time.perf_counter() - t0)
+            send.wait()
+        table = self._gather(torch.tensor(mine, dtype=torch.float64))
+        return table.tolist()
 
     def _publish(self, table: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
         named = self.attributor.named
