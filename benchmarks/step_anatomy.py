@@ -5,8 +5,10 @@ Two Gloo ranks train an MLP with our DDP through ``rt.prepare`` (the README loop
 to the figure:
 
 - **A/B**: the median step time of the job with timing off, at the default cadence and dense,
-  repeats interleaved. On a shared machine its noise is larger than the effect: read it with
-  the load (``os.getloadavg()``, recorded before and after).
+  repeats interleaved (off, default, dense, then the reverse: each repeat's modes run side by
+  side in time), and the median over repeats of each repeat's own ratio to its off run
+  (``ab_paired``). On a shared machine its noise is larger than the effect: read it with the
+  load (``os.getloadavg()``, recorded before and after).
 - **Direct**: what timing adds per step, measured in the job itself: the hooks' work on one
   step (the spans, the bucket marks, closing the step; timed over 20k simulated steps) and one
   record (the all-gather of every rank's vector, the attribution, rank 0's writes; timed over
@@ -98,7 +100,7 @@ def _run(mode: str, folder: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"off": "0", "default": "10", "dense": "1"}
@@ -115,6 +117,12 @@ def main() -> None:
                           for m in modes}}  # fmt: skip
     result["ab_overhead"] = {m: round(result["step_ms"][m] / result["step_ms"]["off"] - 1, 4)
                              for m in ("default", "dense")}  # fmt: skip
+    result["ab_paired"] = {m: round(statistics.median(
+        a["step_s"] / b["step_s"] - 1 for a, b in zip(runs[m], runs["off"], strict=True)), 4)
+        for m in ("default", "dense")}  # fmt: skip
+    result["ab_paired_each"] = {m: [round(a["step_s"] / b["step_s"] - 1, 4)
+                                    for a, b in zip(runs[m], runs["off"], strict=True)]
+                                for m in ("default", "dense")}  # fmt: skip
     hooks = statistics.median(r["hooks_s"] for r in runs["default"])
     record = statistics.median(r["record_s"] for r in runs["default"])
     result["direct"] = {

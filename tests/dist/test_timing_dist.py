@@ -60,7 +60,9 @@ CASES = [("compute", 1, "ddp"), ("input", 0, "ddp"), ("memory", 1, "ddp"),
 def test_an_injected_straggler_is_named_with_its_rank_and_kind(tmp_path, capfd, inject, slow,
                                                                strategy):
     env = {"RANKWISE_RUN_DIR": str(tmp_path), "RANKWISE_PROFILE_STEPS": "5"}
-    run_distributed(tc.train, 2, args=(strategy, 40, inject, ((10, 40, slow),)), init=False,
+    # 50 steps: at a record every 5, the window learns the job's noise from the records of
+    # steps 15-30 (after the 10 warm-up steps), flags from 35 on, names a few records later.
+    run_distributed(tc.train, 2, args=(strategy, 50, inject, ((10, 50, slow),)), init=False,
                     timeout=300, env=env)  # fmt: skip
     events = read_jsonl(tmp_path / "events.jsonl")
     named = [e for e in events if e["event"] == "straggler"]
@@ -77,7 +79,7 @@ def test_an_injected_straggler_is_named_with_its_rank_and_kind(tmp_path, capfd, 
                     "and cgroup cpu) to throttle one rank")  # fmt: skip
 def test_a_throttled_rank_is_named_as_a_host_straggler(tmp_path):
     env = {"RANKWISE_RUN_DIR": str(tmp_path), "RANKWISE_PROFILE_STEPS": "5"}
-    run_distributed(tc.train, 2, args=("ddp", 40, "host", ((10, 40, 1),)), init=False,
+    run_distributed(tc.train, 2, args=("ddp", 50, "host", ((10, 50, 1),)), init=False,
                     timeout=300, env=env)  # fmt: skip
     named = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "straggler"]
     assert named and (named[0]["rank"], named[0]["kind"]) == (1, "host"), named

@@ -7,8 +7,8 @@ rank made slow at step ``onset`` in one of the ways a real job is slowed:
 - ``host``: its CPU throttled by the kernel (cgroup ``cpu.cfs_quota_us``, v1, or ``cpu.max``);
 - ``memory``: it holds on to 16 MiB more every step (touched, so resident);
 - ``link``: its node's link slowed (on the namespace cluster: ``tc tbf`` on both ends of the
-  node's link, the commands handed over in ``RANKWISE_TEST_LINK`` as JSON ``{"on": [argv...],
-  "off": [argv...]}``, run by the slow rank at the episode's start and end).
+  node's link, the commands handed over in ``RANKWISE_TEST_LINK`` as JSON ``{"<rank>": [[on
+  argv...], [off argv...]]}``, run by the slow rank at the episode's start and end).
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def _prepared(rt, strategy: str, steps: int):
     if strategy == "tensor":
         model = rw.tensor_parallel(model, GPT_PLAN, group=rt.mesh.group("tensor"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(_data(8 * steps), batch_size=4, collate_fn=_collate)
+    # Enough batches for ``steps`` steps on every rank, however many share the data.
+    loader = DataLoader(_data(4 * steps * max(2, rt.world_size)), batch_size=4,
+                        collate_fn=_collate)  # fmt: skip
     extra = {"microbatches": 2} if strategy == "pipeline" else {}
     return rt.prepare(model, opt, loader, **extra)
 
@@ -133,10 +135,10 @@ def _start(inject: str | None, undo: contextlib.ExitStack) -> None:
     elif inject == "host":
         undo.enter_context(throttled(os.getpid(), 0.05))
     elif inject == "link":
-        cmds = json.loads(os.environ["RANKWISE_TEST_LINK"])
-        for argv in cmds["on"]:
+        on, off = json.loads(os.environ["RANKWISE_TEST_LINK"])[os.environ["RANK"]]
+        for argv in on:
             subprocess.run(argv, check=True, capture_output=True, timeout=30)
-        for argv in cmds["off"]:
+        for argv in off:
             undo.callback(subprocess.run, argv, capture_output=True, timeout=30)
 
 

@@ -26,7 +26,7 @@ def test_a_slow_link_to_one_node_names_that_node_as_communication(tmp_path):
     with Cluster(3, subnet="10.231.81") as cluster:
         on, off = cluster.rate_commands(SLOW, "16mbit")
         env = {"RANKWISE_RUN_DIR": str(tmp_path / "run"), "RANKWISE_PROFILE_STEPS": "5",
-               "RANKWISE_TEST_LINK": json.dumps({"on": on, "off": off})}  # fmt: skip
+               "RANKWISE_TEST_LINK": json.dumps({str(SLOW): [on, off]})}  # fmt: skip
         episodes = json.dumps([[ONSET, STEPS, SLOW]])
         launchers = jobs.start_job(cluster, [SCRIPT, str(STEPS), episodes], tmp_path, env=env,
                                    nproc=1, port=29511)  # fmt: skip

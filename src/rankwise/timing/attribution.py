@@ -68,7 +68,7 @@ class Settings:
     """Memory grown by this fraction over ``window`` records (and 32 MiB) while peers' is flat."""
     noise_k: float = 4.0
     """A flag needs the excess above this many robust deviations of the window's excesses."""
-    noise_records: int = 5
+    noise_records: int = 4
     """Records in the window before its noise (and the communication baseline) counts."""
 
 
@@ -124,17 +124,25 @@ def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[
     return out
 
 
-def _noise(hist: list[tuple[float, float]], steps: float) -> float:
-    """The spread of ``hist``'s values ``(value, steps)``: 1.4826 median absolute deviations (a
-    standard deviation where they are normal, unmoved by a few outliers), scaled up to 3 times
-    for a record of fewer steps than the window's (a dense record is one step, not ten)."""
-    if not hist:
-        return 0.0
-    values = [v for v, _ in hist]
-    mid = statistics.median(values)
-    mad = statistics.median(abs(v - mid) for v in values) * 1.4826
-    usual = statistics.median(n for _, n in hist)
-    return mad * min(3.0, max(1.0, math.sqrt(usual / max(steps, 1.0))))
+def _noise(series: list[list[float]], steps: list[float]) -> tuple[float, float]:
+    """How much each series (a rank's excess record after record; the job's communication)
+    varies over time: 1.4826 median absolute deviations from its own median, pooled (a standard
+    deviation where they are normal, unmoved by a few outliers; a constant offset is no noise);
+    and the steps its records usually cover (``_scaled``)."""
+    devs = []
+    for values in filter(None, series):
+        mid = statistics.median(values)
+        devs += [abs(v - mid) for v in values]
+    if not devs or not steps:
+        return 0.0, 1.0
+    return statistics.median(devs) * 1.4826, statistics.median(steps)
+
+
+def _scaled(noise: tuple[float, float], now: float) -> float:
+    """The noise of a record of ``now`` steps: up to 3 times more for fewer steps than usual
+    (a dense record is one step, not ten)."""
+    spread, usual = noise
+    return spread * min(3.0, max(1.0, math.sqrt(usual / max(now, 1.0))))
 
 
 def _ratio(r: dict[str, float]) -> float:
@@ -166,6 +174,9 @@ class Attributor:
         # (value, steps) of the window's healthy records: every rank's busy excess (its
         # noise), the job's own communication (its baseline and noise), its step.
         self.excesses: deque = deque(maxlen=self.settings.window)  # a list per record
+        self.excess_steps: deque = deque(maxlen=self.settings.window)  # steps per record
+        self.noise, self.comm_noise = (0.0, 1.0), (0.0, 1.0)  # (spread, usual steps): _noise
+        self.lone: set[int] = set()  # ranks without peers of their role (own baselines)
         self.comms: deque = deque(maxlen=self.settings.window)
         self.steps: deque = deque(maxlen=self.settings.window)
         self.link: tuple[int, float] | None = None  # the last probe's slow node, and ratio
@@ -182,24 +193,27 @@ class Attributor:
     def want_dense(self) -> bool:
         return self.dense_left > 0
 
-    def _bar(self, step: float, hist: list[tuple[float, float]], steps: float, records: int) -> float:
+    def ready(self) -> bool:
+        """Enough healthy records in the window to know the job's noise: before, nobody is
+        flagged (a loaded machine's first records would name anyone)."""
+        return len(self.excesses) >= self.settings.noise_records
+
+    def _bar(self, step: float, noise: tuple[float, float], now: float) -> float:
         """How far above expectation a flag must be (see the module docstring)."""
         s = self.settings
-        noise = _noise(hist, steps) if records >= s.noise_records else 0.0
-        return max(s.threshold * step, s.floor_s, s.noise_k * noise)
+        return max(s.threshold * step, s.floor_s, s.noise_k * _scaled(noise, now))
 
     def flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """The slowest rank of this record when it is slow enough, else None."""
         step = statistics.median(r["total"] for r in ranks)
         steps = ranks[0].get("steps", 1.0)
-        bar = self._bar(step, [v for rec in self.excesses for v in rec], steps, len(self.excesses))
+        bar = self._bar(step, self.noise, steps)
         best: Flag | None = None
-        self._last_excess = []
+        self._last_excess: list[float | None] = [None] * len(ranks)
         for i, (r, expect) in enumerate(zip(ranks, _expectations(ranks, self.own), strict=True)):
             if expect is None:
                 continue
-            excess = busy(r) - expect["busy"]
-            self._last_excess.append(excess)
+            excess = self._last_excess[i] = busy(r) - expect["busy"]
             if excess > bar and (best is None or excess > best.excess):
                 mine = _parts(r)
                 deltas = {k: mine[k] - expect[k] for k in KEYS}
@@ -215,13 +229,18 @@ class Attributor:
         base = statistics.median(c for c, _ in self.comms)
         step = statistics.median(t for t, _ in self.steps)
         excess = comm - base
-        if excess <= self._bar(step, list(self.comms), ranks[0].get("steps", 1.0), len(self.comms)):
+        if excess <= self._bar(step, self.comm_noise, ranks[0].get("steps", 1.0)):
             return None
         return Flag(-1, excess, {"data": 0.0, "compute": 0.0}, (1.0, 1.0), who=("link", -1))
 
     def _memory_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """A rank whose memory grows while its peers' does not, even before it slows."""
-        for i, r in enumerate(ranks):
+        if len(self.mems) < 3:
+            return None
+        first, last = self.mems[0], self.mems[-1]
+        for i, r in enumerate(ranks):  # a quick look first: grown at all, by the floor
+            if i >= len(first) or last[i] - first[i] <= (32 << 20):
+                continue
             if self.memory_growth(i):
                 peers = [busy(p) for j, p in enumerate(ranks) if j != i] or [busy(r)]
                 excess = max(0.0, busy(r) - statistics.median(peers))
@@ -263,10 +282,10 @@ class Attributor:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
         if step <= self.settings.warmup:
-            self.flag(ranks)
-            self._remember(ranks, None)
             return []
         f = self.flag(ranks)
+        if not self.ready():
+            f = None  # the record is one of those the noise is learnt from
         if f is not None and f.rank >= 0:
             f.who = self._who(f, ranks)
         self.dense_left = max(0, self.dense_left - 1) if dense else self.dense_left
@@ -360,17 +379,30 @@ class Attributor:
         if self.named is not None or f is not None:
             return
         n = ranks[0].get("steps", 1.0)
-        values = sorted(getattr(self, "_last_excess", ()))
-        if len(values) > 32:  # a large job: 32 of its quantiles stand for the record
-            values = [values[i * (len(values) - 1) // 31] for i in range(32)]
-        self.excesses.append([(e, n) for e in values])
+        values = getattr(self, "_last_excess", [])
+        self.excesses.append([values[i] for i in _sample(len(values))])
+        self.excess_steps.append(n)
         self.comms.append((min(r["blocked"] for r in ranks), n))
         self.steps.append((statistics.median(r["total"] for r in ranks), n))
-        for i, r in enumerate(ranks):
-            self.own.setdefault(i, deque(maxlen=self.settings.window)).append(dict(r))
+        width = max(map(len, self.excesses))
+        series = [[rec[j] for rec in self.excesses if j < len(rec) and rec[j] is not None]
+                  for j in range(width)]  # fmt: skip
+        self.noise = _noise(series, list(self.excess_steps))
+        self.comm_noise = _noise([[c for c, _ in self.comms]], [n for _, n in self.comms])
+        roles: dict[float, int] = {}
+        for r in ranks:
+            roles[r["role"]] = roles.get(r["role"], 0) + 1
+        for i, r in enumerate(ranks):  # own baselines: only a rank alone in its role needs one
+            if roles[r["role"]] == 1:
+                self.own.setdefault(i, deque(maxlen=self.settings.window)).append(dict(r))
 
     def _event(self, kind: str, step: int, s: Straggler) -> dict[str, Any]:
         return {"step": step, "event": kind, "text": line(kind, step, s), **s.fields()}
+
+
+def _sample(world: int) -> list[int]:
+    """The ranks whose excess series stand for the job's noise (32 at most, spread out)."""
+    return list(range(0, world, max(1, world // 32)))[:32]
 
 
 def _key(s: dict[str, Any]) -> tuple[str, int]:
