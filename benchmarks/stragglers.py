@@ -42,6 +42,7 @@ from rankwise.testing import run_distributed  # noqa: E402
 from rankwise.timing.files import read_jsonl  # noqa: E402
 
 SICK, GAP, LEAD = 25, 35, 60
+_ALL = ",".join((*tc.KINDS, "link"))
 LINK_RATE = "16mbit"
 STRATEGIES = (("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("tensor", 2),
               ("pipeline", 2), ("dp", 1))  # fmt: skip
@@ -161,7 +162,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per kind")
     parser.add_argument("--episodes", type=int, default=4, help="injections per run")
     parser.add_argument("--healthy-steps", type=int, default=1000)
-    parser.add_argument("--kinds", default=",".join((*tc.KINDS, "link")))
+    parser.add_argument("--kinds", default=_ALL)
     parser.add_argument("--healthy-only", action="store_true")
     parser.add_argument("--injections-only", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -179,7 +180,21 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(json.dumps(_merged(Path(args.out), result, args), indent=1) + "\n")
+
+
+def _merged(out: Path, result: dict, args: argparse.Namespace) -> dict:
+    """A partial run (some kinds, or healthy or injections only) updates those parts of the
+    results file and keeps the others, each part with the load it ran under."""
+    if not (args.healthy_only or args.injections_only or args.kinds != _ALL) or not out.exists():
+        return result
+    old = json.loads(out.read_text())
+    load = {"loadavg_before": result["loadavg_before"], "loadavg_after": result["loadavg_after"]}
+    for kind, row in result.get("kinds", {}).items():
+        old.setdefault("kinds", {})[kind] = {**row, **load}
+    if "healthy" in result:
+        old["healthy"] = {**result["healthy"], "load": load}
+    return old
 
 
 if __name__ == "__main__":

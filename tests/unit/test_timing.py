@@ -48,7 +48,7 @@ def _table(world: int, slow: int | None, kind: str, extra: float, *, nodes: int 
             row = _rank(forward=0.030 + late / 2, backward=0.050 + late / 2,
                         blocked=0.010 + extra - late, **kw)  # fmt: skip
             if r == slow:
-                row["cpu"] = 0.3 * (row["total"] - row["blocked"])
+                row["cpu"] = 0.15 * (row["total"] - row["blocked"])
         else:  # compute (and memory, slowed by its page faults)
             row = _rank(backward=0.050 + late, blocked=0.010 + extra - late, **kw)
         rows.append(row)

@@ -13,8 +13,8 @@ without peers (a pipeline stage alone), its own median over its earlier healthy 
 A flag makes the records dense (every step, ``dense_steps`` of them); ``confirm`` flags of the
 same rank name it: one line on rank 0, an event. It is gone after ``gone_after`` records without
 a flag. Its **kind** is where its excess lies against the same expectation: the data wait
-(``input``), CPU time per busy second well below its peers' (a throttled or shared CPU:
-``host``), memory growing while its peers' does not (``host``), else forward and backward
+(``input``), CPU time per busy second under 0.3 of its peers' (a throttled CPU: ``host``),
+memory growing while its peers' does not (``host``), else forward and backward
 (``compute``). A node is named instead of a rank when every rank of that node is flagged.
 A **slow link** slows nobody's busy time: the job's own communication (the last arrival's
 blocked time) grows beyond its window's median by the same bar; with three nodes or more, the
@@ -180,6 +180,9 @@ class Attributor:
         self.comms: deque = deque(maxlen=self.settings.window)
         self.steps: deque = deque(maxlen=self.settings.window)
         self.link: tuple[int, float] | None = None  # the last probe's slow node, and ratio
+        self.times: list[list[float]] | None = None
+        """The probes' times of this suspicion, each pair's fastest: a late start on a loaded
+        host makes a pair slow once, not every time."""
         self.probe = False
 
     def want_probe(self) -> bool:
@@ -188,6 +191,9 @@ class Attributor:
 
     def probed(self, times: list[list[float]], nodes: list[int]) -> None:
         """The probe's gathered times (``links.slow_node``)."""
+        if self.times is not None and len(self.times) == len(times):  # the fastest seen
+            times = [list(map(min, a, b)) for a, b in zip(self.times, times, strict=True)]
+        self.times = times
         self.link, self.probe = links.slow_node(times, nodes), False
 
     def want_dense(self) -> bool:
@@ -260,7 +266,9 @@ class Attributor:
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        if ratio < 0.5 * expected:
+        # Well below: on a loaded machine a busy rank is descheduled too (its ratio halves),
+        # a throttled one gets a small share of a core, e.g. 0.05 s per second.
+        if ratio < 0.3 * expected:
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
@@ -308,6 +316,7 @@ class Attributor:
             self.suspect, self.hits, self.misses, self.first_flag = f.who, 0, 0, step
             self.dense_left = self.settings.dense_steps
             self.probe = f.who[0] == "link"
+            self.times = self.link = None
         self.hits += 1
         if f.who[0] == "link" and self.link is None:
             self.probe = True  # no node stands out yet: time the links again

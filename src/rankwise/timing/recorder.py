@@ -123,6 +123,7 @@ class Recorder:
         into = torch.empty_like(out)
         mine = []
         for k in links.shifts(self.world):
+            dist.barrier()  # every rank starts the shift together: a late sender is no slow link
             t0 = time.perf_counter()
             ops = [dist.P2POp(dist.isend, out, (self.rank + k) % self.world),
                    dist.P2POp(dist.irecv, into, (self.rank - k) % self.world)]  # fmt: skip
