@@ -31,7 +31,6 @@ gather densely), so it is tested without processes.
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,10 @@ from typing import Any
 from . import links
 from .files import Straggler
 from .record import busy
+from .robust import medians_without_each as _medians_without_each
+from .robust import noise as _noise
+from .robust import sample as _sample
+from .robust import scaled as _scaled
 
 KINDS = ("input", "compute", "communication", "host")
 
@@ -83,25 +86,6 @@ class Flag:
     """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
 
 
-def _medians_without_each(values: list[float]) -> list[float]:
-    """For each i, the median of ``values`` without ``values[i]`` (one sort: O(n log n), so a
-    record of thousands of ranks is attributed in milliseconds)."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    where = {i: p for p, i in enumerate(order)}
-    ranked = [values[i] for i in order]
-    m = len(values) - 1
-
-    def rest(p: int, k: int) -> float:  # the k-th smallest once position p is taken out
-        return ranked[k] if k < p else ranked[k + 1]
-
-    out = []
-    for i in range(len(values)):
-        p = where[i]
-        mid = rest(p, m // 2) if m % 2 else (rest(p, m // 2 - 1) + rest(p, m // 2)) / 2
-        out.append(mid)
-    return out
-
-
 KEYS = ("data", "compute", "busy", "ratio")
 
 
@@ -122,27 +106,6 @@ def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[
         if len(mine) >= 3:
             out[members[0]] = {k: statistics.median(x[k] for x in mine) for k in KEYS}
     return out
-
-
-def _noise(series: list[list[float]], steps: list[float]) -> tuple[float, float]:
-    """How much each series (a rank's excess record after record; the job's communication)
-    varies over time: 1.4826 median absolute deviations from its own median, pooled (a standard
-    deviation where they are normal, unmoved by a few outliers; a constant offset is no noise);
-    and the steps its records usually cover (``_scaled``)."""
-    devs = []
-    for values in filter(None, series):
-        mid = statistics.median(values)
-        devs += [abs(v - mid) for v in values]
-    if not devs or not steps:
-        return 0.0, 1.0
-    return statistics.median(devs) * 1.4826, statistics.median(steps)
-
-
-def _scaled(noise: tuple[float, float], now: float) -> float:
-    """The noise of a record of ``now`` steps: up to 3 times more for fewer steps than usual
-    (a dense record is one step, not ten)."""
-    spread, usual = noise
-    return spread * min(3.0, max(1.0, math.sqrt(usual / max(now, 1.0))))
 
 
 def _ratio(r: dict[str, float]) -> float:
@@ -407,11 +370,6 @@ class Attributor:
 
     def _event(self, kind: str, step: int, s: Straggler) -> dict[str, Any]:
         return {"step": step, "event": kind, "text": line(kind, step, s), **s.fields()}
-
-
-def _sample(world: int) -> list[int]:
-    """The ranks whose excess series stand for the job's noise (32 at most, spread out)."""
-    return list(range(0, world, max(1, world // 32)))[:32]
 
 
 def _key(s: dict[str, Any]) -> tuple[str, int]:
