@@ -13,7 +13,8 @@ without peers (a pipeline stage alone), its own median over its earlier healthy 
 A flag makes the records dense (every step, ``dense_steps`` of them); ``confirm`` flags of the
 same rank name it: one line on rank 0, an event. It is gone after ``gone_after`` records without
 a flag. Its **kind** is where its excess lies against the same expectation: the data wait
-(``input``), CPU time per busy second under 0.3 of its peers' (a throttled CPU: ``host``),
+(``input``), CPU time per busy second under 0.3 of its peers' and of its own healthy
+records' (a throttled CPU: ``host``),
 memory growing while its peers' does not (``host``), else forward and backward
 (``compute``). A node is named instead of a rank when every rank of that node is flagged.
 A **slow link** slows nobody's busy time: the job's own communication (the last arrival's
@@ -139,7 +140,7 @@ class Attributor:
         self.excesses: deque = deque(maxlen=self.settings.window)  # a list per record
         self.excess_steps: deque = deque(maxlen=self.settings.window)  # steps per record
         self.noise, self.comm_noise = (0.0, 1.0), (0.0, 1.0)  # (spread, usual steps): _noise
-        self.lone: set[int] = set()  # ranks without peers of their role (own baselines)
+        self.ratios: dict[int, deque] = {}  # rank -> CPU per busy second, healthy records
         self.comms: deque = deque(maxlen=self.settings.window)
         self.steps: deque = deque(maxlen=self.settings.window)
         self.link: tuple[int, float] | None = None  # the last probe's slow node, and ratio
@@ -229,9 +230,12 @@ class Attributor:
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        # Well below: on a loaded machine a busy rank is descheduled too (its ratio halves),
-        # a throttled one gets a small share of a core, e.g. 0.05 s per second.
-        if ratio < 0.3 * expected:
+        own = self.ratios.get(f.rank)
+        usual = statistics.median(own) if own else expected
+        # Well below its peers' and its own healthy records': on a loaded machine a busy rank
+        # is descheduled (its ratio falls, healthy or not); a throttled one gets a small share
+        # of a core, e.g. 0.05 s per second.
+        if ratio < 0.3 * min(expected, usual):
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
@@ -348,9 +352,11 @@ class Attributor:
         baseline and the own baselines. A flagged record is left out even where it is noise:
         half a job's ranks slow (a node) would otherwise be taken for noise; the values left
         are those under the bar, whose spread lifts the bar where the noise is larger."""
-        if self.named is not None or f is not None:
-            return
+        if self.named is not None or f is not None or self.suspect is not None or self.dense_left:
+            return  # a suspect's records, flagged or not, would teach the noise its excess
         n = ranks[0].get("steps", 1.0)
+        for i, r in enumerate(ranks):
+            self.ratios.setdefault(i, deque(maxlen=self.settings.window)).append(_ratio(r))
         values = getattr(self, "_last_excess", [])
         self.excesses.append([values[i] for i in _sample(len(values))])
         self.excess_steps.append(n)

@@ -43,10 +43,11 @@ def noise(series: list[list[float]], steps: list[float]) -> tuple[float, float]:
 
 
 def scaled(noise: tuple[float, float], now: float) -> float:
-    """The noise of a record of ``now`` steps: up to 3 times more for fewer steps than usual
-    (a dense record is one step, not ten)."""
+    """The noise of a record of ``now`` steps: up to twice more for fewer steps than usual (a
+    dense record is one step, not ten; more would keep a real straggler's dense records under
+    the bar)."""
     spread, usual = noise
-    return spread * min(3.0, max(1.0, math.sqrt(usual / max(now, 1.0))))
+    return spread * min(2.0, max(1.0, math.sqrt(usual / max(now, 1.0))))
 
 
 def sample(world: int) -> list[int]:
