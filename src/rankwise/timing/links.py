@@ -6,7 +6,9 @@ ranks cannot tell from their arrival times whose link it is, so when attribution
 links (``Attributor.want_probe``) every rank times a transfer from each of a few peers
 (``shifts``: rank r receives from ``(r - k) % world``) and the times are gathered. A pair's
 transfer crosses the sender's link out and the receiver's link in: every pair that touches the
-slow node is slow, the pairs between the other nodes are not. With two nodes every pair touches
+slow node is slow, the pairs between the other nodes are not. Each pair of nodes counts with
+its fastest transfer, either way: a slow link is slow both ways and every time, while a late
+start or a retransmitted packet on a loaded host slows one transfer once. With two nodes every pair touches
 both, and no node can be singled out (``slow_node`` returns None).
 """
 
@@ -34,16 +36,17 @@ def slow_node(times: list[list[float]], nodes: list[int]) -> tuple[int, float] |
     or no ratio of ``RATIO``). ``times[r][j]``: seconds rank r waited for the probe from
     ``(r - shifts(world)[j]) % world``."""
     world = len(nodes)
-    pairs = []  # (sending node, receiving node, seconds)
+    fastest: dict[tuple[int, int], float] = {}  # node pair -> its fastest transfer
     for r in range(world):
         for j, k in enumerate(shifts(world)):
             src = (r - k) % world
             if nodes[src] != nodes[r]:
-                pairs.append((nodes[src], nodes[r], times[r][j]))
+                pair = (min(nodes[src], nodes[r]), max(nodes[src], nodes[r]))
+                fastest[pair] = min(fastest.get(pair, float("inf")), times[r][j])
     best: tuple[int, float] | None = None
     for n in sorted(set(nodes)):
-        mine = [t for a, b, t in pairs if n in (a, b)]
-        rest = [t for a, b, t in pairs if n not in (a, b)]
+        mine = [t for pair, t in fastest.items() if n in pair]
+        rest = [t for pair, t in fastest.items() if n not in pair]
         if not mine or not rest:
             continue
         ratio = statistics.median(mine) / max(statistics.median(rest), 1e-6)
