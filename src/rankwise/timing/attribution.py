@@ -232,9 +232,8 @@ class Attributor:
         ratio, expected = f.cpu_ratio
         own = self.ratios.get(f.rank)
         usual = statistics.median(own) if own else expected
-        # Well below its peers' and its own healthy records': on a loaded machine a busy rank
-        # is descheduled (its ratio falls, healthy or not); a throttled one gets a small share
-        # of a core, e.g. 0.05 s per second.
+        # A loaded machine deschedules a busy rank (its ratio falls, healthy or not); a
+        # throttled one gets a small share of a core, e.g. 0.05 s per second.
         if ratio < 0.3 * min(expected, usual):
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
@@ -348,10 +347,9 @@ class Attributor:
         return all(busy(ranks[i]) - base > bar for i in on_node)
 
     def _remember(self, ranks: list[dict[str, float]], f: Flag | None) -> None:
-        """Healthy records (no flag, nobody named) feed the window's noise, the communication
-        baseline and the own baselines. A flagged record is left out even where it is noise:
-        half a job's ranks slow (a node) would otherwise be taken for noise; the values left
-        are those under the bar, whose spread lifts the bar where the noise is larger."""
+        """Quiet records (no flag, suspect or name) feed the noise, the baselines of the
+        communication, of each rank and of its CPU per busy second: a flagged record left out
+        even where it is noise (half the ranks slow, a node, would look like noise)."""
         if self.named is not None or f is not None or self.suspect is not None or self.dense_left:
             return  # a suspect's records, flagged or not, would teach the noise its excess
         n = ranks[0].get("steps", 1.0)
