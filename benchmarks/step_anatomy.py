@@ -5,12 +5,16 @@ Two Gloo ranks train an MLP with our DDP through ``rt.prepare`` (the README loop
 to the figure:
 
 - **A/B**: the median step time of the job with timing off, at the default cadence and dense,
-  repeats interleaved. On a shared machine its noise is larger than the effect: read it with
-  the load (``os.getloadavg()``, recorded before and after).
+  repeats interleaved (off, default, dense, then the reverse: each repeat's modes run side by
+  side in time), and the median over repeats of each repeat's own ratio to its off run
+  (``ab_paired``). On a shared machine its noise is larger than the effect: read it with the
+  load (``os.getloadavg()``, recorded before and after).
 - **Direct**: what timing adds per step, measured in the job itself: the hooks' work on one
   step (the spans, the bucket marks, closing the step; timed over 20k simulated steps) and one
-  record (the all-gather of every rank's vector, the attribution, rank 0's writes; timed over
-  50 records), amortised at the cadence, over the job's step time with timing off.
+  record (posting the all-gather of every rank's vector, then, a step later, taking its table,
+  the attribution, rank 0's writes; timed over 50 records, a 20 ms sleep standing for the step
+  between), amortised at the cadence, over the job's step time with timing off.
+  ``record_sync_us``: the same record waited for at once (before the gather overlapped a step).
 
     flock /tmp/rw-bench.lock python benchmarks/step_anatomy.py --out benchmarks/results/step_anatomy.json
 """
@@ -86,7 +90,17 @@ def _direct(rec, buckets: int) -> dict:
     t = time.perf_counter()
     for _ in range(50):
         rec.record()
-    return {"hooks_s": hooks, "record_s": (time.perf_counter() - t) / 50, "buckets": buckets}
+    sync = (time.perf_counter() - t) / 50
+    spent = 0.0
+    for _ in range(50):
+        t = time.perf_counter()
+        rec._post()
+        spent += time.perf_counter() - t
+        time.sleep(0.02)  # the next step's compute, while the gather runs
+        t = time.perf_counter()
+        rec._complete()
+        spent += time.perf_counter() - t
+    return {"hooks_s": hooks, "record_s": spent / 50, "record_sync_s": sync, "buckets": buckets}
 
 
 def _run(mode: str, folder: str) -> dict:
@@ -98,7 +112,7 @@ def _run(mode: str, folder: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"off": "0", "default": "10", "dense": "1"}
@@ -115,10 +129,18 @@ def main() -> None:
                           for m in modes}}  # fmt: skip
     result["ab_overhead"] = {m: round(result["step_ms"][m] / result["step_ms"]["off"] - 1, 4)
                              for m in ("default", "dense")}  # fmt: skip
+    result["ab_paired"] = {m: round(statistics.median(
+        a["step_s"] / b["step_s"] - 1 for a, b in zip(runs[m], runs["off"], strict=True)), 4)
+        for m in ("default", "dense")}  # fmt: skip
+    result["ab_paired_each"] = {m: [round(a["step_s"] / b["step_s"] - 1, 4)
+                                    for a, b in zip(runs[m], runs["off"], strict=True)]
+                                for m in ("default", "dense")}  # fmt: skip
     hooks = statistics.median(r["hooks_s"] for r in runs["default"])
     record = statistics.median(r["record_s"] for r in runs["default"])
+    sync = statistics.median(r["record_sync_s"] for r in runs["default"])
     result["direct"] = {
         "hooks_us_per_step": round(hooks * 1e6, 2), "record_us": round(record * 1e6, 1),
+        "record_sync_us": round(sync * 1e6, 1),
         "overhead_default": round((hooks + record / 10) / step_off, 5),
         "overhead_dense": round((hooks + record) / step_off, 5),
     }  # fmt: skip

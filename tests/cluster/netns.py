@@ -291,6 +291,20 @@ class Cluster:
         for ns, dev in ((n.netns, n.ifname), (self.switch, f"p{n.index}")):
             in_ns(ns, "tc", "qdisc", "replace", "dev", dev, "root", *spec)
 
+    def rate_commands(
+        self, node: Node | int, rate: str, burst: str = "16kb"
+    ) -> tuple[list[list[str]], list[list[str]]]:
+        """The argv lists that shape ``node``'s link both ways to ``rate`` (a token bucket), and
+        those that undo it: for a process that slows its own node's link at a step of its own."""
+        n = self.node(node)
+        ends = ((n.netns, n.ifname), (self.switch, f"p{n.index}"))
+        spec = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
+        on = [["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *spec]
+              for ns, dev in ends]  # fmt: skip
+        off = [["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"]
+               for ns, dev in ends]  # fmt: skip
+        return on, off
+
     def unshape(self, node: Node | int) -> None:
         n = self.node(node)
         for ns, dev in ((n.netns, n.ifname), (self.switch, f"p{n.index}")):

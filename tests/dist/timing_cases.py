@@ -5,13 +5,18 @@ rank made slow at step ``onset`` in one of the ways a real job is slowed:
 - ``input``: its data loader waits (a sleep in the collate function);
 - ``compute``: a busy loop inside its backward (a hook on the loss);
 - ``host``: its CPU throttled by the kernel (cgroup ``cpu.cfs_quota_us``, v1, or ``cpu.max``);
-- ``memory``: it holds on to 16 MiB more every step (touched, so resident).
+- ``memory``: it holds on to 16 MiB more every step (touched, so resident);
+- ``link``: its node's link slowed (on the namespace cluster: ``tc tbf`` on both ends of the
+  node's link, the commands handed over in ``RANKWISE_TEST_LINK`` as JSON ``{"<rank>": [[on
+  argv...], [off argv...]]}``, run by the slow rank at the episode's start and end).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +29,8 @@ from rankwise.models import GPT, GPT_PLAN, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, qkv_bias=False)
 KINDS = ("input", "compute", "host", "memory")
-WANT = {"input": "input", "compute": "compute", "host": "host", "memory": "host"}
+WANT = {"input": "input", "compute": "compute", "host": "host", "memory": "host",
+        "link": "communication"}
 """The kind the attribution must name for each injection."""
 
 _DELAY = [0.0]  # seconds the collate function sleeps (the slow rank, from the onset)
@@ -58,7 +64,9 @@ def _prepared(rt, strategy: str, steps: int):
     if strategy == "tensor":
         model = rw.tensor_parallel(model, GPT_PLAN, group=rt.mesh.group("tensor"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(_data(8 * steps), batch_size=4, collate_fn=_collate)
+    # Enough batches for ``steps`` steps on every rank, however many share the data.
+    loader = DataLoader(_data(4 * steps * max(2, rt.world_size)), batch_size=4,
+                        collate_fn=_collate)  # fmt: skip
     extra = {"microbatches": 2} if strategy == "pipeline" else {}
     return rt.prepare(model, opt, loader, **extra)
 
@@ -126,6 +134,12 @@ def _start(inject: str | None, undo: contextlib.ExitStack) -> None:
         undo.callback(_DELAY.__setitem__, 0, 0.0)
     elif inject == "host":
         undo.enter_context(throttled(os.getpid(), 0.05))
+    elif inject == "link":
+        on, off = json.loads(os.environ["RANKWISE_TEST_LINK"])[os.environ["RANK"]]
+        for argv in on:
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        for argv in off:
+            undo.callback(subprocess.run, argv, capture_output=True, timeout=30)
 
 
 def cpu_cgroup_root() -> Path | None:

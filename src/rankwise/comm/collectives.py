@@ -266,3 +266,15 @@ def all_gather_tensors(
     with fingerprints.collective("all_gather", tensor, label=label, group=group):
         dist.all_gather(slots, tensor, group=group)
     return slots
+
+
+def all_gather_tensors_async(
+    tensor: torch.Tensor, *, group: Any = None, label: str | None = None
+) -> tuple[list[torch.Tensor], Any]:
+    """``all_gather_tensors`` posted, not waited for: ``(slots, work)``; the slots hold every
+    rank's ``tensor`` once ``work.wait()`` returns (the step timing's record overlaps the next
+    step with it). Sync point: the ranks of ``group``, at the wait."""
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    with fingerprints.collective("all_gather", tensor, label=label, group=group):
+        work = dist.all_gather(slots, tensor, group=group, async_op=True)
+    return slots, work

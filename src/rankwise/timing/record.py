@@ -11,6 +11,7 @@ and ``wait_for`` is the rank that arrived last.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from typing import Any
@@ -55,13 +56,18 @@ class Window:
         return torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
 
 
+_STATM: list[int] = []  # /proc/self/statm, kept open: a read, not an open, per record
+_PAGE = resource.getpagesize()
+
+
 def memory_bytes(device: torch.device | None) -> float:
     """This rank's memory now: the GPU's allocated bytes, else the process's resident set."""
     if device is not None and device.type == "cuda":
         return float(torch.cuda.memory_allocated(device))
     try:
-        with open("/proc/self/statm") as f:
-            return float(int(f.read().split()[1]) * resource.getpagesize())
+        if not _STATM or _STATM[1] != os.getpid():  # a forked child reads its own
+            _STATM[:] = [os.open("/proc/self/statm", os.O_RDONLY), os.getpid()]
+        return float(int(os.pread(_STATM[0], 128, 0).split()[1]) * _PAGE)
     except (OSError, ValueError, IndexError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return float(peak if sys.platform == "darwin" else peak * 1024)
