@@ -51,7 +51,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_session.py", "test_shared_reduce.py", "test_silent_mistakes.py",
             "test_small_guards.py", "test_small_new_user.py", "test_stall_and_blame.py",
             "test_strategies.py", "test_tensor_parallel_unit.py", "test_topology.py",
-            "test_timing.py",
+            "test_timing.py", "test_timing_links.py",
             "test_trackers.py",
             "test_updates_unit.py", "test_zero_api.py", "test_zero_unit.py",
             "test_check_mistakes_rules.py", "test_guarded_collective_diagnosis.py",

@@ -136,7 +136,10 @@ def test_rankwise_dashboard_serves_a_finished_run_until_ctrl_c(tmp_path) -> None
     run = ds.write_run(tmp_path / "run", steps=40)
     proc = subprocess.Popen(
         [sys.executable, "-m", "rankwise", "dashboard", str(run), "--dashboard-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as at a terminal: a pytest-xdist worker ignores SIGINT, and a child would
+        # inherit that (Python then installs no KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()  # the URL first, flushed
         url = re.search(r"serving (http://127\.0\.0\.1:\d+/)", line).group(1)

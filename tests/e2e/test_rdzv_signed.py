@@ -122,7 +122,9 @@ def test_nodes_sharing_a_token_finish(tmp_path):
     for node in nodes:
         _, err = node.communicate(timeout=180)
         assert node.returncode == 0, err[-3000:]
-        assert "warning" not in err  # a loopback endpoint with a secret: nothing to warn about
+        # a loopback endpoint with a secret: nothing to warn about (the launcher may still name
+        # its native log, where torch's C++ side wrote its own warnings)
+        assert "not signed" not in err and "rankwise run: warning" not in err, err[-3000:]
 
 
 @pytest.mark.slow  # two launchers
