@@ -5,6 +5,7 @@ replica into a fresh model and training on exactly as the uninterrupted run."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import struct
@@ -15,8 +16,31 @@ import torch
 from torch import nn
 
 from rankwise.errors import ConfigError
-from rankwise.replicas import Replicas, blob, describe, plan, store
-from rankwise.replicas.plan import Held
+
+
+class _Lazy:
+    """A name of the package under test, imported at its first use inside a test, not at
+    collection: the fast tier's census credits a module to the tests that import it while
+    they run (tests/fast_tier.py)."""
+
+    def __init__(self, module: str, name: str | None = None) -> None:
+        self._module, self._name = module, name
+
+    def _get(self):
+        found = importlib.import_module(self._module)
+        return getattr(found, self._name) if self._name else found
+
+    def __getattr__(self, attr: str):
+        return getattr(self._get(), attr)
+
+    def __call__(self, *args, **kwargs):
+        return self._get()(*args, **kwargs)
+
+
+Replicas = _Lazy("rankwise.replicas", "Replicas")
+describe = _Lazy("rankwise.replicas", "describe")
+Held = _Lazy("rankwise.replicas.plan", "Held")
+blob, plan, store = (_Lazy(f"rankwise.replicas.{m}") for m in ("blob", "plan", "store"))
 
 STATE = {
     "w": torch.randn(3, 4),
