@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rankwise as rw
-from rankwise.replicas.plan import accumulation_for
 
 GLOBAL = 12
 MICRO = 2
@@ -93,6 +92,8 @@ def after_loss(root: str, strategy: str, optimizer: str, host_of: list[int] | No
     host = rt.rank if host_of is None else host_of[rt.rank]
     model, opt, loader = build(rt, optimizer)
     info = rt.load(Path(root) / "disk", model=model, optimizer=opt, loader=loader)
+    from rankwise.replicas.plan import accumulation_for  # not at collection (fast_tier.py)
+
     accumulation = accumulation_for(GLOBAL, rt.world_size, MICRO)
     train(rt, model, opt, loader, step=info["step"], epoch=info["epoch"],
           stop=info["step"] + AFTER, accumulation=accumulation)  # fmt: skip

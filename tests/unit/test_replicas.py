@@ -31,6 +31,8 @@ class _Lazy:
         return getattr(found, self._name) if self._name else found
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # pytest's collection probes every module name for markers
+            raise AttributeError(attr)
         return getattr(self._get(), attr)
 
     def __call__(self, *args, **kwargs):
