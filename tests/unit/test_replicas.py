@@ -293,3 +293,41 @@ def test_the_last_call_setting_reaches_the_c10d_rendezvous(monkeypatch):
     monkeypatch.setenv("RANKWISE_RDZV_LAST_CALL_S", "soon")
     with pytest.raises(ConfigError, match="RANKWISE_RDZV_LAST_CALL_S='soon'"):
         choose_rendezvous(opts, new_id="A")
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_the_readme_loop_restores_exactly_under_one_process_strategies(tmp_path, strategy):
+    """rt.prepare'd model, AdamW in two parameter groups with a schedule, rt.replicas, then a
+    restore into a fresh prepare: it trains on as the uninterrupted run (ddp and zero1-3 across
+    processes: tests/dist/test_replicas_dist.py)."""
+    import rankwise as rw
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 2))
+        opt = torch.optim.AdamW([{"params": net[0].parameters(), "weight_decay": 0.1},
+                                 {"params": net[2].parameters(), "weight_decay": 0.0}], lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return (*rt.prepare(net, opt), sched)
+
+    def train(model, opt, sched, steps):
+        for _ in range(steps):
+            _train(model, opt, 1)
+            sched.step()
+
+    rt = rw.init(strategy=strategy, **({"devices": ["cpu", "cpu"]} if strategy == "dp" else {}))
+    model, opt, sched = build()
+    train(model, opt, sched, 3)
+    reps = rt.replicas(model, opt, every=3, folder=tmp_path)
+    assert reps.step(3)
+    reps.close()
+    train(model, opt, sched, 2)
+    fresh, opt2, sched2 = build()
+    torch.manual_seed(123)
+    assert rt.replicas(fresh, opt2, folder=tmp_path).restore()["step"] == 3
+    assert [g["lr"] for g in opt2.param_groups] == [0.005, 0.005]  # the schedule's, restored
+    sched2.last_epoch = 3  # the user's own scheduler object steps on from the restored step
+    train(fresh, opt2, sched2, 2)
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
