@@ -185,7 +185,21 @@ def launch(opts: LaunchOptions) -> None:
     tail) when a worker fails, ``LaunchInterrupted`` on SIGINT/SIGTERM, and
     ``DistributedError`` when the nodes cannot meet within ``opts.rdzv_timeout``.
     Sync point: all nodes (the rendezvous).
+
+    The variables set here for the workers (run directory, diagnoses folder, ...) are taken
+    back on return: a second launch from the same process (a notebook, a test session) would
+    otherwise reuse the first job's run directory and its deleted diagnoses folder.
     """
+    saved = dict(os.environ)
+    try:
+        _launch(opts)
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
+
+
+def _launch(opts: LaunchOptions) -> None:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
