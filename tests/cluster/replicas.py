@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -37,10 +38,47 @@ def progress(out: Path) -> list[dict]:
 
 def _launch(cluster: Cluster, node: int, folder: Path, args: list[str], name: str):
     flags = jobs.run_flags(cluster, node, nproc=1, nnodes="1:3", rdzv="c10d", port=29400)
+    # LOGLEVEL=INFO: torch's agent says "Starting worker group" (the rendezvous' end: Timeline)
     env = {"RANKWISE_REPLICA_HOST": f"node{node}", "RANKWISE_REPLICA_DIR": str(folder / "shm"),
-           "RANKWISE_RDZV_LAST_CALL_S": "1"}  # fmt: skip
-    return jobs.start(cluster, node, [*flags, "--max-restarts", "3", str(SCRIPT), *args], folder,
-                      env=env, name=name)  # fmt: skip
+           "RANKWISE_RDZV_LAST_CALL_S": "1", "LOGLEVEL": "INFO"}  # fmt: skip
+    # docs/elastic.md's settings: a lost node is dropped from the rendezvous after 2 s of silence.
+    conf = ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=4"]
+    return jobs.start(cluster, node, [*flags, *conf, "--max-restarts", "3", str(SCRIPT), *args],
+                      folder, env=env, name=name)  # fmt: skip
+
+
+PHASES = {
+    "failure_reported": "failed: exit code",  # the launcher saw a worker fail (after its diagnosis)
+    "rendezvous_done": "Starting worker group",  # torch's agent: the new round is complete
+    "workers_prepared": "rankwise prepare",  # a restarted worker reached rt.prepare
+}
+"""What ``Timeline`` watches for in the launchers' stderr: the first line after the kill."""
+
+
+class Timeline(threading.Thread):
+    """When each of ``PHASES`` first appears in any launcher's stderr after ``since`` (polled
+    every 50 ms: the phases' seconds are good to about 0.1 s)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(daemon=True)
+        self.folder, self.since, self.seen = folder, None, {}
+        self.done, self._read = threading.Event(), {}
+
+    def run(self) -> None:
+        while not self.done.wait(0.05):
+            for path in self.folder.glob("node*.err"):
+                lines = path.read_text(errors="replace").splitlines()
+                new, self._read[path] = lines[self._read.get(path, 0) :], len(lines)
+                if self.since is None:
+                    continue
+                for name, marker in PHASES.items():
+                    if name not in self.seen and any(marker in line for line in new):
+                        self.seen[name] = time.time()
+
+    def phases(self, first_step: float | None) -> dict[str, float]:
+        """Seconds from the kill to each phase, and to the first step at the smaller world."""
+        marks = {**self.seen, **({"trained": first_step} if first_step else {})}
+        return {k: round(v - self.since, 2) for k, v in marks.items() if self.since is not None}
 
 
 def _first(rows: list[dict], world: int, after: float) -> dict | None:
@@ -59,13 +97,18 @@ def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float
     out.mkdir(parents=True)
     args = [str(out), "--steps", str(total), "--every", str(every), "--sleep", str(sleep),
             "--stop-file", str(folder / "stop")]  # fmt: skip
+    timeline = Timeline(folder)
+    timeline.start()
     with Cluster(3) as cluster:
         launchers = [_launch(cluster, n, folder, args, f"node{n}") for n in (2, 1, 0)][::-1]
         started = wait_until(lambda: len(progress(out)) >= 8, 300)
+        time.sleep(0.1)  # the timeline has read every line written before the kill
         cluster.kill(victim)
-        killed = time.time()
+        killed = timeline.since = time.time()
         shutil.rmtree(folder / "shm" / "cluster-job" / f"node{victim}", ignore_errors=True)
         shrunk = wait_until(lambda: _first(progress(out), 2, killed) is not None, 120)
+        first2 = _first(progress(out), 2, killed)
+        timeline.done.set()
         joined, back = None, None
         if grow and shrunk is not None:
             joined = time.time()
@@ -77,7 +120,8 @@ def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float
         survivors = [launcher for i, launcher in enumerate(launchers) if grow or i != victim]
         codes = jobs.finish(survivors, 300)
         text = "\n".join(launcher.stdout + launcher.stderr for launcher in survivors)
-    return _facts(progress(out), killed, joined, started, shrunk, back, codes, text)
+    facts = _facts(progress(out), killed, joined, started, shrunk, back, codes, text)
+    return {**facts, "phases_s": timeline.phases(first2["time"] if first2 else None)}
 
 
 def _facts(rows, killed, joined, started, shrunk, back, codes, text) -> dict:

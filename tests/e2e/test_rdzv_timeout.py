@@ -71,3 +71,62 @@ def test_a_c10d_node_nobody_joins_stops_at_its_rdzv_timeout_saying_so(tmp_path):
     assert result.returncode != 0, err[-3000:]
     assert "could not complete the c10d rendezvous" in err and "--rdzv-timeout=8s" in err, err
     assert "RendezvousTimeoutError" in err and "cut off" not in err, err[-3000:]
+
+
+def test_rdzv_conf_reaches_torchs_c10d_handler_beside_the_rdzv_timeout():
+    """``--rdzv-conf``'s keys as torch's handler reads them (torchrun's flag): a lost node is
+    dropped after interval x attempts of silence (docs/elastic.md)."""
+    port = _free_port()
+    opts = LaunchOptions(script="t.py", nnodes=3, min_nodes=1, rdzv_backend="c10d",
+                         rdzv_endpoint=f"127.0.0.1:{port}", rdzv_timeout=77,
+                         rdzv_conf="keep_alive_interval=1, keep_alive_max_attempt=4,"
+                                   "last_call_timeout=3")  # fmt: skip
+    settings = _torch_handler(opts)._settings
+    assert settings.keep_alive_interval.total_seconds() == 1
+    assert settings.keep_alive_max_attempt == 4
+    assert settings.timeout.last_call.total_seconds() == 3
+    assert settings.timeout.join.total_seconds() == 77
+
+
+@pytest.mark.parametrize(
+    ("conf", "facts"),
+    [
+        ("keepalive_interval=1", ["'keepalive_interval'", "did you mean 'keep_alive_interval'",
+                                  "ignored"]),
+        ("keep_alive_interval=0", ["keep_alive_interval='0'", "whole number >= 1"]),
+        ("keep_alive_interval", ["'keep_alive_interval'", "KEY=VALUE"]),
+        ("join_timeout=30", ["join_timeout=30", "--rdzv-timeout 30"]),
+        ("is_host=maybe", ["is_host='maybe'", "true"]),
+        ("keep_alive_interval=1,keep_alive_max_attempt=2", ["after 2 s", "second job",
+                                                            "keep_alive_max_attempt=4"]),
+    ],
+)
+def test_a_wrong_rdzv_conf_is_refused_before_joining_naming_it_and_the_fix(conf, facts):
+    from rankwise.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        LaunchOptions(script="t.py", nnodes=2, rdzv_backend="c10d",
+                      rdzv_endpoint="127.0.0.1:29400", rdzv_conf=conf)  # fmt: skip
+    for fact in facts:
+        assert fact in str(caught.value), (fact, str(caught.value))
+
+
+def test_rdzv_conf_with_the_static_rendezvous_says_it_would_be_unread():
+    from rankwise.errors import ConfigError
+
+    opts = LaunchOptions(script="t.py", nnodes=2, master_port=_free_port(),
+                         rdzv_conf="keep_alive_interval=2")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"(?s)static rendezvous reads none.*--rdzv-backend c10d"):
+        choose_rendezvous(opts, new_id="t")
+
+
+def test_rdzv_conf_from_a_settings_file_reaches_the_options(tmp_path, monkeypatch):
+    from rankwise.cli import build_parser
+    from rankwise.launch.cli import options_from_args
+
+    (tmp_path / "rankwise.toml").write_text('rdzv-conf = "keep_alive_interval=2"\n')
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+                                      "--rdzv-endpoint", "127.0.0.1:29400", "t.py"])  # fmt: skip
+    opts = options_from_args(args)
+    assert choose_rendezvous(opts, new_id="t").config["keep_alive_interval"] == "2"

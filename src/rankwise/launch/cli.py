@@ -121,6 +121,13 @@ def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "rdzv-id", metavar="ID", help="job id shared by all nodes (c10d)")
     _flag(
         parser,
+        "rdzv-conf",
+        metavar="KEY=VALUE,...",
+        help="torch's c10d rendezvous settings, e.g. keep_alive_interval=1,"
+        "keep_alive_max_attempt=4 (a lost node is dropped in 4 s, not 15; docs/elastic.md)",
+    )
+    _flag(
+        parser,
         "rdzv-timeout",
         type=int,
         metavar="SECONDS",
@@ -192,6 +199,7 @@ def options_from_args(
         rdzv_id=s["rdzv-id"],
         rdzv_token=args.rdzv_token,
         rdzv_timeout=s["rdzv-timeout"],
+        rdzv_conf=s["rdzv-conf"],
         standalone=s["standalone"],
         max_restarts=s["max-restarts"],
         log_dir=s["log-dir"],

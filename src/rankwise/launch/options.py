@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from ..job import env as _env
 from ..job.env import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S
+from .rendezvous import conf as rdzv_conf
 
 DEFAULT_RDZV_TIMEOUT_S = int(DEFAULT_TIMEOUT_S)
 """How long a node waits for the others (or for the master) before failing with an error:
@@ -54,6 +55,9 @@ class LaunchOptions:
     (``RANKWISE_RDZV_TOKEN`` when None; a one-node job generates its own)."""
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the other nodes or the master before giving up."""
+    rdzv_conf: str = ""
+    """torchrun's ``--rdzv-conf KEY=VALUE,...`` for the c10d rendezvous (``rendezvous/conf.py``:
+    e.g. ``keep_alive_interval=1,keep_alive_max_attempt=4`` drops a lost node in 4 s)."""
     standalone: bool = False
     """Single node, rendezvous on a free local port (torchrun --standalone)."""
     max_restarts: int = 0
@@ -102,6 +106,7 @@ class LaunchOptions:
                 f"--rdzv-timeout={self.rdzv_timeout} must be positive",
                 fix="pass the seconds to wait for the other nodes, e.g. --rdzv-timeout 300.",
             )
+        rdzv_conf.parse(self.rdzv_conf, "c10d")  # every key and value checked before joining
         if self.max_restarts < 0:
             raise ConfigError(
                 f"--max-restarts={self.max_restarts} must be 0 or more",
@@ -142,6 +147,7 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
     timeout = {"timeout": opts.rdzv_timeout}  # what torch's static rendezvous reads
     joins = {"join_timeout": opts.rdzv_timeout}  # what torch's c10d rendezvous reads, uncapped
     joins.update(_last_call())
+    joins.update(rdzv_conf.parse(opts.rdzv_conf, "c10d"))  # the flag over the variable
     single_node = opts.nnodes == 1 and opts.min_nodes in (None, 1)
     auto_port = (
         opts.rdzv_backend == "static" and not opts.rdzv_endpoint and opts.master_port is None
@@ -155,7 +161,7 @@ def choose_rendezvous(opts: LaunchOptions, new_id: str) -> Rendezvous:
             backend="static",
             endpoint=endpoint,
             run_id=opts.rdzv_id,
-            config={**timeout, "rank": opts.node_rank},
+            config={**timeout, "rank": opts.node_rank, **rdzv_conf.parse(opts.rdzv_conf, "static")},
         )
     if not opts.rdzv_endpoint:
         raise ConfigError(

@@ -25,21 +25,21 @@ import os
 import pickle
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint import metadata as dcp_md
 
 from ...errors import ConfigError
 from .. import untrusted
 from ..untrusted import RestrictedUnpickler
 from .boxes import Box, tiling_problem
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_md
+
 METADATA = ".metadata"
 MANIFEST = "rankwise.json"
 MODEL, OPTIM, OWN = "model", "optim", "rankwise"
-DCP_VERSION = getattr(dcp_fs, "CURRENT_DCP_VERSION", "1.0.0")
 MAX_METADATA_BYTES = 1 << 30
 
 _ALLOWED = {
@@ -53,6 +53,21 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
 }  # fmt: skip
 """What a DCP ``.metadata`` pickle may name: its own dataclasses and plain values."""
+
+
+def _md() -> Any:
+    """torch DCP's metadata classes, imported when first needed: importing
+    ``torch.distributed.checkpoint`` brings DTensor and takes ~1 s, which every worker of every
+    job would otherwise pay at ``import rankwise`` (the in-memory replicas' restart, docs/elastic.md)."""
+    from torch.distributed.checkpoint import metadata
+
+    return metadata
+
+
+def _fs() -> Any:
+    from torch.distributed.checkpoint import filesystem
+
+    return filesystem
 
 
 def model_key(fqn: str) -> tuple[str, list[Any]]:
@@ -94,29 +109,29 @@ def build(items: list[dict[str, Any]], checkpoint_id: str) -> dcp_md.Metadata:
     'b' bytes), for tensors ``dtype``/``shape``/``offsets``/``sizes``, and where it lies
     (``file``, ``offset``, ``length``)."""
     entries: dict[str, Any] = {}
-    storage: dict[dcp_md.MetadataIndex, Any] = {}
+    storage: dict[Any, Any] = {}
     planner: dict[str, tuple[Any, ...]] = {}
     for it in sorted(items, key=lambda i: (i["key"], i.get("offsets") or [])):
         key = it["key"]
         planner[key] = tuple(it["path"])
-        where = dcp_fs._StorageInfo(it["file"], it["offset"], it["length"])
+        where = _fs()._StorageInfo(it["file"], it["offset"], it["length"])
         if it["kind"] == "b":
-            entries[key] = dcp_md.BytesStorageMetadata()
-            storage[dcp_md.MetadataIndex(key)] = where
+            entries[key] = _md().BytesStorageMetadata()
+            storage[_md().MetadataIndex(key)] = where
             continue
-        entry = entries.setdefault(key, dcp_md.TensorStorageMetadata(
-            properties=dcp_md.TensorProperties(dtype=dtype_of(it["dtype"])),
+        entry = entries.setdefault(key, _md().TensorStorageMetadata(
+            properties=_md().TensorProperties(dtype=dtype_of(it["dtype"])),
             size=torch.Size(it["shape"]), chunks=[],
         ))  # fmt: skip
         offsets = torch.Size(it["offsets"])
-        entry.chunks.append(dcp_md.ChunkStorageMetadata(offsets, torch.Size(it["sizes"])))
-        storage[dcp_md.MetadataIndex(key, offsets)] = where
-    return dcp_md.Metadata(
+        entry.chunks.append(_md().ChunkStorageMetadata(offsets, torch.Size(it["sizes"])))
+        storage[_md().MetadataIndex(key, offsets)] = where
+    return _md().Metadata(
         state_dict_metadata=entries,
         planner_data=planner,
         storage_data=storage,
-        storage_meta=dcp_md.StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
-        version=DCP_VERSION,
+        storage_meta=_md().StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        version=getattr(_fs(), "CURRENT_DCP_VERSION", "1.0.0"),
     )
 
 
@@ -128,9 +143,12 @@ def dumps(metadata: dcp_md.Metadata) -> bytes:
 
 
 class _MetadataUnpickler(RestrictedUnpickler):
-    BUILD_TYPES = (dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata,
-                   dcp_md.ChunkStorageMetadata, dcp_md.TensorProperties, dcp_md.MetadataIndex,
-                   dcp_md.StorageMeta, dcp_fs._StorageInfo)  # fmt: skip
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        md = _md()  # here, not at import (_md)
+        self.BUILD_TYPES = (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata,
+                            md.ChunkStorageMetadata, md.TensorProperties, md.MetadataIndex,
+                            md.StorageMeta, _fs()._StorageInfo)  # fmt: skip
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and (
@@ -179,7 +197,7 @@ def _check_metadata(md: Any, path: Path) -> None:
 
 
 def _why_malformed(md: Any) -> str | None:
-    if not (isinstance(md, dcp_md.Metadata) and isinstance(md.state_dict_metadata, dict)
+    if not (isinstance(md, _md().Metadata) and isinstance(md.state_dict_metadata, dict)
             and isinstance(md.storage_data, dict)):  # fmt: skip
         return "is not DCP Metadata"
     for index, info in md.storage_data.items():
@@ -193,10 +211,10 @@ def _why_malformed(md: Any) -> str | None:
 
 def _bad_storage(index: Any, info: Any) -> str | None:
     """Why a ``storage_data`` entry (where an item's bytes are) is not DCP's, or None."""
-    name = info.relative_path if isinstance(info, dcp_fs._StorageInfo) else None
+    name = info.relative_path if isinstance(info, _fs()._StorageInfo) else None
     where = (getattr(info, "offset", None), getattr(info, "length", None))
     offset = getattr(index, "offset", ())
-    if not (isinstance(index, dcp_md.MetadataIndex) and isinstance(name, str)
+    if not (isinstance(index, _md().MetadataIndex) and isinstance(name, str)
             and isinstance(index.fqn, str) and (offset is None or isinstance(offset, torch.Size))
             and all(type(n) is int and n >= 0 for n in where)):  # fmt: skip
         return "holds a malformed storage entry"
@@ -212,14 +230,14 @@ def _bad_entry(key: Any, entry: Any) -> str | None:
     """Why a ``state_dict_metadata`` entry is not DCP's, or None."""
     if not isinstance(key, str):
         return "holds a key that is not a string"
-    if isinstance(entry, dcp_md.BytesStorageMetadata):
+    if isinstance(entry, _md().BytesStorageMetadata):
         return None
-    if not isinstance(entry, dcp_md.TensorStorageMetadata):
+    if not isinstance(entry, _md().TensorStorageMetadata):
         return f"describes {key!r} with something other than DCP's storage metadata"
     dims = len(entry.size) if isinstance(entry.size, torch.Size) else -1
     dtype = getattr(entry.properties, "dtype", None)
     chunks_ok = isinstance(entry.chunks, list) and all(
-        isinstance(c, dcp_md.ChunkStorageMetadata)
+        isinstance(c, _md().ChunkStorageMetadata)
         and isinstance(c.offsets, torch.Size) and isinstance(c.sizes, torch.Size)
         and len(c.offsets) == len(c.sizes) == dims
         for c in entry.chunks
@@ -234,9 +252,9 @@ def _bad_entry(key: Any, entry: Any) -> str | None:
 def _missing_storage(md: dcp_md.Metadata) -> str | None:
     """Why some chunk or object of ``md`` has no storage entry (where its bytes are), or None."""
     for key, entry in md.state_dict_metadata.items():
-        wanted = ([dcp_md.MetadataIndex(key, c.offsets) for c in entry.chunks]
-                  if isinstance(entry, dcp_md.TensorStorageMetadata)
-                  else [dcp_md.MetadataIndex(key)])  # fmt: skip
+        wanted = ([_md().MetadataIndex(key, c.offsets) for c in entry.chunks]
+                  if isinstance(entry, _md().TensorStorageMetadata)
+                  else [_md().MetadataIndex(key)])  # fmt: skip
         for index in wanted:
             if index not in md.storage_data:
                 at = "" if index.offset is None else f" chunk at {list(index.offset)}"

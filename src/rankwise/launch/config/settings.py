@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "rdzv-endpoint": "",
     "rdzv-id": "none",
     "rdzv-timeout": DEFAULT_RDZV_TIMEOUT_S,
+    "rdzv-conf": "",
     "standalone": False,
     "max-restarts": 0,
     "log-dir": None,
