@@ -6,10 +6,15 @@
   time of each mode and ``replication_overhead_pct`` against off. ``capture_ms``: the part on
   the training thread (one copy of the state into a buffer); the rest runs in a thread.
 - ``cluster`` (root, network namespaces; ``--cluster``): tests/cluster/replicas.py's trial, 3
-  hosts x 1 process under ``--nnodes 1:3``, a host killed, then a replacement:
-  ``kill_to_training_s``, ``steps_lost``, ``grow_back_s``.
+  hosts x 1 process under ``--nnodes 1:3`` with ``--rdzv-conf keep_alive_interval=1,
+  keep_alive_max_attempt=4`` and a 1 s last call, a host killed, then a replacement, repeated
+  ``--trials`` times: the medians of ``kill_to_training_s`` and ``grow_back_s``, the most
+  ``steps_lost``, and each run with its ``phases_s`` (seconds from the kill to: the launcher
+  reporting the failure, the new rendezvous round, a restarted worker's ``rt.prepare``, the
+  first step trained at world 2).
 
-    flock /tmp/rw-bench.lock python benchmarks/recovery.py --cluster --out benchmarks/results/recovery.json
+    flock /tmp/rw-bench.lock python benchmarks/recovery.py --width 1024 --steps 50 --repeats 4 \
+        --every 1,10,50 --cluster --out benchmarks/results/recovery.json
 
 The machine's load average is recorded before and after: on a shared, loaded machine every
 time here is longer than on a quiet one.
@@ -57,19 +62,38 @@ def _block(rt, model, opt, steps: int, reps, start: int) -> float:
     return (time.perf_counter() - begin) / steps
 
 
+def _rss_mib() -> float:
+    """This process's resident memory now (not its peak: the phases are compared)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
+def _folder_mib(folder: Path) -> float:
+    """What the replica folder holds (tmpfs: RAM): this rank's copy and its buddy's."""
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
+
+
 def _rank(folder: str, width: int, steps: int, repeats: int, everys: list[int]) -> dict:
     rt = rw.init(strategy="ddp")
     torch.manual_seed(0)
+    rss = {"init": _rss_mib()}
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                           nn.Linear(width, 10))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = rt.prepare(model, opt)
-    reps = {k: rt.replicas(model, opt, every=k, folder=Path(folder) / f"k{k}-r{rt.rank}")
-            for k in everys}  # fmt: skip
+    _block(rt, model, opt, 3, None, 0)  # warm-up: the optimizer's state exists
+    rss["trained_without_replicas"] = _rss_mib()
+    first = rt.replicas(
+        model, opt, every=everys[0], folder=Path(folder) / f"k{everys[0]}-r{rt.rank}"
+    )
+    _block(rt, model, opt, 3, first, 3)  # one replicas object, three copies made
+    rss["with_one_replicas"] = _rss_mib()
+    reps = {everys[0]: first, **{k: rt.replicas(model, opt, every=k, folder=Path(folder) / f"k{k}-r{rt.rank}")
+            for k in everys[1:]}}  # fmt: skip
     times: dict[str, list[float]] = {"off": [], **{str(k): [] for k in everys}}
     captures: list[float] = []
-    step = 0
-    _block(rt, model, opt, 3, None, 0)  # warm-up: the optimizer's state exists
+    step = 6
     for _ in range(repeats):
         for mode in times:
             r = None if mode == "off" else reps[int(mode)]
@@ -80,9 +104,12 @@ def _rank(folder: str, width: int, steps: int, repeats: int, everys: list[int]) 
         reps[everys[0]].capture(step, None)
         captures.append(time.perf_counter() - t)
     size = reps[everys[0]].state_bytes
+    rss["with_every_replicas"] = _rss_mib()
+    held = _folder_mib(Path(folder) / f"k{everys[0]}-r{rt.rank}")
     for r in reps.values():
         r.close(remove=True)
-    return {"times": times, "capture_s": statistics.median(captures), "state_bytes": size}
+    return {"times": times, "capture_s": statistics.median(captures), "state_bytes": size,
+            "rss_mib": rss, "folder_mib": held}  # fmt: skip
 
 
 def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
@@ -96,6 +123,10 @@ def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
         "world": 2,
         "model": f"MLP {width}x{width}x2 + head, AdamW",
         "state_bytes_per_rank": ranks[0]["state_bytes"],
+        # resident memory of each rank at each phase (MiB), and its replica folder in tmpfs
+        # (its own copy and its buddy's): the RAM the replicas cost beside the training
+        "rss_mib": [r["rss_mib"] for r in ranks],
+        "replica_folder_mib": [r["folder_mib"] for r in ranks],
         "capture_ms": round(1000 * ranks[0]["capture_s"], 2),
         "step_ms": {mode: round(1000 * s, 2) for mode, s in step_s.items()},
         "replication_overhead_pct": {
@@ -110,17 +141,30 @@ def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
     }
 
 
-def cluster() -> dict:
+def cluster(trials: int) -> dict:
+    """``trials`` runs of the trial; the medians of its seconds, the worst of its steps lost."""
     from cluster import replicas
     from cluster.required import require_cluster  # noqa: F401  (the same requirements)
 
-    with tempfile.TemporaryDirectory(prefix="rw-recovery-cluster-") as folder:
-        r = replicas.host_lost(Path(folder), every=1)
-    r.pop("text")
-    r.pop("worlds")
-    r.pop("steps")
-    r.pop("cause_lines")
-    return {"hosts": 3, "processes_per_host": 1, "every": 1, **r}
+    runs = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory(prefix="rw-recovery-cluster-") as folder:
+            r = replicas.host_lost(Path(folder), every=1)
+        for key in ("text", "worlds", "steps", "cause_lines"):
+            r.pop(key)
+        runs.append(r)
+
+    def median(key: str) -> float | None:
+        got = [r[key] for r in runs if r[key] is not None]
+        return round(statistics.median(got), 2) if len(got) == len(runs) else None
+
+    lost = [r["steps_lost"] for r in runs]
+    return {"hosts": 3, "processes_per_host": 1, "every": 1, "trials": trials,
+            "rdzv_conf": "keep_alive_interval=1,keep_alive_max_attempt=4", "last_call_s": 1,
+            "kill_to_training_s": median("kill_to_training_s"),
+            "grow_back_s": median("grow_back_s"),
+            "steps_lost": None if None in lost else max(lost),
+            "hung": any(r["hung"] for r in runs), "runs": runs}  # fmt: skip
 
 
 def main() -> None:
@@ -130,6 +174,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--every", default="1,5,20")
     p.add_argument("--cluster", action="store_true")
+    p.add_argument("--trials", type=int, default=3, help="cluster trials (medians reported)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     everys = [int(k) for k in args.every.split(",")]
@@ -137,7 +182,7 @@ def main() -> None:
               "torch": torch.__version__}  # fmt: skip
     result["overhead"] = overhead(args.width, args.steps, args.repeats, everys)
     if args.cluster:
-        result["cluster"] = cluster()
+        result["cluster"] = cluster(args.trials)
     result["load_after"] = os.getloadavg()
     o, c = result["overhead"], result.get("cluster", {})
     result["summary"] = {  # the keys the goodput model reads

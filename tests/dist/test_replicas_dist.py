@@ -29,6 +29,8 @@ def _equal(result: dict) -> None:
     [
         ("ddp", "adamw", 0, [2, 1]),  # new rank 0 (host 2) gets old rank 0's from host 1
         ("zero3", "adamw", 1, [2, 0]),  # both take theirs from the other survivor
+        ("zero2", "sgd", 2, [0, 1]),  # each keeps its own: the lost host's state is not needed
+        ("zero1", "adamw", 0, [1, 2]),  # host 0 lost: its state comes from its buddy, host 1
     ],
 )
 def test_host_lost_continues_from_ram_equal_to_disk_reference(
