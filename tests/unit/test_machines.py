@@ -329,6 +329,8 @@ class _GoneStore(_Handler):
 
         raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
+    num_nodes_waiting = shutdown  # torch's TCPStore::check, after the store's node ended
+
 
 def test_closing_a_rendezvous_whose_store_host_already_ended_is_not_a_failure():
     # the end-of-job race: the endpoint's node saw every node in the exit barrier and ended,
@@ -338,3 +340,8 @@ def test_closing_a_rendezvous_whose_store_host_already_ended_is_not_a_failure():
     assert rdzv_guard.guard(_GoneStore(), 300).shutdown() is False
     with pytest.raises(Exception, match="Connection was likely closed"):
         _GoneStore().shutdown()  # unguarded, torch's handler raises it into the launcher
+    # the agent asks every monitoring tick while its workers run: the closed store is "no node
+    # waits", and the agent goes on watching its workers (their own failure, if any, is told)
+    assert rdzv_guard.guard(_GoneStore(), 300).num_nodes_waiting() == 0
+    with pytest.raises(Exception, match="Connection was likely closed"):
+        _GoneStore().num_nodes_waiting()
