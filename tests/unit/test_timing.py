@@ -274,3 +274,70 @@ def test_a_thousand_ranks_are_attributed():
     table = _table(1024, 700, "compute", 0.05)
     at = attribution.Attributor()
     assert at.flag(table).rank == 700
+
+
+def _descheduled(world: int, roles: list[int], slow: int, i: int, rng) -> list[dict]:
+    """A record of a shared machine: from record 6 on, rank ``slow`` is descheduled for 25 ms
+    of each step (its busy time grows, its CPU seconds and data wait do not: the machine's
+    noise, not its work), and its peers wait for it."""
+    table = _table(len(roles), None, "compute", 0.0, rng=rng, noise=0.002)
+    for r, role in enumerate(roles):
+        table[r]["role"] = float(role)
+    if i >= 6:
+        table[slow]["backward"] += 0.025
+        for r in range(world):
+            table[r]["total"] += 0.025
+            table[r]["blocked"] += 0.0 if r == slow else 0.025
+    return table
+
+
+@pytest.mark.parametrize("roles", [[0, 0], [0, 0, 0, 0], [0, 1], [0, 1, 2]])
+@pytest.mark.parametrize("host_clocks", [True, False])
+def test_a_rank_descheduled_by_a_loaded_machine_is_no_straggler_on_host_clocks(roles, host_clocks):
+    """On a CPU job, busy time grown without CPU seconds (nor a data wait, a throttle far below
+    its usual share, or memory) is time the rank was descheduled: not named, with peers
+    (ddp) or alone in its role (a pipeline stage). On a GPU (device clocks) it is named."""
+    rng = random.Random(len(roles))
+    at = attribution.Attributor(host_clocks=host_clocks)
+    slow, step, events = len(roles) - 1, 0, []
+    for i in range(16):
+        step += 1 if at.want_dense() else 10
+        table = _descheduled(len(roles), roles, slow, i, rng)
+        events += at.observe(step, table, dense=at.want_dense())
+    named = [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"]
+    assert named == ([] if host_clocks else [(slow, "compute")])
+
+
+def test_a_rank_whose_own_work_grows_is_still_named_on_host_clocks():
+    """The same 25 ms, spent computing (CPU seconds grow with it): a compute straggler."""
+    rng = random.Random(5)
+    at = attribution.Attributor(host_clocks=True)
+    step, events = 0, []
+    for i in range(16):
+        step += 1 if at.want_dense() else 10
+        table = _descheduled(2, [0, 0], 1, i, rng)
+        if i >= 6:
+            table[1]["cpu"] += 0.025
+        events += at.observe(step, table, dense=at.want_dense())
+    assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]
+
+
+def test_the_cpu_clock_is_read_on_armed_steps_only_and_packed_as_a_ratio():
+    c = clock.StepClock()
+    w = record.Window()
+    clock.install(c)
+    try:
+        for armed in (False, True, False):
+            c.arm(armed)
+            with clock.span("forward"):
+                end = time.thread_time() + 0.004
+                while time.thread_time() < end:  # CPU work: 4 ms
+                    pass
+            sample = c.finish_step()
+            assert (sample.cpu is not None) == armed
+            w.add(sample)
+    finally:
+        clock.install(None)
+    got = dict(zip(record.FIELDS, w.pack(mem=0.0, node=0, role=0).tolist(), strict=True))
+    # The armed step's CPU per busy second (about 1: it only computed) over the mean busy time.
+    assert 0.5 * got["total"] <= got["cpu"] <= 1.01 * got["total"]

@@ -87,7 +87,7 @@ class Flag:
     """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
 
 
-KEYS = ("data", "compute", "busy", "ratio")
+KEYS = ("data", "compute", "busy", "ratio", "cpu")
 
 
 def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[dict | None]:
@@ -115,7 +115,7 @@ def _ratio(r: dict[str, float]) -> float:
 
 def _parts(r: dict[str, float]) -> dict[str, float]:
     return {"data": r["data"], "compute": r["forward"] + r["backward"], "busy": busy(r),
-            "ratio": _ratio(r)}  # fmt: skip
+            "ratio": _ratio(r), "cpu": r["cpu"]}  # fmt: skip
 
 
 @dataclass
@@ -123,6 +123,9 @@ class Attributor:
     """Feeds on records (``observe``); remembers suspicion, the named straggler and history."""
 
     settings: Settings = field(default_factory=Settings)
+    host_clocks: bool = True
+    """The phases are the host's clocks (a CPU job): a rank's CPU seconds then tell its own
+    work from time it was descheduled (``_explained``). False on GPUs (CUDA events)."""
     named: Straggler | None = None
     suspect: tuple[str, int] | None = None
     hits: int = 0
@@ -187,8 +190,28 @@ class Attributor:
             if excess > bar and (best is None or excess > best.excess):
                 mine = _parts(r)
                 deltas = {k: mine[k] - expect[k] for k in KEYS}
-                best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
+                f = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
+                best = f if self._explained(f) else best
         return best or self._memory_flag(ranks) or self._link_flag(ranks)
+
+    def _explained(self, f: Flag) -> bool:
+        """Whether the rank's own doing explains its excess: a data wait, its own CPU work
+        (CPU seconds grown by half the excess), a throttled CPU, memory growth. On a shared
+        machine a rank is descheduled for a while, longer than its peers: its busy time grows,
+        its CPU seconds do not, and it is no straggler (the machine's noise)."""
+        if not self.host_clocks or f.deltas["data"] >= 0.5 * f.excess:
+            return True
+        return (f.deltas["cpu"] >= 0.5 * f.excess or self._throttled(f)
+                or bool(self.memory_growth(f.rank)))  # fmt: skip
+
+    def _throttled(self, f: Flag) -> bool:
+        """CPU per busy second far under the rank's usual and its peers' (a loaded machine
+        deschedules a busy rank, healthy or not; a throttled one gets a small share of a core,
+        e.g. 0.05 s per second)."""
+        ratio, expected = f.cpu_ratio
+        own = self.ratios.get(f.rank)
+        usual = statistics.median(own) if own else expected
+        return ratio < 0.3 * min(expected, usual)
 
     def _link_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """The job's own communication slower than its window's median by the bar, where a
@@ -230,11 +253,7 @@ class Attributor:
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        own = self.ratios.get(f.rank)
-        usual = statistics.median(own) if own else expected
-        # A loaded machine deschedules a busy rank (its ratio falls, healthy or not); a
-        # throttled one gets a small share of a core, e.g. 0.05 s per second.
-        if ratio < 0.3 * min(expected, usual):
+        if self._throttled(f):
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 

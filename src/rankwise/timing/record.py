@@ -26,7 +26,7 @@ FIELDS = (
 """The gathered vector, in this order (float64). ``role``: ranks with the same role do the same
 work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown."""
 
-SUMMED = (*PHASES, "other", "total", "cpu", "lag", "ready_lag")
+SUMMED = (*PHASES, "other", "total", "lag", "ready_lag")
 
 
 class Window:
@@ -35,25 +35,35 @@ class Window:
     def __init__(self) -> None:
         self.n = 0
         self.sums = dict.fromkeys(SUMMED, 0.0)
+        self.cpu = [0.0, 0.0]  # CPU seconds and busy seconds of the steps that read the CPU
         self.device: dict[str, float] = {}
         """A GPU's forward/backward of the window's last step, timed with CUDA events: they
         stand for the window (the host clocks of its other steps saw only the launches)."""
 
     def add(self, s: StepSample) -> None:
         self.n += 1
+        sums = self.sums
         for k, v in s.phases.items():
-            self.sums[k] += v
-        for k, v in (("other", s.other), ("total", s.total), ("cpu", s.cpu), ("lag", s.lag),
-                     ("ready_lag", s.ready_lag)):  # fmt: skip
-            self.sums[k] += v
+            sums[k] += v
+        sums["other"] += s.other
+        sums["total"] += s.total
+        sums["lag"] += s.lag
+        sums["ready_lag"] += s.ready_lag
+        if s.cpu is not None:
+            self.cpu[0] += s.cpu
+            self.cpu[1] += s.total - s.phases["blocked"]
 
     def pack(self, *, mem: float, node: int, role: int) -> torch.Tensor:
         """This rank's means as the gathered vector; the window starts again."""
         n = max(self.n, 1)
-        means = {k: v / n for k, v in self.sums.items()} | self.device
-        values = {**means, "steps": float(self.n), "mem": mem, "node": node, "role": role}
+        values = {k: v / n for k, v in self.sums.items()}
+        values.update(self.device)
+        # The CPU seconds per busy second of the steps that read them, over the mean busy time.
+        cpu, busy_s = self.cpu
+        values["cpu"] = cpu / busy_s * (values["total"] - values["blocked"]) if busy_s > 0 else 0.0
+        values.update(steps=float(self.n), mem=mem, node=node, role=role)
         self.__init__()
-        return torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
+        return torch.tensor([values[f] for f in FIELDS], dtype=torch.float64)
 
 
 _STATM: list[int] = []  # /proc/self/statm, kept open: a read, not an open, per record
