@@ -348,3 +348,25 @@ def test_the_window_packs_the_armed_steps_cpu_per_busy_second_over_its_mean_busy
     got = dict(zip(record.FIELDS, w.pack(mem=0.0, node=0, role=0).tolist(), strict=True))
     # busy: 4, 6, 4 ms (mean 14/3); the armed step: 3 CPU ms per 6 busy ms
     assert got["cpu"] == pytest.approx(0.5 * 0.014 / 3)
+
+
+def test_a_record_without_cpu_seconds_is_judged_on_its_busy_time():
+    """No step of a record read the CPU clock (``cpu`` -1): its excess cannot be told from a
+    descheduled rank's, so it counts as before, and it never reads as a throttled CPU."""
+    rng = random.Random(2)
+    at = attribution.Attributor()
+    step, events = 0, []
+    for i in range(14):
+        step += 1 if at.want_dense() else 10
+        table = _table(2, 1 if i >= 6 else None, "compute", 0.04 if i >= 6 else 0.0, rng=rng,
+                       noise=0.002)  # fmt: skip
+        for row in table:
+            row["cpu"] = -1.0
+        events += at.observe(step, table, dense=at.want_dense())
+    assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]
+    w = record.Window()
+    w.add(clock.StepSample(dict.fromkeys(clock.PHASES, 0.0), total=0.01, cpu=None, lag=0.0,
+                           ready_lag=0.0))  # fmt: skip
+    packed = w.pack(mem=0.0, node=0, role=0)
+    assert packed[record.FIELDS.index("cpu")] == -1.0
+    assert record.rows(record.unpack(packed[None]))[0]["cpu"] is None

@@ -105,8 +105,14 @@ def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[
             continue
         mine = [_parts(r) for r in own.get(members[0], ())]
         if len(mine) >= 3:
-            out[members[0]] = {k: statistics.median(x[k] for x in mine) for k in KEYS}
+            out[members[0]] = {k: _median([x[k] for x in mine if k in ("data", "compute", "busy")
+                                           or x["cpu"] >= 0]) for k in KEYS}  # fmt: skip
     return out
+
+
+def _median(values: list[float]) -> float:
+    """The median; -1 (unknown, as a record's ``cpu``) of none."""
+    return statistics.median(values) if values else -1.0
 
 
 def _ratio(r: dict[str, float]) -> float:
@@ -199,8 +205,9 @@ class Attributor:
         (CPU seconds grown by half the excess), a throttled CPU, memory growth. On a shared
         machine a rank is descheduled for a while, longer than its peers: its busy time grows,
         its CPU seconds do not, and it is no straggler (the machine's noise)."""
-        if not self.host_clocks or f.deltas["data"] >= 0.5 * f.excess:
-            return True
+        cpu, expected = f.cpu_ratio
+        if not self.host_clocks or min(cpu, expected) < 0 or f.deltas["data"] >= 0.5 * f.excess:
+            return True  # device clocks, or no CPU seconds read in the record: cannot tell
         return (f.deltas["cpu"] >= 0.5 * f.excess or self._throttled(f)
                 or bool(self.memory_growth(f.rank)))  # fmt: skip
 
@@ -211,7 +218,7 @@ class Attributor:
         ratio, expected = f.cpu_ratio
         own = self.ratios.get(f.rank)
         usual = statistics.median(own) if own else expected
-        return ratio < 0.3 * min(expected, usual)
+        return min(ratio, expected) >= 0 and ratio < 0.3 * min(expected, usual)
 
     def _link_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """The job's own communication slower than its window's median by the bar, where a
@@ -373,7 +380,8 @@ class Attributor:
             return  # a suspect's records, flagged or not, would teach the noise its excess
         n = ranks[0].get("steps", 1.0)
         for i, r in enumerate(ranks):
-            self.ratios.setdefault(i, deque(maxlen=self.settings.window)).append(_ratio(r))
+            if r["cpu"] >= 0:
+                self.ratios.setdefault(i, deque(maxlen=self.settings.window)).append(_ratio(r))
         values = getattr(self, "_last_excess", [])
         self.excesses.append([values[i] for i in _sample(len(values))])
         self.excess_steps.append(n)

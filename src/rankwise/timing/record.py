@@ -24,7 +24,8 @@ FIELDS = (
     "steps", *PHASES, "other", "total", "cpu", "lag", "ready_lag", "mem", "node", "role",
 )
 """The gathered vector, in this order (float64). ``role``: ranks with the same role do the same
-work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown."""
+work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown; ``cpu``: -1
+when no step of the record read the CPU clock (``StepClock.arm``)."""
 
 SUMMED = (*PHASES, "other", "total", "lag", "ready_lag")
 
@@ -60,7 +61,7 @@ class Window:
         values.update(self.device)
         # The CPU seconds per busy second of the steps that read them, over the mean busy time.
         cpu, busy_s = self.cpu
-        values["cpu"] = cpu / busy_s * (values["total"] - values["blocked"]) if busy_s > 0 else 0.0
+        values["cpu"] = cpu / busy_s * (values["total"] - values["blocked"]) if busy_s > 0 else -1.0
         values.update(steps=float(self.n), mem=mem, node=node, role=role)
         self.__init__()
         return torch.tensor([values[f] for f in FIELDS], dtype=torch.float64)
@@ -101,7 +102,7 @@ def rows(ranks: list[dict[str, float]]) -> list[dict[str, Any]]:
             "wait_for": last if wait > 0.1 * max(r["total"], 1e-9) and i != last else None,
             "optimizer": r["optimizer"], "checkpoint": r["checkpoint"], "other": r["other"],
             "total": r["total"], "mem": None if r["mem"] < 0 else int(r["mem"]),
-            "busy": busy(r), "cpu": r["cpu"], "lag": r["lag"], "ready_lag": r["ready_lag"],
+            "busy": busy(r), "cpu": None if r["cpu"] < 0 else r["cpu"], "lag": r["lag"], "ready_lag": r["ready_lag"],
             "steps": int(r["steps"]),
         })  # fmt: skip
     return out

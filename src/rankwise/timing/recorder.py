@@ -100,7 +100,10 @@ class Recorder:
             # The record's own time (its gather, rank 0's writes) is no phase of the next
             # step: benchmarks/step_anatomy.py measures it as timing's cost.
             self.clock.start += time.perf_counter() - t0
-        self.clock.arm((self.step + 1) % self.every == 0 or self.attributor.want_dense())
+        # Armed: the step before a record, every dense one, and the one after a record is
+        # posted (when that record flags a rank, the next is dense and covers that step alone).
+        due_next = (self.step + 1) % self.every == 0
+        self.clock.arm(due_next or self.pending is not None or self.attributor.want_dense())
 
     def record(self) -> None:
         """Gather every rank's means since the last record; attribute; rank 0 publishes."""
