@@ -75,7 +75,16 @@ def _alarm(folder: Path, event: dict) -> dict:
     return {k: event[k] for k in ("step", "rank", "kind", "why", "since_step")} | {"records": records}
 
 
-def _score(kind: str, episodes, named: list[dict]) -> dict:
+def _records(records: list[dict], first: int, last: int) -> list[list]:
+    """The records of steps ``first``..``last``, each [step, steps it covers, the job's
+    communication ms, each rank's busy ms, each rank's CPU ms]: what a miss looked like."""
+    return [[r["step"], r["ranks"][0]["steps"], round(r["ranks"][0]["comm"] * 1e3, 1),
+             [round(x["busy"] * 1e3, 1) for x in r["ranks"]],
+             [None if x["cpu"] is None else round(x["cpu"] * 1e3, 1) for x in r["ranks"]]]
+            for r in records if first <= r["step"] <= last]  # fmt: skip
+
+
+def _score(kind: str, episodes, named: list[dict], records: list[dict]) -> dict:
     """(found episodes, steps to name each, right names, all names, the misses) for one run.
     A link's episode is found by its node (one rank per node there)."""
     want, by = tc.WANT[kind], "node" if kind == "link" else "rank"
@@ -93,7 +102,8 @@ def _score(kind: str, episodes, named: list[dict]) -> dict:
             used.add(id(hits[0]))
             right += 1
         else:
-            misses.append({"episode": [start, end, rank], "named_near": near})
+            misses.append({"episode": [start, end, rank], "named_near": near,
+                           "records": _records(records, start - 20, start + SICK)})
     return {"episodes": len(episodes), "found": found, "delays": delays, "right": right,
             "named": len(named), "misses": misses, "slow": slow,
             "wrong": [{k: e[k] for k in ("step", "rank", "node", "kind", "since_step", "why")}
@@ -115,8 +125,10 @@ def injections(tmp: Path, runs: int, per_run: int, seed: int, kinds: str) -> dic
             eps = _episodes(per_run, rng, 3 if kind == "link" else 2)
             steps = eps[-1][1] + GAP
             run = _run_link if kind == "link" else _run
-            named = run(tmp / f"{kind}-{i}", "ddp", 2, steps, kind, eps)
-            scores.append(_score(kind, eps, named))
+            folder = tmp / f"{kind}-{i}"
+            named = run(folder, "ddp", 2, steps, kind, eps)
+            run_dir = folder / "run" if kind == "link" else folder
+            scores.append(_score(kind, eps, named, read_jsonl(run_dir / "steps.jsonl")))
         out[kind] = _summary(scores)
     return out
 
