@@ -370,3 +370,24 @@ def test_a_record_without_cpu_seconds_is_judged_on_its_busy_time():
     packed = w.pack(mem=0.0, node=0, role=0)
     assert packed[record.FIELDS.index("cpu")] == -1.0
     assert record.rows(record.unpack(packed[None]))[0]["cpu"] is None
+
+
+def test_a_leak_after_memory_given_back_is_named_from_the_windows_lowest_record():
+    """Rank 1 held 960 MiB in an earlier slowdown and gave it back; when it grows again the
+    window's first record may still be of that time: its growth counts from the window's
+    lowest, and it is named host (memory), not compute."""
+    at = attribution.Attributor()
+    step, events = 0, []
+    held = [0] * 6 + [160, 320, 480, 640, 800, 960] + [960] * 10 + [0] * 4 + [160, 320, 480, 640]
+    for mib in held:
+        step += 1 if at.want_dense() else 10
+        table = _table(2, None, "compute", 0.0)
+        table[1]["mem"] += mib * (1 << 20)
+        if mib:  # writing its new memory costs it CPU time: a busy excess
+            for key, extra in (("other", 0.02), ("total", 0.02), ("cpu", 0.02)):
+                table[1][key] += extra
+            table[0]["blocked"] += 0.02
+            table[0]["total"] += 0.02
+        events += at.observe(step, table, dense=at.want_dense())
+    named = [(e["rank"], e["kind"], "memory" in e["why"]) for e in events if e["event"] == "straggler"]
+    assert named[-1] == (1, "host", True) and (1, "compute", False) not in named, events

@@ -144,6 +144,7 @@ class Attributor:
         self.own: dict[int, deque] = {}  # rank -> its healthy records (own baselines)
         self.named_at: deque = deque(maxlen=self.settings.window)  # rank named per record
         self.mems: deque = deque(maxlen=self.settings.window)
+        self.lows: list[float] = []  # each rank's lowest memory over ``mems``
         # (value, steps) of the window's healthy records: every rank's busy excess (its
         # noise), the job's own communication (its baseline and noise), its step.
         self.excesses: deque = deque(maxlen=self.settings.window)  # a list per record
@@ -237,9 +238,9 @@ class Attributor:
         """A rank whose memory grows while its peers' does not, even before it slows."""
         if len(self.mems) < 3:
             return None
-        first, last = self.mems[0], self.mems[-1]
+        low, last = self.lows, self.mems[-1]
         for i, r in enumerate(ranks):  # a quick look first: grown at all, by the floor
-            if i >= len(first) or last[i] - first[i] <= (32 << 20):
+            if i >= len(low) or last[i] - low[i] <= (32 << 20):
                 continue
             if self.memory_growth(i):
                 peers = [busy(p) for j, p in enumerate(ranks) if j != i] or [busy(r)]
@@ -265,22 +266,26 @@ class Attributor:
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
     def memory_growth(self, rank: int) -> str:
-        """Words on rank's memory growth over the window when its peers' is flat, else ''."""
+        """Words on rank's memory growth over the window when its peers' is flat, else ''.
+        Growth from the window's lowest record, not its first: memory held in an earlier
+        slowdown and given back would hide a new leak, and a rank whose memory went down
+        again is no peer that grew."""
         if len(self.mems) < 3:
             return ""
-        first, last = self.mems[0], self.mems[-1]
-        if rank >= len(first) or first[rank] <= 0:
+        low, last = self.lows, self.mems[-1]
+        if rank >= len(low) or low[rank] <= 0:
             return ""
-        grew = last[rank] - first[rank]
-        others = [last[j] - first[j] for j in range(len(first)) if j != rank and first[j] > 0]
+        grew = last[rank] - low[rank]
+        others = [last[j] - low[j] for j in range(len(low)) if j != rank and low[j] > 0]
         flat = not others or statistics.median(others) < 0.25 * grew
-        if grew > max(self.settings.mem_growth * first[rank], 32 << 20) and flat:
+        if grew > max(self.settings.mem_growth * low[rank], 32 << 20) and flat:
             return f"memory +{grew / 2**20:.0f} MiB over {len(self.mems)} records"
         return ""
 
     def observe(self, step: int, ranks: list[dict[str, float]], dense: bool) -> list[dict]:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
+        self.lows = list(map(min, *self.mems)) if len(self.mems) > 1 else list(self.mems[0])
         if step <= self.settings.warmup:
             return []
         f = self.flag(ranks)
