@@ -222,7 +222,8 @@ def main() -> None:
 def _merged(out: Path, result: dict, args: argparse.Namespace) -> dict:
     """A partial run (some kinds, or healthy or injections only) updates those parts of the
     results file and keeps the others, each part with the load it ran under."""
-    whole = args.strategies == ",".join(s for s, _ in STRATEGIES) and args.kinds == _ALL
+    whole = (set(args.strategies.split(",")) == {s for s, _ in STRATEGIES}
+             and set(args.kinds.split(",")) == set(_ALL.split(",")))  # fmt: skip
     if (whole and not (args.healthy_only or args.injections_only)) or not out.exists():
         return result
     old = json.loads(out.read_text())
