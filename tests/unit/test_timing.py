@@ -340,14 +340,14 @@ def test_the_cpu_clock_is_read_on_armed_steps_only():
         clock.install(None)
 
 
-def test_the_window_packs_the_armed_steps_cpu_per_busy_second_over_its_mean_busy_time():
+def test_the_window_packs_its_last_armed_steps_cpu_per_busy_second_over_its_mean_busy_time():
     w = record.Window()
     blocked = dict.fromkeys(clock.PHASES, 0.0) | {"blocked": 0.002}
-    for cpu, total in ((None, 0.006), (0.003, 0.008), (None, 0.006)):
+    for cpu, total in ((0.004, 0.006), (None, 0.006), (0.003, 0.008), (None, 0.006)):
         w.add(clock.StepSample(blocked, total=total, cpu=cpu, lag=0.0, ready_lag=0.0))
     got = dict(zip(record.FIELDS, w.pack(mem=0.0, node=0, role=0).tolist(), strict=True))
-    # busy: 4, 6, 4 ms (mean 14/3); the armed step: 3 CPU ms per 6 busy ms
-    assert got["cpu"] == pytest.approx(0.5 * 0.014 / 3)
+    # busy: 4, 4, 6, 4 ms (mean 4.5); the last armed step: 3 CPU ms per 6 busy ms
+    assert got["cpu"] == pytest.approx(0.5 * 0.0045)
 
 
 def test_a_record_without_cpu_seconds_is_judged_on_its_busy_time():

@@ -36,7 +36,10 @@ class Window:
     def __init__(self) -> None:
         self.n = 0
         self.sums = dict.fromkeys(SUMMED, 0.0)
-        self.cpu = [0.0, 0.0]  # CPU seconds and busy seconds of the steps that read the CPU
+        self.cpu = (0.0, 0.0)
+        """CPU and busy seconds of the window's last step that read the CPU (``StepClock.arm``):
+        they stand for the window, as ``device`` does (the step after a record is armed too,
+        and may be the first of a throttled CPU, still on its fresh quota)."""
         self.device: dict[str, float] = {}
         """A GPU's forward/backward of the window's last step, timed with CUDA events: they
         stand for the window (the host clocks of its other steps saw only the launches)."""
@@ -51,15 +54,14 @@ class Window:
         sums["lag"] += s.lag
         sums["ready_lag"] += s.ready_lag
         if s.cpu is not None:
-            self.cpu[0] += s.cpu
-            self.cpu[1] += s.total - s.phases["blocked"]
+            self.cpu = (s.cpu, s.total - s.phases["blocked"])
 
     def pack(self, *, mem: float, node: int, role: int) -> torch.Tensor:
         """This rank's means as the gathered vector; the window starts again."""
         n = max(self.n, 1)
         values = {k: v / n for k, v in self.sums.items()}
         values.update(self.device)
-        # The CPU seconds per busy second of the steps that read them, over the mean busy time.
+        # The CPU seconds per busy second of the step that read them, over the mean busy time.
         cpu, busy_s = self.cpu
         values["cpu"] = cpu / busy_s * (values["total"] - values["blocked"]) if busy_s > 0 else -1.0
         values.update(steps=float(self.n), mem=mem, node=node, role=role)
