@@ -39,9 +39,11 @@ from typing import Any
 
 from . import links
 from .files import Straggler
-from .record import busy
-from .robust import medians_without_each as _medians_without_each
+from .robust import KEYS, busy
+from .robust import expectations as _expectations
 from .robust import noise as _noise
+from .robust import parts as _parts
+from .robust import ratio as _ratio
 from .robust import sample as _sample
 from .robust import scaled as _scaled
 
@@ -85,43 +87,6 @@ class Flag:
     """(this rank's CPU seconds per busy second, what is expected)."""
     who: tuple[str, int] = ("rank", -1)
     """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
-
-
-KEYS = ("data", "compute", "busy", "ratio", "cpu")
-
-
-def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[dict | None]:
-    """Each rank's expected parts: its peers' medians (same role), else its own baseline."""
-    parts = [_parts(r) for r in ranks]
-    groups: dict[float, list[int]] = {}
-    for i, r in enumerate(ranks):
-        groups.setdefault(r["role"], []).append(i)
-    out: list[dict | None] = [None] * len(ranks)
-    for members in groups.values():
-        if len(members) > 1:
-            cols = {k: _medians_without_each([parts[j][k] for j in members]) for k in KEYS}
-            for n, j in enumerate(members):
-                out[j] = {k: cols[k][n] for k in KEYS}
-            continue
-        mine = [_parts(r) for r in own.get(members[0], ())]
-        if len(mine) >= 3:
-            out[members[0]] = {k: _median([x[k] for x in mine if k in ("data", "compute", "busy")
-                                           or x["cpu"] >= 0]) for k in KEYS}  # fmt: skip
-    return out
-
-
-def _median(values: list[float]) -> float:
-    """The median; -1 (unknown, as a record's ``cpu``) of none."""
-    return statistics.median(values) if values else -1.0
-
-
-def _ratio(r: dict[str, float]) -> float:
-    return r["cpu"] / max(busy(r), 1e-9)
-
-
-def _parts(r: dict[str, float]) -> dict[str, float]:
-    return {"data": r["data"], "compute": r["forward"] + r["backward"], "busy": busy(r),
-            "ratio": _ratio(r), "cpu": r["cpu"]}  # fmt: skip
 
 
 @dataclass

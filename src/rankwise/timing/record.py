@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .clock import PHASES, StepSample
+from .robust import busy
 
 FIELDS = (
     "steps", *PHASES, "other", "total", "cpu", "lag", "ready_lag", "mem", "node", "role",
@@ -108,9 +109,3 @@ def rows(ranks: list[dict[str, float]]) -> list[dict[str, Any]]:
             "steps": int(r["steps"]),
         })  # fmt: skip
     return out
-
-
-def busy(r: dict[str, float]) -> float:
-    """Seconds of the step this rank spent not waiting in a collective: its arrival time at
-    the step's syncs. The straggler has the largest; wall times (``total``) are all equal."""
-    return max(0.0, r["total"] - r["blocked"])
