@@ -394,15 +394,15 @@ def test_a_leak_after_memory_given_back_is_named_from_the_windows_lowest_record(
 
 
 def test_a_compute_straggler_on_a_loaded_machine_is_named_with_its_share_of_a_core():
-    """Every rank gets 30% of a core (CPU seconds per busy second 0.3): the straggler's extra
-    25 ms of backward bring it 7.5 ms of CPU: its own work, at the share the machine gives."""
+    """Every rank gets 20% of a core (CPU seconds per busy second 0.2): the straggler's extra
+    25 ms of backward bring it 5 ms of CPU: its own work, at the share the machine gives."""
     rng = random.Random(7)
     at = attribution.Attributor(host_clocks=True)
     step, events = 0, []
     for i in range(16):
         step += 1 if at.want_dense() else 10
         table = _descheduled(2, [0, 0], 1, i, rng)
-        for row in table:  # the straggler's too: 30% of its longer busy time
-            row["cpu"] = 0.3 * record.busy(row)
+        for row in table:  # the straggler's too: 20% of its longer busy time
+            row["cpu"] = 0.2 * record.busy(row)
         events += at.observe(step, table, dense=at.want_dense())
     assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]

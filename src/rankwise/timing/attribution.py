@@ -168,14 +168,16 @@ class Attributor:
 
     def _explained(self, f: Flag) -> bool:
         """Whether the rank's own doing explains its excess: a data wait, its own CPU work
-        (CPU seconds grown by a quarter of the excess at least: on a loaded machine even a busy
-        loop gets only a share of a core), a throttled CPU, memory growth. On a shared machine
-        a rank is descheduled for a while, longer than its peers: its busy time grows, its CPU
-        seconds hardly do, and it is no straggler (the machine's noise)."""
+        (CPU seconds grown by half what the excess is worth at its peers' CPU per busy second:
+        on a loaded machine every rank, a busy loop too, gets a share of a core), a throttled
+        CPU, memory growth. On a shared machine a rank is descheduled for a while, longer than
+        its peers: its busy time grows, its CPU seconds hardly do, and it is no straggler (the
+        machine's noise)."""
         cpu, expected = f.cpu_ratio
         if not self.host_clocks or min(cpu, expected) < 0 or f.deltas["data"] >= 0.5 * f.excess:
             return True  # device clocks, or no CPU seconds read in the record: cannot tell
-        return (f.deltas["cpu"] >= 0.25 * f.excess or self._throttled(f)
+        share = min(1.0, max(0.1, expected))
+        return (f.deltas["cpu"] >= 0.5 * share * f.excess or self._throttled(f)
                 or bool(self.memory_growth(f.rank)))  # fmt: skip
 
     def _throttled(self, f: Flag) -> bool:
