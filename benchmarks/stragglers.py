@@ -15,7 +15,10 @@ before). An episode is found when a ``straggler`` event names its rank (node) wi
 kind between its start and ``SICK`` steps after its end; steps to name = the event's step -
 the episode's start. Every other ``straggler`` event is a false alarm; ``misses`` lists what
 was named around each missed episode. Healthy runs: ``--healthy-steps`` steps of each strategy,
-no injection; their ``straggler`` events per 1000 steps.
+no injection; their ``straggler`` events per 1000 steps, each with the records that led to it
+(``alarms``). A missed episode comes with its records, the latest named with what was named.
+``--kinds``, ``--strategies``, ``--injections-only`` and ``--healthy-only`` run a part, merged
+into ``--out`` (each part's row with the load it ran under).
 
     flock /tmp/rw-bench.lock python benchmarks/stragglers.py --out benchmarks/results/stragglers.json
 """
