@@ -15,6 +15,10 @@ to the figure:
   the attribution, rank 0's writes; timed over 50 records, a 20 ms sleep standing for the step
   between), amortised at the cadence, over the job's step time with timing off.
   ``record_sync_us``: the same record waited for at once (before the gather overlapped a step).
+  Each figure twice: wall time, and the loop thread's CPU time (``*_cpu``): on a loaded machine
+  the wall time of a few hundred microseconds of Python also counts the time the thread was
+  descheduled, which is the machine's, not the timing's. The hooks are timed with one step in
+  ten armed (the CPU clock read), as at the default cadence; ``hooks_dense`` with every step.
 
     flock /tmp/rw-bench.lock python benchmarks/step_anatomy.py --out benchmarks/results/step_anatomy.json
 """
@@ -70,12 +74,36 @@ def _job(folder: str) -> dict:
 
 
 def _direct(rec, buckets: int) -> dict:
-    """Seconds of timing work per step (hooks) and per record (gather + attribution + write)."""
+    """Seconds of timing work per step (hooks) and per record (gather + attribution + write),
+    wall and the loop thread's CPU (``time.thread_time``: what the timing itself spends, not
+    the time the thread was descheduled on a loaded machine)."""
+    hooks = {"default": _hooks(rec, buckets, 10), "dense": _hooks(rec, buckets, 1)}
+    t = time.perf_counter()
+    for _ in range(50):
+        rec.record()
+    sync = (time.perf_counter() - t) / 50
+    spent = cpu = 0.0
+    for _ in range(50):
+        t, c = time.perf_counter(), time.thread_time()
+        rec._post()
+        spent, cpu = spent + time.perf_counter() - t, cpu + time.thread_time() - c
+        time.sleep(0.02)  # the next step's compute, while the gather runs
+        t, c = time.perf_counter(), time.thread_time()
+        rec._complete()
+        spent, cpu = spent + time.perf_counter() - t, cpu + time.thread_time() - c
+    return {"hooks_s": hooks, "record_s": spent / 50, "record_cpu_s": cpu / 50,
+            "record_sync_s": sync, "buckets": buckets}
+
+
+def _hooks(rec, buckets: int, every: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of the hooks' work on one step, over 20k simulated steps of which
+    one in ``every`` is armed (reads the CPU clock), as the recorder arms them."""
     from rankwise.timing import clock
 
     c, n = rec.clock, 20_000
-    t = time.perf_counter()
-    for _ in range(n):
+    t, cpu = time.perf_counter(), time.thread_time()
+    for i in range(n):
+        c.arm(i % every == every - 1)
         for phase in ("data", "forward", "backward"):
             clock.begin(phase)
             clock.end(phase)
@@ -86,21 +114,7 @@ def _direct(rec, buckets: int) -> dict:
         clock.begin("optimizer")
         clock.end("optimizer")
         rec.window.add(c.finish_step())
-    hooks = (time.perf_counter() - t) / n
-    t = time.perf_counter()
-    for _ in range(50):
-        rec.record()
-    sync = (time.perf_counter() - t) / 50
-    spent = 0.0
-    for _ in range(50):
-        t = time.perf_counter()
-        rec._post()
-        spent += time.perf_counter() - t
-        time.sleep(0.02)  # the next step's compute, while the gather runs
-        t = time.perf_counter()
-        rec._complete()
-        spent += time.perf_counter() - t
-    return {"hooks_s": hooks, "record_s": spent / 50, "record_sync_s": sync, "buckets": buckets}
+    return (time.perf_counter() - t) / n, (time.thread_time() - cpu) / n
 
 
 def _run(mode: str, folder: str) -> dict:
@@ -108,6 +122,12 @@ def _run(mode: str, folder: str) -> dict:
 
     env = {"RANKWISE_PROFILE_STEPS": mode, "RANKWISE_RUN_DIR": folder}
     return run_distributed(_job, 2, args=(folder,), timeout=600, env=env)[0]
+
+
+def _at(value, at: tuple) -> float:
+    for key in at:
+        value = value[key]
+    return value
 
 
 def main() -> None:
@@ -135,14 +155,20 @@ def main() -> None:
     result["ab_paired_each"] = {m: [round(a["step_s"] / b["step_s"] - 1, 4)
                                     for a, b in zip(runs[m], runs["off"], strict=True)]
                                 for m in ("default", "dense")}  # fmt: skip
-    hooks = statistics.median(r["hooks_s"] for r in runs["default"])
-    record = statistics.median(r["record_s"] for r in runs["default"])
-    sync = statistics.median(r["record_sync_s"] for r in runs["default"])
+    def med(key, *at):
+        return statistics.median(_at(r[key], at) for r in runs["default"])
+
+    hooks, hooks_cpu = med("hooks_s", "default", 0), med("hooks_s", "default", 1)
+    dense, dense_cpu = med("hooks_s", "dense", 0), med("hooks_s", "dense", 1)
+    record, record_cpu, sync = med("record_s"), med("record_cpu_s"), med("record_sync_s")
     result["direct"] = {
-        "hooks_us_per_step": round(hooks * 1e6, 2), "record_us": round(record * 1e6, 1),
-        "record_sync_us": round(sync * 1e6, 1),
+        "hooks_us_per_step": round(hooks * 1e6, 2), "hooks_cpu_us_per_step": round(hooks_cpu * 1e6, 2),
+        "hooks_dense_us_per_step": round(dense * 1e6, 2), "record_us": round(record * 1e6, 1),
+        "record_cpu_us": round(record_cpu * 1e6, 1), "record_sync_us": round(sync * 1e6, 1),
         "overhead_default": round((hooks + record / 10) / step_off, 5),
-        "overhead_dense": round((hooks + record) / step_off, 5),
+        "overhead_default_cpu": round((hooks_cpu + record_cpu / 10) / step_off, 5),
+        "overhead_dense": round((dense + record) / step_off, 5),
+        "overhead_dense_cpu": round((dense_cpu + record_cpu) / step_off, 5),
     }  # fmt: skip
     result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
     result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs (not a quiet run)"

@@ -15,7 +15,10 @@ before). An episode is found when a ``straggler`` event names its rank (node) wi
 kind between its start and ``SICK`` steps after its end; steps to name = the event's step -
 the episode's start. Every other ``straggler`` event is a false alarm; ``misses`` lists what
 was named around each missed episode. Healthy runs: ``--healthy-steps`` steps of each strategy,
-no injection; their ``straggler`` events per 1000 steps.
+no injection; their ``straggler`` events per 1000 steps, each with the records that led to it
+(``alarms``). A missed episode comes with its records, the latest named with what was named.
+``--kinds``, ``--strategies``, ``--injections-only`` and ``--healthy-only`` run a part, merged
+into ``--out`` (each part's row with the load it ran under).
 
     flock /tmp/rw-bench.lock python benchmarks/stragglers.py --out benchmarks/results/stragglers.json
 """
@@ -63,26 +66,51 @@ def _run(folder: Path, strategy: str, world: int, steps: int, inject=None, episo
     return [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "straggler"]
 
 
-def _score(kind: str, episodes, named: list[dict]) -> dict:
+def _alarm(folder: Path, event: dict) -> dict:
+    """A false alarm as it was named, with the records that led to it (each rank's busy,
+    data, compute, blocked and CPU ms): what was mistaken for a straggler."""
+    around = [r for r in read_jsonl(folder / "steps.jsonl")
+              if event["since_step"] - 20 <= r["step"] <= event["step"]]  # fmt: skip
+    keys = ("busy", "data", "forward", "backward", "comm", "wait", "cpu", "total")
+    records = [{"step": r["step"], "ranks": [{k: round(x[k] * 1e3, 2) for k in keys}
+                                             | {"steps": x["steps"]} for x in r["ranks"]]}
+               for r in around]  # fmt: skip
+    return {k: event[k] for k in ("step", "rank", "kind", "why", "since_step")} | {"records": records}
+
+
+def _records(records: list[dict], first: int, last: int) -> list[list]:
+    """The records of steps ``first``..``last``, each [step, steps it covers, the job's
+    communication ms, each rank's busy ms, each rank's CPU ms]: what a miss looked like."""
+    return [[r["step"], r["ranks"][0]["steps"], round(r["ranks"][0]["comm"] * 1e3, 1),
+             [round(x["busy"] * 1e3, 1) for x in r["ranks"]],
+             [None if x["cpu"] is None else round(x["cpu"] * 1e3, 1) for x in r["ranks"]]]
+            for r in records if first <= r["step"] <= last]  # fmt: skip
+
+
+def _score(kind: str, episodes, named: list[dict], records: list[dict]) -> dict:
     """(found episodes, steps to name each, right names, all names, the misses) for one run.
     A link's episode is found by its node (one rank per node there)."""
     want, by = tc.WANT[kind], "node" if kind == "link" else "rank"
-    found, delays, right, misses = 0, [], 0, []
+    found, delays, right, misses, slow = 0, [], 0, [], []
     used = set()
     for start, end, rank in episodes:
         hits = [e for e in named if start <= e["step"] <= end + SICK and e[by] == rank
                 and e["kind"] == want and id(e) not in used]  # fmt: skip
+        near = [{k: e[k] for k in ("step", "rank", "node", "kind", "since_step", "why")}
+                for e in named if start - GAP <= e["step"] <= end + SICK]  # fmt: skip
         if hits:
             found += 1
             delays.append(hits[0]["step"] - start)
+            slow.append({"episode": [start, end, rank], "steps": delays[-1], "named_near": near})
             used.add(id(hits[0]))
             right += 1
         else:
-            near = [{k: e[k] for k in ("step", "rank", "node", "kind", "why")} for e in named
-                    if start - GAP <= e["step"] <= end + SICK]  # fmt: skip
-            misses.append({"episode": [start, end, rank], "named_near": near})
+            misses.append({"episode": [start, end, rank], "named_near": near,
+                           "records": _records(records, start - 20, start + SICK)})
     return {"episodes": len(episodes), "found": found, "delays": delays, "right": right,
-            "named": len(named), "misses": misses}  # fmt: skip
+            "named": len(named), "misses": misses, "slow": slow,
+            "wrong": [{k: e[k] for k in ("step", "rank", "node", "kind", "since_step", "why")}
+                      for e in named if id(e) not in used]}  # fmt: skip
 
 
 def injections(tmp: Path, runs: int, per_run: int, seed: int, kinds: str) -> dict:
@@ -100,8 +128,10 @@ def injections(tmp: Path, runs: int, per_run: int, seed: int, kinds: str) -> dic
             eps = _episodes(per_run, rng, 3 if kind == "link" else 2)
             steps = eps[-1][1] + GAP
             run = _run_link if kind == "link" else _run
-            named = run(tmp / f"{kind}-{i}", "ddp", 2, steps, kind, eps)
-            scores.append(_score(kind, eps, named))
+            folder = tmp / f"{kind}-{i}"
+            named = run(folder, "ddp", 2, steps, kind, eps)
+            run_dir = folder / "run" if kind == "link" else folder
+            scores.append(_score(kind, eps, named, read_jsonl(run_dir / "steps.jsonl")))
         out[kind] = _summary(scores)
     return out
 
@@ -141,15 +171,22 @@ def _summary(scores: list[dict]) -> dict:
             "recall": round(sum(s["found"] for s in scores) / episodes, 3),
             "steps_to_name_median": statistics.median(delays) if delays else None,
             "steps_to_name_max": max(delays) if delays else None,
-            "misses": [m for s in scores for m in s["misses"]]}  # fmt: skip
+            "misses": [m for s in scores for m in s["misses"]],
+            "slowest": max((e for s in scores for e in s["slow"]), key=lambda e: e["steps"],
+                           default=None),
+            "wrong": [w for s in scores for w in s["wrong"]]}  # fmt: skip
 
 
-def healthy(tmp: Path, steps: int) -> dict:
+def healthy(tmp: Path, steps: int, strategies: str) -> dict:
     out = {}
     for strategy, world in STRATEGIES:
-        named = _run(tmp / f"healthy-{strategy}", strategy, world, steps)
+        if strategy not in strategies.split(","):
+            continue
+        folder = tmp / f"healthy-{strategy}"
+        named = _run(folder, strategy, world, steps)
         out[strategy] = {"steps": steps, "false_alarms": len(named),
-                         "per_1000_steps": round(1000 * len(named) / steps, 2)}  # fmt: skip
+                         "per_1000_steps": round(1000 * len(named) / steps, 2),
+                         "alarms": [_alarm(folder, e) for e in named]}  # fmt: skip
     total = sum(v["steps"] for v in out.values())
     alarms = sum(v["false_alarms"] for v in out.values())
     out["all"] = {"steps": total, "false_alarms": alarms,
@@ -163,6 +200,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=4, help="injections per run")
     parser.add_argument("--healthy-steps", type=int, default=1000)
     parser.add_argument("--kinds", default=_ALL)
+    parser.add_argument("--strategies", default=",".join(s for s, _ in STRATEGIES),
+                        help="healthy runs of these strategies only")
     parser.add_argument("--healthy-only", action="store_true")
     parser.add_argument("--injections-only", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -174,7 +213,7 @@ def main() -> None:
         if not args.healthy_only:
             result["kinds"] = injections(Path(d), args.runs, args.episodes, args.seed, args.kinds)
         if not args.injections_only:
-            result["healthy"] = healthy(Path(d), args.healthy_steps)
+            result["healthy"] = healthy(Path(d), args.healthy_steps, args.strategies)
     result["loadavg_after"] = os.getloadavg()
     result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs (not a quiet run)"
     text = json.dumps(result, indent=1)
@@ -186,14 +225,21 @@ def main() -> None:
 def _merged(out: Path, result: dict, args: argparse.Namespace) -> dict:
     """A partial run (some kinds, or healthy or injections only) updates those parts of the
     results file and keeps the others, each part with the load it ran under."""
-    if not (args.healthy_only or args.injections_only or args.kinds != _ALL) or not out.exists():
+    whole = (set(args.strategies.split(",")) == {s for s, _ in STRATEGIES}
+             and set(args.kinds.split(",")) == set(_ALL.split(",")))  # fmt: skip
+    if (whole and not (args.healthy_only or args.injections_only)) or not out.exists():
         return result
     old = json.loads(out.read_text())
     load = {"loadavg_before": result["loadavg_before"], "loadavg_after": result["loadavg_after"]}
     for kind, row in result.get("kinds", {}).items():
         old.setdefault("kinds", {})[kind] = {**row, **load}
     if "healthy" in result:
-        old["healthy"] = {**result["healthy"], "load": load}
+        rows = {k: v for k, v in old.get("healthy", {}).items() if k not in ("all", "load")}
+        rows.update({k: {**v, **load} for k, v in result["healthy"].items() if k != "all"})
+        steps = sum(v["steps"] for v in rows.values())
+        alarms = sum(v["false_alarms"] for v in rows.values())
+        old["healthy"] = {**rows, "all": {"steps": steps, "false_alarms": alarms,
+                                          "per_1000_steps": round(1000 * alarms / steps, 2)}}
     return old
 
 

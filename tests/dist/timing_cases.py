@@ -5,7 +5,8 @@ rank made slow at step ``onset`` in one of the ways a real job is slowed:
 - ``input``: its data loader waits (a sleep in the collate function);
 - ``compute``: a busy loop inside its backward (a hook on the loss);
 - ``host``: its CPU throttled by the kernel (cgroup ``cpu.cfs_quota_us``, v1, or ``cpu.max``);
-- ``memory``: it holds on to 16 MiB more every step (touched, so resident);
+- ``memory``: it holds on to 16 MiB more every step (written, so resident; mappings of its
+  own, given back at the episode's end);
 - ``link``: its node's link slowed (on the namespace cluster: ``tc tbf`` on both ends of the
   node's link, the commands handed over in ``RANKWISE_TEST_LINK`` as JSON ``{"<rank>": [[on
   argv...], [off argv...]]}``, run by the slow rank at the episode's start and end).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import time
@@ -91,7 +93,7 @@ def train(strategy: str, steps: int, inject: str | None = None,
     if log_dir is not None:
         rt.log_to(log_dir, log_with=["csv"])
     mine = [(a, b) for a, b, r in episodes if r == rt.rank and inject is not None]
-    held: list[torch.Tensor] = []
+    held: list[mmap.mmap] = []
     undo = contextlib.ExitStack()
     for step, (x, y) in enumerate(loader):
         sick = any(a <= step < b for a, b in mine)
@@ -109,7 +111,7 @@ def train(strategy: str, steps: int, inject: str | None = None,
         if log_dir is not None:
             rt.log({"loss": loss.item()})
         if sick and inject == "memory":
-            held.append(torch.ones(4 << 20))  # 16 MiB, written: resident
+            held.append(_resident(16 << 20))
         if step + 1 == steps:
             break
     undo.close()
@@ -120,6 +122,15 @@ def train(strategy: str, steps: int, inject: str | None = None,
 
 EXTRA = 0.15
 """Seconds a slow rank's data wait or backward gains per step."""
+
+
+def _resident(size: int) -> mmap.mmap:
+    """``size`` bytes of fresh memory, written (resident), its own mapping: given back to the
+    system when dropped. (Memory from malloc would stay with the process after the episode,
+    and a later episode on the same rank reuse it without growing.)"""
+    m = mmap.mmap(-1, size)
+    torch.frombuffer(m, dtype=torch.uint8).fill_(1)
+    return m
 
 
 def _busy(seconds: float) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rankwise.errors import EnvError
-from rankwise.timing import attribution, clock, files, record, settings_from_env
+from rankwise.timing import attribution, clock, files, record, robust, settings_from_env
 
 STEP = 0.100  # seconds: a healthy step
 
@@ -267,10 +267,142 @@ def test_the_peer_median_of_each_rank_leaves_that_rank_out(n):
     rng = random.Random(n)
     values = [rng.random() for _ in range(n)]
     want = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
-    assert attribution._medians_without_each(values) == pytest.approx(want)
+    assert robust.medians_without_each(values) == pytest.approx(want)
 
 
 def test_a_thousand_ranks_are_attributed():
     table = _table(1024, 700, "compute", 0.05)
     at = attribution.Attributor()
     assert at.flag(table).rank == 700
+
+
+def _descheduled(world: int, roles: list[int], slow: int, i: int, rng) -> list[dict]:
+    """A record of a shared machine: from record 6 on, rank ``slow`` is descheduled for 25 ms
+    of each step (its busy time grows, its CPU seconds and data wait do not: the machine's
+    noise, not its work), and its peers wait for it."""
+    table = _table(len(roles), None, "compute", 0.0, rng=rng, noise=0.002)
+    for r, role in enumerate(roles):
+        table[r]["role"] = float(role)
+    if i >= 6:
+        table[slow]["backward"] += 0.025
+        for r in range(world):
+            table[r]["total"] += 0.025
+            table[r]["blocked"] += 0.0 if r == slow else 0.025
+    return table
+
+
+@pytest.mark.parametrize("roles", [[0, 0], [0, 0, 0, 0], [0, 1], [0, 1, 2]])
+@pytest.mark.parametrize("host_clocks", [True, False])
+def test_a_rank_descheduled_by_a_loaded_machine_is_no_straggler_on_host_clocks(roles, host_clocks):
+    """On a CPU job, busy time grown without CPU seconds (nor a data wait, a throttle far below
+    its usual share, or memory) is time the rank was descheduled: not named, with peers
+    (ddp) or alone in its role (a pipeline stage). On a GPU (device clocks) it is named."""
+    rng = random.Random(len(roles))
+    at = attribution.Attributor(host_clocks=host_clocks)
+    slow, step, events = len(roles) - 1, 0, []
+    for i in range(16):
+        step += 1 if at.want_dense() else 10
+        table = _descheduled(len(roles), roles, slow, i, rng)
+        events += at.observe(step, table, dense=at.want_dense())
+    named = [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"]
+    assert named == ([] if host_clocks else [(slow, "compute")])
+
+
+def test_a_rank_whose_own_work_grows_is_still_named_on_host_clocks():
+    """The same 25 ms, spent computing (CPU seconds grow with it): a compute straggler."""
+    rng = random.Random(5)
+    at = attribution.Attributor(host_clocks=True)
+    step, events = 0, []
+    for i in range(16):
+        step += 1 if at.want_dense() else 10
+        table = _descheduled(2, [0, 0], 1, i, rng)
+        if i >= 6:
+            table[1]["cpu"] += 0.025
+        events += at.observe(step, table, dense=at.want_dense())
+    assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]
+
+
+def test_the_cpu_clock_is_read_on_armed_steps_only():
+    c = clock.StepClock()
+    clock.install(c)
+    try:
+        for armed in (False, True, False, True):
+            c.arm(armed)
+            with clock.span("forward"):
+                end = time.thread_time() + 0.002
+                while time.thread_time() < end:  # CPU work: 2 ms
+                    pass
+            sample = c.finish_step()
+            assert (sample.cpu is not None) == armed
+            if armed:
+                assert 0.002 <= sample.cpu <= sample.total + 1e-3
+    finally:
+        clock.install(None)
+
+
+def test_the_window_packs_its_last_armed_steps_cpu_per_busy_second_over_its_mean_busy_time():
+    w = record.Window()
+    blocked = dict.fromkeys(clock.PHASES, 0.0) | {"blocked": 0.002}
+    for cpu, total in ((0.004, 0.006), (None, 0.006), (0.003, 0.008), (None, 0.006)):
+        w.add(clock.StepSample(blocked, total=total, cpu=cpu, lag=0.0, ready_lag=0.0))
+    got = dict(zip(record.FIELDS, w.pack(mem=0.0, node=0, role=0).tolist(), strict=True))
+    # busy: 4, 4, 6, 4 ms (mean 4.5); the last armed step: 3 CPU ms per 6 busy ms
+    assert got["cpu"] == pytest.approx(0.5 * 0.0045)
+
+
+def test_a_record_without_cpu_seconds_is_judged_on_its_busy_time():
+    """No step of a record read the CPU clock (``cpu`` -1): its excess cannot be told from a
+    descheduled rank's, so it counts as before, and it never reads as a throttled CPU."""
+    rng = random.Random(2)
+    at = attribution.Attributor()
+    step, events = 0, []
+    for i in range(14):
+        step += 1 if at.want_dense() else 10
+        table = _table(2, 1 if i >= 6 else None, "compute", 0.04 if i >= 6 else 0.0, rng=rng,
+                       noise=0.002)  # fmt: skip
+        for row in table:
+            row["cpu"] = -1.0
+        events += at.observe(step, table, dense=at.want_dense())
+    assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]
+    w = record.Window()
+    w.add(clock.StepSample(dict.fromkeys(clock.PHASES, 0.0), total=0.01, cpu=None, lag=0.0,
+                           ready_lag=0.0))  # fmt: skip
+    packed = w.pack(mem=0.0, node=0, role=0)
+    assert packed[record.FIELDS.index("cpu")] == -1.0
+    assert record.rows(record.unpack(packed[None]))[0]["cpu"] is None
+
+
+def test_a_leak_after_memory_given_back_is_named_from_the_windows_lowest_record():
+    """Rank 1 held 960 MiB in an earlier slowdown and gave it back; when it grows again the
+    window's first record may still be of that time: its growth counts from the window's
+    lowest, and it is named host (memory), not compute."""
+    at = attribution.Attributor()
+    step, events = 0, []
+    held = [0] * 6 + [160, 320, 480, 640, 800, 960] + [960] * 10 + [0] * 4 + [160, 320, 480, 640]
+    for mib in held:
+        step += 1 if at.want_dense() else 10
+        table = _table(2, None, "compute", 0.0)
+        table[1]["mem"] += mib * (1 << 20)
+        if mib:  # writing its new memory costs it CPU time: a busy excess
+            for key, extra in (("other", 0.02), ("total", 0.02), ("cpu", 0.02)):
+                table[1][key] += extra
+            table[0]["blocked"] += 0.02
+            table[0]["total"] += 0.02
+        events += at.observe(step, table, dense=at.want_dense())
+    named = [(e["rank"], e["kind"], "memory" in e["why"]) for e in events if e["event"] == "straggler"]
+    assert named[-1] == (1, "host", True) and (1, "compute", False) not in named, events
+
+
+def test_a_compute_straggler_on_a_loaded_machine_is_named_with_its_share_of_a_core():
+    """Every rank gets 20% of a core (CPU seconds per busy second 0.2): the straggler's extra
+    25 ms of backward bring it 5 ms of CPU: its own work, at the share the machine gives."""
+    rng = random.Random(7)
+    at = attribution.Attributor(host_clocks=True)
+    step, events = 0, []
+    for i in range(16):
+        step += 1 if at.want_dense() else 10
+        table = _descheduled(2, [0, 0], 1, i, rng)
+        for row in table:  # the straggler's too: 20% of its longer busy time
+            row["cpu"] = 0.2 * record.busy(row)
+        events += at.observe(step, table, dense=at.want_dense())
+    assert [(e["rank"], e["kind"]) for e in events if e["event"] == "straggler"] == [(1, "compute")]

@@ -39,9 +39,11 @@ from typing import Any
 
 from . import links
 from .files import Straggler
-from .record import busy
-from .robust import medians_without_each as _medians_without_each
+from .robust import KEYS, busy
+from .robust import expectations as _expectations
 from .robust import noise as _noise
+from .robust import parts as _parts
+from .robust import ratio as _ratio
 from .robust import sample as _sample
 from .robust import scaled as _scaled
 
@@ -87,42 +89,14 @@ class Flag:
     """("rank", r), or ("node", n) when every rank of node n is slow (``_who``)."""
 
 
-KEYS = ("data", "compute", "busy", "ratio")
-
-
-def _expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[dict | None]:
-    """Each rank's expected parts: its peers' medians (same role), else its own baseline."""
-    parts = [_parts(r) for r in ranks]
-    groups: dict[float, list[int]] = {}
-    for i, r in enumerate(ranks):
-        groups.setdefault(r["role"], []).append(i)
-    out: list[dict | None] = [None] * len(ranks)
-    for members in groups.values():
-        if len(members) > 1:
-            cols = {k: _medians_without_each([parts[j][k] for j in members]) for k in KEYS}
-            for n, j in enumerate(members):
-                out[j] = {k: cols[k][n] for k in KEYS}
-            continue
-        mine = [_parts(r) for r in own.get(members[0], ())]
-        if len(mine) >= 3:
-            out[members[0]] = {k: statistics.median(x[k] for x in mine) for k in KEYS}
-    return out
-
-
-def _ratio(r: dict[str, float]) -> float:
-    return r["cpu"] / max(busy(r), 1e-9)
-
-
-def _parts(r: dict[str, float]) -> dict[str, float]:
-    return {"data": r["data"], "compute": r["forward"] + r["backward"], "busy": busy(r),
-            "ratio": _ratio(r)}  # fmt: skip
-
-
 @dataclass
 class Attributor:
     """Feeds on records (``observe``); remembers suspicion, the named straggler and history."""
 
     settings: Settings = field(default_factory=Settings)
+    host_clocks: bool = True
+    """The phases are the host's clocks (a CPU job): a rank's CPU seconds then tell its own
+    work from time it was descheduled (``_explained``). False on GPUs (CUDA events)."""
     named: Straggler | None = None
     suspect: tuple[str, int] | None = None
     hits: int = 0
@@ -135,6 +109,7 @@ class Attributor:
         self.own: dict[int, deque] = {}  # rank -> its healthy records (own baselines)
         self.named_at: deque = deque(maxlen=self.settings.window)  # rank named per record
         self.mems: deque = deque(maxlen=self.settings.window)
+        self.lows: list[float] = []  # each rank's lowest memory over ``mems``
         # (value, steps) of the window's healthy records: every rank's busy excess (its
         # noise), the job's own communication (its baseline and noise), its step.
         self.excesses: deque = deque(maxlen=self.settings.window)  # a list per record
@@ -187,8 +162,32 @@ class Attributor:
             if excess > bar and (best is None or excess > best.excess):
                 mine = _parts(r)
                 deltas = {k: mine[k] - expect[k] for k in KEYS}
-                best = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
+                f = Flag(i, excess, deltas, (mine["ratio"], expect["ratio"]))
+                best = f if self._explained(f) else best
         return best or self._memory_flag(ranks) or self._link_flag(ranks)
+
+    def _explained(self, f: Flag) -> bool:
+        """Whether the rank's own doing explains its excess: a data wait, its own CPU work
+        (CPU seconds grown by half what the excess is worth at its peers' CPU per busy second:
+        on a loaded machine every rank, a busy loop too, gets a share of a core), a throttled
+        CPU, memory growth. On a shared machine a rank is descheduled for a while, longer than
+        its peers: its busy time grows, its CPU seconds hardly do, and it is no straggler (the
+        machine's noise)."""
+        cpu, expected = f.cpu_ratio
+        if not self.host_clocks or min(cpu, expected) < 0 or f.deltas["data"] >= 0.5 * f.excess:
+            return True  # device clocks, or no CPU seconds read in the record: cannot tell
+        share = min(1.0, max(0.1, expected))
+        return (f.deltas["cpu"] >= 0.5 * share * f.excess or self._throttled(f)
+                or bool(self.memory_growth(f.rank)))  # fmt: skip
+
+    def _throttled(self, f: Flag) -> bool:
+        """CPU per busy second far under the rank's usual and its peers' (a loaded machine
+        deschedules a busy rank, healthy or not; a throttled one gets a small share of a core,
+        e.g. 0.05 s per second)."""
+        ratio, expected = f.cpu_ratio
+        own = self.ratios.get(f.rank)
+        usual = statistics.median(own) if own else expected
+        return min(ratio, expected) >= 0 and ratio < 0.3 * min(expected, usual)
 
     def _link_flag(self, ranks: list[dict[str, float]]) -> Flag | None:
         """The job's own communication slower than its window's median by the bar, where a
@@ -207,9 +206,9 @@ class Attributor:
         """A rank whose memory grows while its peers' does not, even before it slows."""
         if len(self.mems) < 3:
             return None
-        first, last = self.mems[0], self.mems[-1]
+        low, last = self.lows, self.mems[-1]
         for i, r in enumerate(ranks):  # a quick look first: grown at all, by the floor
-            if i >= len(first) or last[i] - first[i] <= (32 << 20):
+            if i >= len(low) or last[i] - low[i] <= (32 << 20):
                 continue
             if self.memory_growth(i):
                 peers = [busy(p) for j, p in enumerate(ranks) if j != i] or [busy(r)]
@@ -230,31 +229,31 @@ class Attributor:
         if grown:
             return "host", grown
         ratio, expected = f.cpu_ratio
-        own = self.ratios.get(f.rank)
-        usual = statistics.median(own) if own else expected
-        # A loaded machine deschedules a busy rank (its ratio falls, healthy or not); a
-        # throttled one gets a small share of a core, e.g. 0.05 s per second.
-        if ratio < 0.3 * min(expected, usual):
+        if self._throttled(f):
             return "host", f"CPU {ratio:.2f} s per busy s, peers {expected:.2f} (throttled or shared)"
         return "compute", f"forward+backward +{f.deltas['compute'] * 1e3:.1f} ms"
 
     def memory_growth(self, rank: int) -> str:
-        """Words on rank's memory growth over the window when its peers' is flat, else ''."""
+        """Words on rank's memory growth over the window when its peers' is flat, else ''.
+        Growth from the window's lowest record, not its first: memory held in an earlier
+        slowdown and given back would hide a new leak, and a rank whose memory went down
+        again is no peer that grew."""
         if len(self.mems) < 3:
             return ""
-        first, last = self.mems[0], self.mems[-1]
-        if rank >= len(first) or first[rank] <= 0:
+        low, last = self.lows, self.mems[-1]
+        if rank >= len(low) or low[rank] <= 0:
             return ""
-        grew = last[rank] - first[rank]
-        others = [last[j] - first[j] for j in range(len(first)) if j != rank and first[j] > 0]
+        grew = last[rank] - low[rank]
+        others = [last[j] - low[j] for j in range(len(low)) if j != rank and low[j] > 0]
         flat = not others or statistics.median(others) < 0.25 * grew
-        if grew > max(self.settings.mem_growth * first[rank], 32 << 20) and flat:
+        if grew > max(self.settings.mem_growth * low[rank], 32 << 20) and flat:
             return f"memory +{grew / 2**20:.0f} MiB over {len(self.mems)} records"
         return ""
 
     def observe(self, step: int, ranks: list[dict[str, float]], dense: bool) -> list[dict]:
         """Take one record (``step``: the last step it covers); return the events it makes."""
         self.mems.append([r["mem"] for r in ranks])
+        self.lows = list(map(min, *self.mems)) if len(self.mems) > 1 else list(self.mems[0])
         if step <= self.settings.warmup:
             return []
         f = self.flag(ranks)
@@ -354,7 +353,8 @@ class Attributor:
             return  # a suspect's records, flagged or not, would teach the noise its excess
         n = ranks[0].get("steps", 1.0)
         for i, r in enumerate(ranks):
-            self.ratios.setdefault(i, deque(maxlen=self.settings.window)).append(_ratio(r))
+            if r["cpu"] >= 0:
+                self.ratios.setdefault(i, deque(maxlen=self.settings.window)).append(_ratio(r))
         values = getattr(self, "_last_excess", [])
         self.excesses.append([values[i] for i in _sample(len(values))])
         self.excess_steps.append(n)

@@ -40,9 +40,10 @@ class StepSample:
 
     phases: dict[str, float]
     total: float
-    cpu: float
+    cpu: float | None
     """CPU seconds of the loop's thread during the step, outside its waits for peers (Gloo
-    polls while it waits): low against the busy time on a host whose CPU is throttled."""
+    polls while it waits): low against the busy time on a host whose CPU is throttled. Read
+    on armed steps only (None elsewhere): each read is a system call, several per step."""
     lag: float
     """Seconds from this rank's arrival at the step's longest wait for peers to its end: the
     rank that arrives last has the smallest lag (its peers waited for it)."""
@@ -95,15 +96,21 @@ class StepClock:
         self.owner = threading.get_ident()
         self.device_type = device_type
         self.armed = False
-        """Time device phases with CUDA events this step (set for the steps that are gathered)."""
+        """Time device phases with CUDA events, and the thread's CPU seconds, this step (set
+        for the steps that are gathered: ``arm``)."""
         self.device = DeviceSpans() if device_type == "cuda" else None
         self.step = 0
         """Steps finished so far (what a hang report's event names)."""
         self._restart(time.perf_counter())
 
+    def arm(self, armed: bool) -> None:
+        """Whether the step now starting is measured in full (see ``armed``)."""
+        self.armed = armed
+        self.cpu0 = time.thread_time() if armed else None
+
     def _restart(self, now: float) -> None:
         self.start = now
-        self.cpu0 = time.thread_time()
+        self.cpu0: float | None = None  # the thread's CPU seconds at the start (armed steps)
         self.cpu_blocked = 0.0  # the loop thread's CPU seconds inside its blocked spans
         self._cpu_since: float | None = None
         self.phases = dict.fromkeys(PHASES, 0.0)
@@ -129,7 +136,7 @@ class StepClock:
         self.stack.append([phase, start])
         if phase == "blocked":
             self._blocked_since = now
-            if self._cpu_since is None and self.mine():
+            if self._cpu_since is None and self.cpu0 is not None and self.mine():
                 self._cpu_since = time.thread_time()
         elif self.armed and self.device is not None and phase in DEVICE_PHASES:
             self.device.start(phase)
@@ -174,8 +181,8 @@ class StepClock:
         synced = self.synced if self.synced is not None else now
         arrived = self.arrived if self.synced is not None else synced
         first = min(self.first_ready or arrived, arrived)
-        cpu = time.thread_time() - self.cpu0 - self.cpu_blocked
-        sample = StepSample(phases, now - self.start, max(0.0, cpu),
+        cpu = None if self.cpu0 is None else max(0.0, time.thread_time() - self.cpu0 - self.cpu_blocked)
+        sample = StepSample(phases, now - self.start, cpu,
                             max(0.0, synced - arrived), max(0.0, synced - first))  # fmt: skip
         self.step += 1
         reopen = [name for name, _ in self.stack]

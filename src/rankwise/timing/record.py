@@ -19,14 +19,16 @@ from typing import Any
 import torch
 
 from .clock import PHASES, StepSample
+from .robust import busy
 
 FIELDS = (
     "steps", *PHASES, "other", "total", "cpu", "lag", "ready_lag", "mem", "node", "role",
 )
 """The gathered vector, in this order (float64). ``role``: ranks with the same role do the same
-work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown."""
+work (a pipeline stage's data-parallel replicas); ``mem``: bytes, -1 when unknown; ``cpu``: -1
+when no step of the record read the CPU clock (``StepClock.arm``)."""
 
-SUMMED = (*PHASES, "other", "total", "cpu", "lag", "ready_lag")
+SUMMED = (*PHASES, "other", "total", "lag", "ready_lag")
 
 
 class Window:
@@ -35,25 +37,37 @@ class Window:
     def __init__(self) -> None:
         self.n = 0
         self.sums = dict.fromkeys(SUMMED, 0.0)
+        self.cpu = (0.0, 0.0)
+        """CPU and busy seconds of the window's last step that read the CPU (``StepClock.arm``):
+        they stand for the window, as ``device`` does (the step after a record is armed too,
+        and may be the first of a throttled CPU, still on its fresh quota)."""
         self.device: dict[str, float] = {}
         """A GPU's forward/backward of the window's last step, timed with CUDA events: they
         stand for the window (the host clocks of its other steps saw only the launches)."""
 
     def add(self, s: StepSample) -> None:
         self.n += 1
+        sums = self.sums
         for k, v in s.phases.items():
-            self.sums[k] += v
-        for k, v in (("other", s.other), ("total", s.total), ("cpu", s.cpu), ("lag", s.lag),
-                     ("ready_lag", s.ready_lag)):  # fmt: skip
-            self.sums[k] += v
+            sums[k] += v
+        sums["other"] += s.other
+        sums["total"] += s.total
+        sums["lag"] += s.lag
+        sums["ready_lag"] += s.ready_lag
+        if s.cpu is not None:
+            self.cpu = (s.cpu, s.total - s.phases["blocked"])
 
     def pack(self, *, mem: float, node: int, role: int) -> torch.Tensor:
         """This rank's means as the gathered vector; the window starts again."""
         n = max(self.n, 1)
-        means = {k: v / n for k, v in self.sums.items()} | self.device
-        values = {**means, "steps": float(self.n), "mem": mem, "node": node, "role": role}
+        values = {k: v / n for k, v in self.sums.items()}
+        values.update(self.device)
+        # The CPU seconds per busy second of the step that read them, over the mean busy time.
+        cpu, busy_s = self.cpu
+        values["cpu"] = cpu / busy_s * (values["total"] - values["blocked"]) if busy_s > 0 else -1.0
+        values.update(steps=float(self.n), mem=mem, node=node, role=role)
         self.__init__()
-        return torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
+        return torch.tensor([values[f] for f in FIELDS], dtype=torch.float64)
 
 
 _STATM: list[int] = []  # /proc/self/statm, kept open: a read, not an open, per record
@@ -91,13 +105,7 @@ def rows(ranks: list[dict[str, float]]) -> list[dict[str, Any]]:
             "wait_for": last if wait > 0.1 * max(r["total"], 1e-9) and i != last else None,
             "optimizer": r["optimizer"], "checkpoint": r["checkpoint"], "other": r["other"],
             "total": r["total"], "mem": None if r["mem"] < 0 else int(r["mem"]),
-            "busy": busy(r), "cpu": r["cpu"], "lag": r["lag"], "ready_lag": r["ready_lag"],
+            "busy": busy(r), "cpu": None if r["cpu"] < 0 else r["cpu"], "lag": r["lag"], "ready_lag": r["ready_lag"],
             "steps": int(r["steps"]),
         })  # fmt: skip
     return out
-
-
-def busy(r: dict[str, float]) -> float:
-    """Seconds of the step this rank spent not waiting in a collective: its arrival time at
-    the step's syncs. The straggler has the largest; wall times (``total``) are all equal."""
-    return max(0.0, r["total"] - r["blocked"])

@@ -66,7 +66,7 @@ class Recorder:
         self.device, self.every, self.node, self.role = device, max(1, every), node, role
         self.clock = clocks.StepClock(device_type=device.type)
         self.window = Window()
-        self.attributor = Attributor(settings or Settings())
+        self.attributor = Attributor(settings or Settings(), host_clocks=device.type != "cuda")
         self.step = 0
         self.listeners: list[Listener] = []
         self.totals = Totals()
@@ -88,7 +88,7 @@ class Recorder:
         self.step += 1
         due = self.step % self.every == 0
         if self.pending is not None or due:
-            t0, cpu0 = time.perf_counter(), time.thread_time()
+            t0 = time.perf_counter()
             clocks.install(None)  # the record's own waits (its gather) mark no phase
             try:
                 if self.pending is not None:  # the last record's gather, done meanwhile
@@ -100,8 +100,10 @@ class Recorder:
             # The record's own time (its gather, rank 0's writes) is no phase of the next
             # step: benchmarks/step_anatomy.py measures it as timing's cost.
             self.clock.start += time.perf_counter() - t0
-            self.clock.cpu0 += time.thread_time() - cpu0
-        self.clock.armed = (self.step + 1) % self.every == 0 or self.attributor.want_dense()
+        # Armed: the step before a record, every dense one, and the one after a record is
+        # posted (when that record flags a rank, the next is dense and covers that step alone).
+        due_next = (self.step + 1) % self.every == 0
+        self.clock.arm(due_next or self.pending is not None or self.attributor.want_dense())
 
     def record(self) -> None:
         """Gather every rank's means since the last record; attribute; rank 0 publishes."""

@@ -1,4 +1,5 @@
-"""Robust statistics of the straggler attribution: peer medians, and how noisy a job is.
+"""Robust statistics of the straggler attribution: peer medians, each rank's expected record
+(its peers', or its own past), and how noisy a job is.
 
 Pure functions of floats (no torch), fast enough for a record of thousands of ranks.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 
 def medians_without_each(values: list[float]) -> list[float]:
@@ -53,3 +55,48 @@ def scaled(noise: tuple[float, float], now: float) -> float:
 def sample(world: int) -> list[int]:
     """The ranks whose excess series stand for the job's noise (32 at most, spread out)."""
     return list(range(0, world, max(1, world // 32)))[:32]
+
+
+def busy(r: dict[str, float]) -> float:
+    """Seconds of the step this rank spent not waiting in a collective: its arrival time at
+    the step's syncs. The straggler has the largest; wall times (``total``) are all equal."""
+    return max(0.0, r["total"] - r["blocked"])
+
+
+KEYS = ("data", "compute", "busy", "ratio", "cpu")
+
+
+def expectations(ranks: list[dict[str, float]], own: dict[int, deque]) -> list[dict | None]:
+    """Each rank's expected parts: its peers' medians (same role), else its own baseline."""
+    table = [parts(r) for r in ranks]
+    groups: dict[float, list[int]] = {}
+    for i, r in enumerate(ranks):
+        groups.setdefault(r["role"], []).append(i)
+    out: list[dict | None] = [None] * len(ranks)
+    for members in groups.values():
+        if len(members) > 1:
+            cols = {k: medians_without_each([table[j][k] for j in members]) for k in KEYS}
+            for n, j in enumerate(members):
+                out[j] = {k: cols[k][n] for k in KEYS}
+            continue
+        mine = [parts(r) for r in own.get(members[0], ())]
+        if len(mine) >= 3:
+            out[members[0]] = {k: _median([x[k] for x in mine if k in ("data", "compute", "busy")
+                                           or x["cpu"] >= 0]) for k in KEYS}  # fmt: skip
+    return out
+
+
+def _median(values: list[float]) -> float:
+    """The median; -1 (unknown, as a record's ``cpu``) of none."""
+    return statistics.median(values) if values else -1.0
+
+
+def ratio(r: dict[str, float]) -> float:
+    """CPU seconds per busy second (-1 or less: no CPU seconds read in the record)."""
+    return r["cpu"] / max(busy(r), 1e-9)
+
+
+def parts(r: dict[str, float]) -> dict[str, float]:
+    """What a rank's record is compared on (``KEYS``)."""
+    return {"data": r["data"], "compute": r["forward"] + r["backward"], "busy": busy(r),
+            "ratio": ratio(r), "cpu": r["cpu"]}  # fmt: skip
