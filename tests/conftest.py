@@ -42,9 +42,16 @@ def _fresh_runtime():
 def pytest_configure(config: pytest.Config) -> None:
     """The fast tier (``-m fast``, README's second command): tests/fast_tier.py."""
     import fast_tier
+    import xdist_order
 
     config.pluginmanager.register(fast_tier, "fast_tier")
     fast_tier.start(config)
+    if config.option.markexpr != "fast":
+        # run_distributed's ranks fork from a server that imported torch once (~2 CPU s saved
+        # per rank). Not in the fast tier: its census reads what each rank imported, which a
+        # spawned rank writes at exit (tests/_imports) and a forked one cannot.
+        os.environ.setdefault("RANKWISE_TEST_START_METHOD", "forkserver")
+    xdist_order.configure(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -57,8 +64,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     import fast_tier
+    import xdist_order
 
     fast_tier.mark(items)
+    xdist_order.order(config, items)  # under xdist (.ci/run): the longest files first
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu: needs CUDA (run benchmarks/gpu_check.sh)")
