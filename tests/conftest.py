@@ -46,11 +46,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.pluginmanager.register(fast_tier, "fast_tier")
     fast_tier.start(config)
-    if config.option.markexpr != "fast":
-        # run_distributed's ranks fork from a server that imported torch once (~2 CPU s saved
-        # per rank). Not in the fast tier: its census reads what each rank imported, which a
-        # spawned rank writes at exit (tests/_imports) and a forked one cannot.
-        os.environ.setdefault("RANKWISE_TEST_START_METHOD", "forkserver")
     xdist_order.configure(config)
 
 

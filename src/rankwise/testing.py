@@ -10,16 +10,11 @@ with faulthandler), never a stuck test suite.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from .errors import DistributedError
 from .launch.spawn import report, spawn_ranks
-
-START_VAR = "RANKWISE_TEST_START_METHOD"
-"""``spawn`` (the default: each rank a fresh interpreter) or ``forkserver`` (the ranks fork from
-one server that imported torch once; the test suite's passes past the fast tier use it)."""
 
 
 def run_distributed(
@@ -42,9 +37,8 @@ def run_distributed(
     failed (or hung) ranks with their tracebacks.
     """
     values, failures, timed_out = spawn_ranks(
-        fn, world_size, args=args, backend=backend, timeout=timeout, env=env, init=init,
-        start_method=os.environ.get(START_VAR, "spawn"),
-    )  # fmt: skip
+        fn, world_size, args=args, backend=backend, timeout=timeout, env=env, init=init
+    )
     if failures:
         what = "timed out" if timed_out else "failed"
         raise DistributedError(report("run_distributed", what, failures, values, world_size))

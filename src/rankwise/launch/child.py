@@ -72,13 +72,8 @@ def pickled_exception(exc: BaseException) -> bytes | None:
         return None
 
 
-def _set_rank_env(
-    env: dict[str, str], rank: int, world_size: int, port: int, whole: bool = False
-) -> None:
-    """The variables a launcher gives a worker (this child is one), read by ``rw.init``.
-    ``whole``: ``env`` is the parent's whole environment (a forked rank has its fork server's)."""
-    if whole:
-        os.environ.clear()
+def _set_rank_env(env: dict[str, str], rank: int, world_size: int, port: int) -> None:
+    """The variables a launcher gives a worker (this child is one), read by ``rw.init``."""
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -107,14 +102,13 @@ def child(
     init: bool,
     stream: bool = False,
     parent: int | None = None,
-    whole_env: bool = False,
 ) -> None:
     """The target of each rank's process (``spawn_ranks``)."""
     # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
     die_with_parent(parent)
     link = Link(conn)
     link.put(("phase", rank, "starting"))
-    _set_rank_env(env, rank, world_size, port, whole_env)
+    _set_rank_env(env, rank, world_size, port)
     if stream:
         sys.stdout = _QueueWriter(link, rank, "stdout")  # type: ignore[assignment]
         sys.stderr = _QueueWriter(link, rank, "stderr")  # type: ignore[assignment]

@@ -59,18 +59,18 @@ def spawn_ranks(
 ) -> tuple[dict[int, Any], dict[int, Failure], bool]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return (values by rank, failures by rank in
     the order they failed, whether the run timed out). ``stream``: the children's output is
-    printed here, each line prefixed with ``[rank r]``. ``timeout=None``: no deadline.
-    ``start_method="forkserver"``: see ``PRELOAD``."""
+    printed here, each line prefixed with ``[rank r]``. ``timeout=None``: no deadline."""
     import torch.distributed as dist
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
+    ctx = mp.get_context(start_method)
+    me = os.getpid()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
     shown = RankLines(live=stream and redraws_in_place(sys.stdout))
     extra = {"OMP_NUM_THREADS": "1", **envmod.live_bars_env(shown.live), **(env or {})}
-    ctx, me, extra = _context(start_method, extra)
     common = (backend, store.port, timeout or 1800.0)
     ranks: list[_Rank] = []
     try:
@@ -79,7 +79,7 @@ def spawn_ranks(
             proc = ctx.Process(
                 target=child,
                 args=(fn, args, r, world_size, *common, writer, stack_files[r], extra, init,
-                      stream, me, start_method == "forkserver"),
+                      stream, me),
                 name=f"rank{r}",
                 # Not daemonic: a rank may start processes of its own (DataLoader workers),
                 # which multiprocessing refuses to daemons. _end() still kills every rank
@@ -95,24 +95,6 @@ def spawn_ranks(
         _end([rk.proc for rk in ranks])
         del store
         tmp.cleanup()
-
-
-PRELOAD = ("torch", "torch.distributed")
-"""What the fork server imports once (``start_method="forkserver"``, for test suites that start
-many jobs): each rank forked from it starts without torch's ~2 CPU-s import. Nothing of rankwise: its modules read the environment
-and the settings of the rank they run in."""
-
-
-def _context(start_method: str, env: dict[str, str]) -> tuple[Any, int | None, dict[str, str]]:
-    """(the context, the parent each rank checks it still has, the environment it gets).
-
-    A forked rank is the fork server's child (it dies with the server, which ends with this
-    process) and has the server's environment: it gets this process's, whole."""
-    ctx = mp.get_context(start_method)
-    if start_method != "forkserver":
-        return ctx, os.getpid(), env
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx, None, {**os.environ, **env}
 
 
 @dataclass
