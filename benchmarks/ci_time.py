@@ -38,6 +38,15 @@ def per_test(text: str) -> dict[str, float]:
     return seconds
 
 
+def per_file(tests: dict[str, float]) -> dict[str, float]:
+    """Test file -> its tests' summed seconds, longest first (tests/xdist_order.py reads them)."""
+    files: dict[str, float] = {}
+    for test, seconds in tests.items():
+        file = test.split("::", 1)[0]
+        files[file] = files.get(file, 0.0) + seconds
+    return {f: round(s, 1) for f, s in sorted(files.items(), key=lambda kv: -kv[1])}
+
+
 def summary(text: str) -> dict:
     """The run's wall time and counts, from pytest's last line."""
     lines = [ln for ln in text.splitlines() if SUMMARY.match(ln.strip())]
@@ -59,6 +68,7 @@ def describe(path: Path, top: int) -> dict:
         **summary(text),
         "tests_timed": len(tests),
         "tests_sum_s": round(sum(tests.values()), 1),
+        "files_s": per_file(tests),
         "costliest": [{"test": t, "s": round(s, 2)} for t, s in costliest],
     }
 

@@ -42,9 +42,11 @@ def _fresh_runtime():
 def pytest_configure(config: pytest.Config) -> None:
     """The fast tier (``-m fast``, README's second command): tests/fast_tier.py."""
     import fast_tier
+    import xdist_order
 
     config.pluginmanager.register(fast_tier, "fast_tier")
     fast_tier.start(config)
+    xdist_order.configure(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -57,8 +59,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     import fast_tier
+    import xdist_order
 
     fast_tier.mark(items)
+    xdist_order.order(config, items)  # under xdist (.ci/run): the longest files first
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu: needs CUDA (run benchmarks/gpu_check.sh)")

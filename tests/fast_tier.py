@@ -133,6 +133,8 @@ NO_CREDIT = (UNIT + "test_architecture.py", UNIT + "test_public_api.py")
 
 IMPORTS = Path(__file__).resolve().parent / "_imports"  # its sitecustomize logs child imports
 LOG_VAR = "RANKWISE_IMPORT_LOG"
+DIR_VAR = "RANKWISE_FAST_TIER_LOG"  # the run's folder, for xdist's workers
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def entries() -> list[str]:
@@ -158,11 +160,22 @@ def mark(items: list[pytest.Item]) -> None:
 
 
 def start(config: pytest.Config) -> None:
-    """In a fast run, every process started from a test logs the rankwise modules it imported."""
+    """In a fast run, every process started from a test logs the rankwise modules it imported.
+
+    Under pytest-xdist (``-n 2``, as .ci/run runs it) the workers, started after this runs in
+    the controller, inherit the controller's log folder through ``DIR_VAR``: the census is
+    taken over every worker's tests by the controller, once all have ended
+    (``pytest_sessionfinish``)."""
     if config.option.markexpr != "fast":
         return
-    config.fast_tier_log = Path(tempfile.mkdtemp(prefix="rankwise-fast-"))
+    shared = os.environ.get(DIR_VAR) if hasattr(config, "workerinput") else None
+    config.fast_tier_log = Path(shared or tempfile.mkdtemp(prefix="rankwise-fast-"))
+    os.environ[DIR_VAR] = str(config.fast_tier_log)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(IMPORTS), os.environ.get("PYTHONPATH", "")])
+    if hasattr(config.option, "loadscopereorder"):  # xdist would send the files with most
+        config.option.loadscopereorder = False  # tests first: NO_CREDIT's must stay last
+    config.fast_tier_ran = _Ran()
+    config.pluginmanager.register(config.fast_tier_ran, "fast_tier_ran")
 
 
 def _folder(config: pytest.Config, nodeid: str) -> Path:
@@ -200,3 +213,71 @@ def touched(config: pytest.Config, exclude: tuple[str, ...]) -> dict[str, list[s
             for module in log.read_text().split():
                 found.setdefault(module, []).append(test)
     return found
+
+
+def modules() -> list[str]:
+    """Every module of src/rankwise, by its dotted name."""
+    names = []
+    for path in sorted((SRC / "rankwise").rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def census(config: pytest.Config, ran: set[str]) -> tuple[str | None, list[str]]:
+    """(why no census can be taken, or None; the modules no fast test imported) for a run of
+    the tests ``ran`` (node ids)."""
+    if getattr(config, "fast_tier_log", None) is None or config.option.keyword:
+        return "checks a whole fast run: python -m pytest -m fast", []
+    missing = [e for e in entries() if not any(selects(e, n) for n in ran)]
+    if missing:
+        return f"not the whole fast tier in this run: {missing[:3]} ...", []
+    found = touched(config, NO_CREDIT)
+    return None, [m for m in modules() if m not in found]
+
+
+def untouched_message(untouched: list[str]) -> str:
+    return (
+        f"{len(untouched)} modules of src/rankwise are imported by no fast test (nor by a process "
+        f"one starts), so `pytest -m fast` would pass with them broken:\n  "
+        + "\n  ".join(untouched)
+        + "\nAdd the cheapest test that exercises each to FAST in tests/fast_tier.py."
+    )
+
+
+def under_xdist(config: pytest.Config) -> bool:
+    """This process is an xdist worker, or the controller of several."""
+    return hasattr(config, "workerinput") or bool(getattr(config.option, "numprocesses", None))
+
+
+class _Ran:
+    """The controller of an xdist run learns which tests ran from the workers' reports."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.ids.add(report.nodeid)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under xdist, the census of the whole fast run, once every worker has ended: a module no
+    fast test imported fails the run (a worker's own census test skips: it cannot wait for
+    the other workers)."""
+    config = session.config
+    ran = getattr(config, "fast_tier_ran", None)
+    if ran is None or hasattr(config, "workerinput") or not under_xdist(config):
+        return
+    why, untouched = census(config, ran.ids)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if why is not None:
+        reporter and reporter.write_line(f"fast tier census: skipped ({why})")
+        return
+    if untouched:
+        reporter and reporter.write_line("fast tier census FAILED: " + untouched_message(untouched),
+                                         red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif reporter:
+        reporter.write_line(f"fast tier census: every one of {len(modules())} modules of "
+                            "src/rankwise was imported by a fast test")

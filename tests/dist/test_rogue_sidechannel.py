@@ -50,15 +50,20 @@ def _rogue_peers(fifo: str) -> str:
     if rt.rank == 2:
         os.mkfifo(fifo)
     rw.barrier()  # #2: the FIFO exists before anyone reads a record naming it
+    done = fifo + ".diagnosed"
     if rt.rank != 0:
         _forge(rt.rank, fifo)
-        time.sleep(40)  # rank 0 is done long before
+        deadline = time.monotonic() + 40
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)  # alive (silent) until rank 0 has diagnosed its timeout
         return "rogue"
     time.sleep(1.0)  # the forgeries are in the store
     try:
         rw.all_reduce_sum(torch.ones(3))  # #3: nobody else comes
     except rw.DistributedError as exc:
         return str(exc)
+    finally:
+        open(done, "w").close()
     return "no error"
 
 

@@ -17,17 +17,20 @@ SCRIPT = textwrap.dedent("""
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
         open("ready", "w").close()
         deadline = time.monotonic() + 120
-        while os.path.exists("ready") and time.monotonic() < deadline:
-            time.sleep(0.05)  # until rank 1 succeeds (it removes "ready")
+        while not os.path.exists("succeeded") and time.monotonic() < deadline:
+            time.sleep(0.05)  # until rank 1 succeeds (on a restart), or the launcher stops it
     else:
         while not os.path.exists("ready"):
-            time.sleep(0.05)
+            time.sleep(0.05)  # rank 0 runs, its SIGTERM handler set
         first = not os.path.exists("failed-once")
         open("failed-once", "w").close()
         if first or os.environ.get("FAIL_ALWAYS"):
             raise SystemExit(7)
-        os.remove("ready")
+        open("succeeded", "w").close()
 """)
+"""Rank 1 fails once rank 0 is running; on a restart it succeeds, and rank 0 ends with it. (A
+restarted rank 0 could once write "ready" after a quick rank 1 had removed it, and then wait
+out its 120 s deadline.)"""
 
 
 def _run(tmp_path, *flags, env=None):

@@ -11,20 +11,11 @@ import pytest
 import fast_tier
 
 ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "src"
 
 
 def _tests_in(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-
-
-def _modules() -> list[str]:
-    names = []
-    for path in sorted((SRC / "rankwise").rglob("*.py")):
-        parts = path.relative_to(SRC).with_suffix("").parts
-        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
 
 
 def test_every_entry_names_a_test_that_exists() -> None:
@@ -54,20 +45,14 @@ def test_an_entry_selects_its_tests_only(entry: str, nodeid: str, selected: bool
 
 
 def test_the_fast_tier_touches_every_module(request: pytest.FixtureRequest) -> None:
-    """Runs last in `pytest -m fast` (conftest orders it), over what the fast tests imported."""
+    """Runs last in `pytest -m fast` (conftest orders it), over what the fast tests imported.
+    Under pytest-xdist the controller takes the same census once every worker has ended
+    (tests/fast_tier.py, ``pytest_sessionfinish``): a worker cannot wait for the others."""
     config = request.config
-    items = getattr(request.session, "items", [])
-    if getattr(config, "fast_tier_log", None) is None or config.option.keyword:
-        pytest.skip("checks a whole fast run: python -m pytest -m fast")
-    ran = {i.nodeid for i in items}
-    missing_entries = [e for e in fast_tier.entries() if not any(fast_tier.selects(e, n) for n in ran)]
-    if missing_entries:
-        pytest.skip(f"not the whole fast tier in this run: {missing_entries[:3]} ...")
-    touched = fast_tier.touched(config, fast_tier.NO_CREDIT)
-    untouched = [m for m in _modules() if m not in touched]
-    assert not untouched, (
-        f"{len(untouched)} modules of src/rankwise are imported by no fast test (nor by a process "
-        f"one starts), so `pytest -m fast` would pass with them broken:\n  "
-        + "\n  ".join(untouched)
-        + "\nAdd the cheapest test that exercises each to FAST in tests/fast_tier.py."
-    )
+    if fast_tier.under_xdist(config):
+        pytest.skip("under pytest-xdist the controller takes the census after every worker")
+    ran = {i.nodeid for i in getattr(request.session, "items", [])}
+    why, untouched = fast_tier.census(config, ran)
+    if why is not None:
+        pytest.skip(why)
+    assert not untouched, fast_tier.untouched_message(untouched)
