@@ -1,8 +1,9 @@
 """Goodput in closed form, and the classic optimal checkpoint interval (Young 1974, Daly 2006).
 
 Failures arrive as a Poisson process of rate ``L`` (the job's). A segment of ``tau`` work plus
-``delta`` save takes ``S = (tau + delta) / (1 - overhead)`` seconds of wall time when nothing
-fails. A failure loses the segment in progress, then a recovery of ``R`` seconds follows; a
+``delta`` save takes ``S = (tau + delta) (1 + overhead)`` seconds of wall time when nothing
+fails (``overhead``: the time the replication and the kept disk saves add to each second of
+work, as measured: benchmarks/recovery.py's step time with copies over a plain one, less 1). A failure loses the segment in progress, then a recovery of ``R`` seconds follows; a
 failure during a recovery starts it again (with that failure's kind). The expected wall time of
 one segment is then ``(exp(L S) - 1) (1/L + E[R])``, exact for this model, and the goodput (work
 done per wall second) is ``tau`` over it. Shrink-and-continue's slower running while a host is
@@ -40,7 +41,7 @@ def expected_recovery_s(plan: Plan) -> float:
 
 def segment_wall_s(plan: Plan) -> float:
     """One segment's wall time when nothing fails."""
-    return (plan.tau + plan.delta) / (1.0 - plan.overhead)
+    return (plan.tau + plan.delta) * (1.0 + plan.overhead)
 
 
 def goodput(plan: Plan) -> float:

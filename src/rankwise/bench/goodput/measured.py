@@ -57,34 +57,47 @@ def disk_costs(phases: Mapping[str, float]) -> dict[str, float]:
     }
 
 
-def _per_step_overhead(record: Mapping[str, object], source: str) -> float:
-    """The replication's cost as a fraction of step time when replicating every step (the
-    model divides it by K). ``replication_overhead_pct`` is one percentage (measured every
-    ``replication_steps`` steps, 1 when absent) or ``{K: percentage}``, of which the smallest
-    K that keeps up (under 99%) is used (the least noisy: the largest cost); a negative one
-    (noise) counts as 0."""
+def _per_step_overhead(record: Mapping[str, object], source: str, near: int | None) -> float:
+    """What one copy adds, in steps (``Costs.replication_overhead``). benchmarks/recovery.py
+    measures ``replication_overhead_pct[K]`` as added time: the step time with a copy every K
+    steps over a plain one, less 1, in percent; so one copy adds K x pct / 100 steps, and a
+    copy that outlasts its step (over 100% at K = 1) is a long step, not an error.
+    ``replication_overhead_pct`` is one percentage (measured every ``replication_steps``
+    steps, 1 when absent) or ``{K: percentage}``, of which one K's figure is used: the K
+    closest to ``near`` (the interval being modelled, in ratio; a tie to the larger K), or
+    without ``near`` the largest measured K, the nearest to the intervals the model finds
+    best (tens of steps). A negative percentage above -100 (noise) counts as 0."""
     pct = record["replication_overhead_pct"]
     if isinstance(pct, Mapping):
         if not pct:
             raise ConfigError(f"{source}: replication_overhead_pct is empty",
                               fix="give {K: percentage} for at least one K")  # fmt: skip
-        # a K whose copy outlasts its K steps (>= 99%) cannot keep up: not an operating point
-        usable = {
-            k: v
-            for k, v in pct.items()
-            if _signed(source, f"replication_overhead_pct[{k}]", v) < 99
-        }
-        k = min(
-            usable or pct, key=lambda key: _number(source, "replication_overhead_pct key", int(key))
-        )
-        value, steps = _signed(source, f"replication_overhead_pct[{k}]", pct[k]), int(k)
+        ks = {_steps(source, key): key for key in pct}
+        near = None if near is None else _steps("near", near)
+        steps = max(ks) if near is None else min(ks, key=lambda k: (abs(math.log(k / near)), -k))
+        value = _signed(source, f"replication_overhead_pct[{ks[steps]}]", pct[ks[steps]])
     else:
         value = _signed(source, "replication_overhead_pct", pct)
-        steps = int(_number(source, "replication_steps", record.get("replication_steps", 1)))
-    if value >= 99:
-        raise ConfigError(f"{source}: replication_overhead_pct must be < 99: got {value}",
-                          fix="give it in percent, e.g. 2.5")  # fmt: skip
-    return min(0.99, max(steps, 1) * max(value, 0.0) / 100.0)
+        steps = _steps(source, record.get("replication_steps", 1))
+    if value <= -100:
+        raise ConfigError(f"{source}: replication_overhead_pct[{steps}] must be > -100 (a step "
+                          f"cannot take no time): got {value}",
+                          fix="give the added time in percent of a plain step, e.g. 2.5")  # fmt: skip
+    return steps * max(value, 0.0) / 100.0
+
+
+def _steps(source: str, key: object) -> int:
+    """A replication interval K: a whole number of steps >= 1 (a JSON key is a string)."""
+    whole = isinstance(key, float) and key.is_integer()
+    try:
+        k = int(key) if (isinstance(key, int | str) and not isinstance(key, bool)) or whole else 0
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ConfigError(f"{source}: a replication interval must be a whole number of steps "
+                          f">= 1: got {key!r}", fix="key replication_overhead_pct by K, e.g. "
+                          '{"10": 17.7}')  # fmt: skip
+    return k
 
 
 def _signed(source: str, key: str, value: object) -> float:
@@ -94,10 +107,13 @@ def _signed(source: str, key: str, value: object) -> float:
     return _number(source, key, value)
 
 
-def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, float]:
+def in_memory_costs(
+    record: Mapping[str, object], source: str, near: int | None = None
+) -> dict[str, float]:
     """The in-memory recovery's measured record (``IN_MEMORY_KEYS``, at the top level or under
     ``summary``) as model inputs: ``kill_to_training_s`` (the survivors' whole recovery),
-    ``replication_overhead`` (``_per_step_overhead``), ``grow_back_s``, and the record's
+    ``replication_overhead`` (``_per_step_overhead``: one copy's added steps, the
+    measured K closest to ``near`` or the largest), ``grow_back_s``, and the record's
     ``steps_lost`` and ``state_bytes_per_rank`` (kept to check the model against)."""
     if isinstance(record.get("summary"), Mapping):
         record = record["summary"]
@@ -111,7 +127,7 @@ def in_memory_costs(record: Mapping[str, object], source: str) -> dict[str, floa
     }
     return {
         "kill_to_training_s": v["kill_to_training_s"],
-        "replication_overhead": _per_step_overhead(record, source),
+        "replication_overhead": _per_step_overhead(record, source, near),
         "grow_back_s": v["grow_back_s"],
         "steps_lost": v["steps_lost"],
         "state_bytes_per_rank": v["state_bytes_per_rank"],

@@ -32,7 +32,7 @@ class Timeline:
 
     def speed(self) -> float:
         plan = self.plan
-        return (1.0 - plan.overhead) * (plan.hosts - len(self.away)) / plan.hosts
+        return (plan.hosts - len(self.away)) / plan.hosts / (1.0 + plan.overhead)
 
     def advance(self, until: float) -> None:
         """Run to wall time ``until``: progress, pauses and returning hosts on the way."""
@@ -115,7 +115,7 @@ def replay(plan: Plan, work_s: float, failures: list[tuple[float, int]]) -> floa
         line.advance(t)
         return line.work()
 
-    low, high = 0.0, work_s / (1.0 - plan.overhead) + 1.0
+    low, high = 0.0, work_s * (1.0 + plan.overhead) + 1.0
     while work_at(high) < work_s:
         high *= 2.0
     for _ in range(60):

@@ -4,10 +4,10 @@
   and the work since the last save is lost. A save blocks training for its bytes over the
   storage bandwidth (plus its fixed cost).
 - ``memory``: in-memory recovery (Gemini, SOSP'23, style). Every process restarts, but the
-  state comes from a peer's RAM, replicated every K steps (``replication_overhead / K`` of
-  the speed);
+  state comes from a peer's RAM, replicated every K steps (each step takes
+  ``1 + replication_overhead / K`` times as long: the measured overhead is added time);
   the work since the last replication is lost. Disk saves stay, as the last line, every
-  ``backup_interval_s`` (their cost counted in the overhead; the rare loss of a host and its
+  ``backup_interval_s`` (their time added to the overhead; the rare loss of a host and its
   buddy together, which would fall back to them, is not modelled).
 - ``shrink``: shrink and continue. The survivors re-form at the smaller world from the
   replicas (no restart, no disk), run at (hosts-1)/hosts of the speed until the host returns
@@ -39,7 +39,8 @@ class Plan:
     delta: float
     """A durable point's blocking cost, seconds."""
     overhead: float
-    """Fraction of speed lost in steady state (replication, disk saves kept in the background)."""
+    """Wall seconds added to each second of work in steady state (replication, disk saves
+    kept as the last line): the speed is ``1 / (1 + overhead)``; any value >= 0 is possible."""
     recover_s: tuple[float, float]
     """Downtime after a (hardware, software) failure: no progress."""
     away_s: tuple[float, float] = (0.0, 0.0)
@@ -72,9 +73,11 @@ def plan(policy: str, s: Scenario, c: Costs, f: Failures) -> Plan:
         return Plan("disk", s.save_interval_s, disk_save_s(s, c), 0.0,
                     _restart(s, c, _disk_load(s, c)), **common)  # fmt: skip
     tau = s.replication_steps * s.step_s
-    disk_share = disk_save_s(s, c) / (s.backup_interval_s + disk_save_s(s, c))
+    # Both are added time per second of work: a copy every K steps adds its measured cost
+    # (in steps) / K to each step, a blocking disk save its seconds to each backup interval
+    # of work. They add up: no step (so no copy) runs during a blocking save.
     replication = c.replication_overhead / s.replication_steps
-    overhead = 1.0 - (1.0 - replication) * (1.0 - disk_share)
+    overhead = replication + disk_save_s(s, c) / s.backup_interval_s
     peer_load = s.host_bytes / s.peer_Bps
     if policy == "memory":
         return Plan("memory", tau, 0.0, overhead, _restart(s, c, peer_load), **common)
