@@ -35,6 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's rankwise, not an installed one
 RESULTS = HERE / "results"
 CLUSTER_JSON = RESULTS / "goodput_cluster.json"
 RECOVERY_JSON = RESULTS / "recovery.json"  # the in-memory recovery's record, when it exists
