@@ -74,7 +74,7 @@ def _folder_mib(folder: Path) -> float:
     return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
 
 
-def _rank(folder: str, width: int, steps: int, repeats: int, everys: list[int]) -> dict:
+def _rank(folder: str, width: int, steps: int, repeats: int, everys: list) -> dict:
     rt = rw.init(strategy="ddp")
     torch.manual_seed(0)
     rss = {"init": _rss_mib()}
@@ -96,7 +96,7 @@ def _rank(folder: str, width: int, steps: int, repeats: int, everys: list[int]) 
     step = 6
     for _ in range(repeats):
         for mode in times:
-            r = None if mode == "off" else reps[int(mode)]
+            r = None if mode == "off" else reps[mode if mode == "auto" else int(mode)]
             times[mode].append(_block(rt, model, opt, steps, r, step))
             step += steps
     for _ in range(5):
@@ -108,15 +108,17 @@ def _rank(folder: str, width: int, steps: int, repeats: int, everys: list[int]) 
     held = _folder_mib(Path(folder) / f"k{everys[0]}-r{rt.rank}")
     for r in reps.values():
         r.close(remove=True)
+    chosen = {"auto": reps["auto"].every} if "auto" in reps else {}  # every="auto"'s choice
     return {"times": times, "capture_s": statistics.median(captures), "state_bytes": size,
-            "rss_mib": rss, "folder_mib": held}  # fmt: skip
+            "rss_mib": rss, "folder_mib": held, "chosen": chosen}  # fmt: skip
 
 
-def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
+def overhead(width: int, steps: int, repeats: int, everys: list) -> dict:
     with tempfile.TemporaryDirectory(prefix="rw-recovery-") as folder:
         ranks = run_distributed(_rank, 2, args=(folder, width, steps, repeats, everys),
                                 timeout=1800)  # fmt: skip
     times = ranks[0]["times"]
+    chosen = ranks[0]["chosen"]
     step_s = {mode: statistics.median(v) for mode, v in times.items()}
     off = step_s["off"]
     return {
@@ -133,9 +135,12 @@ def overhead(width: int, steps: int, repeats: int, everys: list[int]) -> dict:
             k: round(100 * (s - off) / off, 2) for k, s in step_s.items() if k != "off"
         },
         "cost_per_replication_ms": {  # the extra time of a block over off, per copy made
-            k: round(1000 * (s - off) * int(k), 2) for k, s in step_s.items() if k != "off"
+            k: round(1000 * (s - off) * int(chosen.get(k, k)), 2)
+            for k, s in step_s.items()
+            if k != "off"
         },
         "blocks": {mode: [round(1000 * t, 2) for t in v] for mode, v in times.items()},
+        "auto_every": chosen.get("auto"),  # the interval every="auto" chose (the default)
         "steps_per_block": steps,
         "repeats": repeats,
     }
@@ -177,7 +182,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3, help="cluster trials (medians reported)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    everys = [int(k) for k in args.every.split(",")]
+    everys = [k if k == "auto" else int(k) for k in args.every.split(",")]  # auto: the default
     result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
               "torch": torch.__version__}  # fmt: skip
     result["overhead"] = overhead(args.width, args.steps, args.repeats, everys)
