@@ -22,11 +22,10 @@ def _own_environment():
     """Every test ends with the environment it started with: a variable one test's code sets
     (``RANKWISE_RUN_DIR``, ``RANK``) must not reach a later test's subprocesses, whichever
     order ``pytest -n 2`` gives the files."""
-    saved = dict(os.environ)
-    yield
-    for key in set(os.environ) - set(saved):
-        del os.environ[key]
-    os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
+    from rankwise.launch.engine import kept_environ
+
+    with kept_environ():
+        yield
 
 
 @pytest.fixture(autouse=True)

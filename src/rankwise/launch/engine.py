@@ -9,6 +9,7 @@ the bootstrap that records a failing rank's traceback, and errors that say what 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DistributedError
@@ -178,6 +180,20 @@ def _tell_run_dir(opts: LaunchOptions, run_id: str) -> None:
           flush=True)  # fmt: skip
 
 
+@contextlib.contextmanager
+def kept_environ() -> Iterator[None]:
+    """Inside, ``os.environ`` may change; on leaving, it is what it was on entering (variables
+    added are removed, changed or removed ones put back): what the launcher sets for its
+    workers must not outlive the launch in the caller's process."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
+
+
 def launch(opts: LaunchOptions) -> None:
     """Run ``opts.script`` on this node's workers; return when all of them succeeded.
 
@@ -190,13 +206,8 @@ def launch(opts: LaunchOptions) -> None:
     back on return: a second launch from the same process (a notebook, a test session) would
     otherwise reuse the first job's run directory and its deleted diagnoses folder.
     """
-    saved = dict(os.environ)
-    try:
+    with kept_environ():
         _launch(opts)
-    finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
 
 
 def _launch(opts: LaunchOptions) -> None:
