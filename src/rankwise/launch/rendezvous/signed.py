@@ -28,6 +28,7 @@ import hmac
 import io
 import ipaddress
 import pickle
+import time
 from typing import Any
 
 from ...checkpoint.untrusted import RestrictedUnpickler
@@ -48,6 +49,11 @@ _ALLOWED = {
     ("builtins", "frozenset"),
 }
 _SECRETS: dict[str, bytes | None] = {}  # run id -> secret, for the launches of this process
+LINGER_S = 5.0
+"""How long a node that refused the state keeps the store up for the job's other nodes to learn
+it (under the 10 s the guarded handler allows a store call): when the store's host refuses
+first and leaves at once, the others find the store closed, cannot tell a forgery from the end
+of the job, and go on."""
 
 
 class ForgedRendezvousState(DistributedError):
@@ -104,14 +110,22 @@ class SignedBackend:
     written, checks what is read (module docstring)."""
 
     def __init__(
-        self, inner: Any, secret: bytes | None, key: str, endpoint: str, store: Any = None
+        self,
+        inner: Any,
+        secret: bytes | None,
+        key: str,
+        endpoint: str,
+        store: Any = None,
+        nodes: int = 1,
     ) -> None:
         self._inner, self._secret, self._key, self._endpoint = inner, secret, key, endpoint
-        self._store = store
+        self._store, self._nodes = store, nodes
         self._own: ForgedRendezvousState | None = None  # what this node refused, if it did
         self._refused = f"{key}.refused"
-        """Set by a node that found the state signed with another secret: the node that wrote
-        it (the store's host, say) stops too, instead of waiting for nodes that never join."""
+        """Set by a node that refused the state (another token's seal, or a forgery): the other
+        nodes (the store's host, say) stop too, instead of waiting for nodes that never join."""
+        self._known = f"{key}.refused.known"  # how many nodes have learnt of the refusal
+        self._told = False
 
     @property
     def name(self) -> str:
@@ -132,6 +146,7 @@ class SignedBackend:
             raise self._own
         if self._store is None or not self._store.check([self._refused]):
             return
+        self._learnt()
         # Refused by another node: because the state there was signed with another token, or
         # because someone overwrote it (a forgery refuses everyone). Read it: if this node
         # refuses it too, that is the reason to give (raised by ``_open``).
@@ -147,12 +162,25 @@ class SignedBackend:
         )
 
     def _refuse(self, why: str) -> ForgedRendezvousState:
-        """Tell the node that signed the state (it reads this key) that it was refused."""
+        """Stop this node, and tell the others (they read ``_refused``) before leaving."""
         self._own = self._forged(why)
         if self._store is not None:
             with contextlib.suppress(Exception):  # the store is gone: this node stops anyway
-                self._store.set(self._refused, "the state's signature did not match")
+                self._store.set(self._refused, why)
+                self._learnt()
+                deadline = time.monotonic() + LINGER_S
+                while int(self._store.add(self._known, 0)) < self._nodes:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
         return self._own
+
+    def _learnt(self) -> None:
+        """Count this node among those that know of the refusal (once)."""
+        if not self._told:
+            self._told = True
+            with contextlib.suppress(Exception):
+                self._store.add(self._known, 1)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         from torch.distributed.elastic.rendezvous import RendezvousStateError
@@ -160,7 +188,7 @@ class SignedBackend:
         try:
             return fn(*args)
         except RendezvousStateError as exc:  # not even base64
-            raise self._forged(f"is not a rendezvous state ({exc})") from None
+            raise self._refuse(f"is not a rendezvous state ({exc})") from None
 
     def _mac(self, state: bytes) -> bytes:
         assert self._secret is not None
@@ -181,7 +209,7 @@ class SignedBackend:
             raise self._refuse("is signed, but this node was given no --rdzv-token")
         why = check_pickle(state)
         if why:
-            raise self._forged(f"is not a plain rendezvous state ({why})")
+            raise self._refuse(f"is not a plain rendezvous state ({why})")
         return state
 
     def _forged(self, why: str) -> ForgedRendezvousState:
@@ -202,7 +230,8 @@ def _create_handler(params: Any) -> Any:
 
     inner, store = create_backend(params)
     key = f"torch.rendezvous.{params.run_id}"  # the key torch's c10d backend keeps it under
-    backend = SignedBackend(inner, _SECRETS.get(params.run_id), key, params.endpoint, store)
+    secret = _SECRETS.get(params.run_id)
+    backend = SignedBackend(inner, secret, key, params.endpoint, store, params.min_nodes)
     return create_handler(store, backend, params)
 
 
