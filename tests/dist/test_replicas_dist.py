@@ -8,6 +8,7 @@ reads its own folder alone, so whatever it lacks can only come over collectives.
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -63,3 +64,28 @@ def test_host_returning_grows_back_from_peers_equal_to_disk_reference(tmp_path):
         _equal(r)
     event = out[0]["event"]
     assert (event.old_world, event.new_world, event.old_accumulation) == (2, 3, 3)
+
+
+def _rects(root, rank: int, step: int, world: int) -> list[dict]:
+    from rankwise.replicas import blob, store
+    from rankwise.replicas.plan import Held
+
+    _, info = blob.decode(store.read(root / f"host{rank}", Held(rank, step, world)))
+    return info.get("pieces", [])
+
+
+def test_zero3_replicas_hold_each_rank_s_shard_and_grow_back_equal_to_disk_reference(tmp_path):
+    run_distributed(rc.first_run, 2, args=(str(tmp_path), "zero3", "adamw", 5, 2, 4),
+                    init=False, timeout=120)  # fmt: skip
+    # The model's 163 parameters and AdamW's two moments: 489 numbers in all. Each rank's
+    # replica holds its half (the flat shard), not the consolidated 489.
+    held = [sum(math.prod(r["sizes"]) for r in _rects(tmp_path, k, 4, 2) if r["shape"])
+            for k in (0, 1)]  # fmt: skip
+    assert sum(held) == 3 * 163 and max(held) <= 3 * 82, held
+    # a third host joins: every new rank reshards from the two replicas, none read from disk
+    out = run_distributed(rc.after_loss, 3, args=(str(tmp_path), "zero3", "adamw", [0, 1, 2]),
+                          init=False, timeout=120)  # fmt: skip
+    for r in out:
+        assert (r["step"], r["accumulation"]) == (4, 2)
+        _equal(r)
+    assert (out[0]["event"].old_world, out[0]["event"].new_world) == (2, 3)

@@ -295,7 +295,7 @@ def test_the_last_call_setting_reaches_the_c10d_rendezvous(monkeypatch):
         choose_rendezvous(opts, new_id="A")
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("strategy", ["single", "dp", "zero3"])
 def test_the_readme_loop_restores_exactly_under_one_process_strategies(tmp_path, strategy):
     """rt.prepare'd model, AdamW in two parameter groups with a schedule, rt.replicas, then a
     restore into a fresh prepare: it trains on as the uninterrupted run (ddp and zero1-3 across
@@ -322,6 +322,7 @@ def test_the_readme_loop_restores_exactly_under_one_process_strategies(tmp_path,
     model, opt, sched = build()
     train(model, opt, sched, 3)
     reps = rt.replicas(model, opt, every=3, folder=tmp_path)
+    assert reps.sharded == (strategy == "zero3")  # ZeRO: the shards' path, resharded on load
     assert reps.step(3)
     reps.close()
     train(model, opt, sched, 2)
@@ -334,3 +335,29 @@ def test_the_readme_loop_restores_exactly_under_one_process_strategies(tmp_path,
     assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("wrote", "reads"), [("zero3", "single"), ("single", "zero1")])
+def test_replicas_of_another_layout_are_refused_naming_both(tmp_path, wrote, reads):
+    """ZeRO's replicas hold shards, the others the whole state: resuming one with the other
+    strategy is refused with the strategy to use, not read as garbage."""
+    import rankwise as rw
+
+    def prepared(strategy):
+        rt = rw.init(strategy=strategy)
+        torch.manual_seed(0)
+        net = nn.Linear(6, 2)
+        return rt, *rt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    rt, model, opt = prepared(wrote)
+    _train(model, opt, 1)
+    reps = rt.replicas(model, opt, every=1, folder=tmp_path)
+    reps.step(1)
+    reps.close()
+    rw.shutdown()
+    rt, model, opt = prepared(reads)
+    with pytest.raises(ConfigError) as info:
+        rt.replicas(model, opt, folder=tmp_path).restore()
+    text = str(info.value)
+    assert "step 1" in text and "ZeRO" in text, text
+    assert ("zero1-3" if wrote == "zero3" else "ddp") in text and "rt.load" in text, text

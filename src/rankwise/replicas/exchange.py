@@ -93,3 +93,20 @@ def move(held: list[list[Held]], step: int, world: int, read: Any, group: Any,
             dist.recv(mine, h, group=group)
     assert mine is not None  # every j was served above
     return mine, source(me, world)[1]
+
+
+def send_bytes(buf: torch.Tensor, dst: int, group: Any) -> None:
+    """``buf`` to ``dst``, its size first."""
+    dist.send(torch.tensor([buf.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(buf, dst, group=group)
+
+
+def recv_bytes(src: int, group: Any, limit: int) -> torch.Tensor:
+    """A buffer from ``src`` (``send_bytes``), its announced size checked against ``limit``."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    _check_size(int(size.item()), limit, src, "buffer")
+    out = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(out, src, group=group)
+    return out
+

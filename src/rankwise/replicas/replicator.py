@@ -25,9 +25,9 @@ from ..checkpoint.api import capture_state
 from ..checkpoint.single import apply_payload
 from ..comm import collectives as comm
 from ..comm import wire
-from ..errors import DistributedError
+from ..errors import ConfigError, DistributedError
 from ..output.log import print0
-from . import blob, exchange, interval, plan, store
+from . import blob, exchange, interval, plan, shards, store
 
 DEFAULT_EVERY = "auto"
 """The interval chosen from the measured cost of a copy and of a step (``interval.py``)."""
@@ -76,6 +76,8 @@ class Replicas:
         validate.integer("global_batch", global_batch, minimum=1, optional=True,
                          where="rt.replicas()")  # fmt: skip
         self.objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+        self.sharded = shards.applies(model)
+        """Under ZeRO a replica holds this rank's shards, not the consolidated state."""
         self.every: int | None = None if every == "auto" else every
         self.global_batch, self.extra = global_batch, extra
         self._timing: dict[str, float] = {}
@@ -155,10 +157,15 @@ class Replicas:
 
     def capture(self, step: int, epoch: int | None) -> torch.Tensor:
         """This rank's state at ``step`` as one buffer (``blob``)."""
-        payload = capture_state(**self.objects, step=step, epoch=epoch,
-                                extra=self.extra() if self.extra else None)  # fmt: skip
-        info = {"rank": self.rank, "step": step, "world": self.world, "time": time.time(),
-                "hosts": self.hosts, "accumulation": self.accumulation}  # fmt: skip
+        extra = self.extra() if self.extra else None
+        info = {"rank": self.rank, "step": step, "epoch": epoch, "world": self.world,
+                "time": time.time(), "hosts": self.hosts,
+                "accumulation": self.accumulation}  # fmt: skip
+        if self.sharded:
+            payload, layout = shards.capture(self.objects, extra or {})
+            info.update(layout)
+        else:
+            payload = capture_state(**self.objects, step=step, epoch=epoch, extra=extra)
         buf = blob.encode(payload, info)
         self.state_bytes = buf.numel()
         return buf
@@ -217,14 +224,29 @@ class Replicas:
         if chosen is None:
             return None
         step, old_world = chosen
+        if self.sharded:
+            result, info = shards.restore(self.objects, held, step, old_world, self._read,
+                                          self.group, self.limit)  # fmt: skip
+            return self._restored(result, info, step, old_world, started)
         if self.group is not None:
             buf, take_rng = exchange.move(held, step, old_world, self._read, self.group,
                                           self.limit)  # fmt: skip
         else:
             buf, take_rng = self._read(plan.Held(0, step, old_world)), True
         state, info = blob.decode(buf)
+        if info.get("layout") == shards.LAYOUT:
+            raise ConfigError(
+                f"replicas: the replicas of step {step} hold ZeRO shards, and this job's model "
+                "is not prepared under ZeRO",
+                fix="resume with the strategy that wrote them (zero1-3), or from a disk "
+                "checkpoint (rt.load loads any strategy's).",
+            )
         result = apply_payload(state, self.folder, **self.objects, strict=True,
                                rng_of=0 if take_rng else None)  # fmt: skip
+        return self._restored(result, info, step, old_world, started)
+
+    def _restored(self, result: dict[str, Any], info: dict[str, Any], step: int,
+                  old_world: int, started: float) -> dict[str, Any]:  # fmt: skip
         if self.after_restore is not None:
             self.after_restore(result)
         self.last_replicated = step

@@ -35,39 +35,48 @@ def load_sharded(
 ) -> dict[str, Any]:  # fmt: skip
     """Restore what ``save_sharded`` (or ``dcp.save``) wrote; the same result as
     ``load_checkpoint`` on one file: ``step``, ``epoch``, ``extra``, ``meta``, ``path``."""
+    with Reader(folder) as reader:
+        return load_from(reader, model=model, optimizer=optimizer, scheduler=scheduler,
+                         loader=loader, strict=strict, restore_rng=restore_rng)  # fmt: skip
+
+
+def load_from(
+    reader: Reader, *, model: nn.Module | None = None, optimizer: Any = None,
+    scheduler: Any = None, loader: Any = None, strict: bool = True, restore_rng: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """``load_sharded`` from an opened ``reader`` (a folder's, or the in-memory replicas')."""
     from ..single import _load_stateful, _resume_epoch
 
-    with Reader(folder) as reader:
-        if model is not None:
-            _load_model(model, reader, strict)
-        if optimizer is not None and model is None:
-            raise ConfigError(
-                "loading an optimizer from a sharded checkpoint needs its model too: its state "
-                "is keyed by parameter name",
-                fix="pass model= as well: rw.load_checkpoint(path, model=model, optimizer=opt).",
-            )
-        if optimizer is not None:
-            names = list(param_names(model).values())
-            prefix = reader.optimizer_prefix(names)
-            if prefix is not None:
-                load_optimizer(optimizer, model, reader, prefix)
-        own = {k[len(_OWN) :]: k for k in reader.names() if k.startswith(_OWN)}
-        if scheduler is not None and "scheduler" in own:
-            scheduler.load_state_dict(reader.blob(own["scheduler"]))
-        if loader is not None and "loader" in own:
-            _load_stateful(loader, reader.blob(own["loader"]))
-        mine = own.get(f"rng.{comm.rank()}")
-        if restore_rng and mine is not None:
-            rng.restore(reader.blob(mine))
-        extra = reader.blob(own["extra"]) if "extra" in own else {}
-        manifest = reader.manifest or {}
+    if model is not None:
+        _load_model(model, reader, strict)
+    if optimizer is not None and model is None:
+        raise ConfigError(
+            "loading an optimizer from a sharded checkpoint needs its model too: its state "
+            "is keyed by parameter name",
+            fix="pass model= as well: rw.load_checkpoint(path, model=model, optimizer=opt).",
+        )
+    if optimizer is not None:
+        names = list(param_names(model).values())
+        prefix = reader.optimizer_prefix(names)
+        if prefix is not None:
+            load_optimizer(optimizer, model, reader, prefix)
+    own = {k[len(_OWN) :]: k for k in reader.names() if k.startswith(_OWN)}
+    if scheduler is not None and "scheduler" in own:
+        scheduler.load_state_dict(reader.blob(own["scheduler"]))
+    if loader is not None and "loader" in own:
+        _load_stateful(loader, reader.blob(own["loader"]))
+    mine = own.get(f"rng.{comm.rank()}")
+    if restore_rng and mine is not None:
+        rng.restore(reader.blob(mine))
+    extra = reader.blob(own["extra"]) if "extra" in own else {}
+    manifest = reader.manifest or {}
     meta = {k: v for k, v in manifest.items() if k not in ("items", "files", "metadata", "digest")}
     return {
         "step": manifest.get("step"),
         "epoch": _resume_epoch(manifest.get("epoch"), loader),
         "extra": extra,
         "meta": meta,
-        "path": folder,
+        "path": reader.folder,
     }
 
 
