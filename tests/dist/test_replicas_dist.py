@@ -74,14 +74,22 @@ def _rects(root, rank: int, step: int, world: int) -> list[dict]:
     return info.get("pieces", [])
 
 
-def test_zero3_replicas_hold_each_rank_s_shard_and_grow_back_equal_to_disk_reference(tmp_path):
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_zero_replicas_hold_every_number_once(tmp_path, strategy):
+    """The model's 163 parameters and AdamW's two moments: 489 numbers. Under ZeRO the two
+    ranks' replicas hold them once between them (the consolidated state would be 489 each)."""
+    run_distributed(rc.first_run, 2, args=(str(tmp_path), strategy, "adamw", 2, 2, 0),
+                    init=False, timeout=120)  # fmt: skip
+    held = [sum(math.prod(r["sizes"]) for r in _rects(tmp_path, k, 2, 2) if r["shape"])
+            for k in (0, 1)]  # fmt: skip
+    assert sum(held) == 3 * 163 and max(held) < 3 * 163, held
+    if strategy == "zero3":  # the flat shard: 82 of the 163 on rank 0, 81 on rank 1
+        assert held == [3 * 82, 3 * 81], held
+
+
+def test_zero3_grows_back_from_shards_equal_to_disk_reference(tmp_path):
     run_distributed(rc.first_run, 2, args=(str(tmp_path), "zero3", "adamw", 5, 2, 4),
                     init=False, timeout=120)  # fmt: skip
-    # The model's 163 parameters and AdamW's two moments: 489 numbers in all. Each rank's
-    # replica holds its half (the flat shard), not the consolidated 489.
-    held = [sum(math.prod(r["sizes"]) for r in _rects(tmp_path, k, 4, 2) if r["shape"])
-            for k in (0, 1)]  # fmt: skip
-    assert sum(held) == 3 * 163 and max(held) <= 3 * 82, held
     # a third host joins: every new rank reshards from the two replicas, none read from disk
     out = run_distributed(rc.after_loss, 3, args=(str(tmp_path), "zero3", "adamw", [0, 1, 2]),
                           init=False, timeout=120)  # fmt: skip

@@ -162,7 +162,7 @@ class Replicas:
                 "time": time.time(), "hosts": self.hosts,
                 "accumulation": self.accumulation}  # fmt: skip
         if self.sharded:
-            payload, layout = shards.capture(self.objects, extra or {})
+            payload, layout = shards.capture(self.objects, extra or {}, self.rank, self.world)
             info.update(layout)
         else:
             payload = capture_state(**self.objects, step=step, epoch=epoch, extra=extra)

@@ -3,10 +3,11 @@ reshards from the survivors' memory.
 
 Under ZeRO (any stage) a rank's replica holds the pieces a sharded checkpoint would have it
 write (``checkpoint.sharded.save.collect``: its flat shards' rectangles of every parameter and
-optimizer state, replicated tensors whole, its RNG, and on rank 0 the loader, scheduler and
-extra values), never the consolidated state: a copy costs 1/N of the optimizer state (and of
-the parameters under stage 3), not the whole of it. The tensors go into the replica buffer
-(``blob``) and their rectangles into its header.
+optimizer state, its RNG, and on rank 0 the loader, scheduler and extra values), never the
+consolidated state; a tensor every rank holds whole (the parameters under stages 1 and 2, the
+buffers) is carried by one rank, chosen by its name (``owner``). So the N replicas together
+hold each number once, and a copy costs about 1/N of the state. The tensors go into the
+replica buffer (``blob``) and their rectangles into its header.
 
 ``restore`` at world M from replicas written at world N:
 
@@ -22,6 +23,7 @@ the parameters under stage 3), not the whole of it. The tensors go into the repl
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +51,21 @@ def applies(model: nn.Module) -> bool:
     return find_engine(model) is not None
 
 
-def capture(objects: dict[str, Any], extra: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """This rank's pieces and values: ``(state, header facts)`` for ``blob.encode``."""
+def owner(key: str, offsets: list[int], world: int) -> int:
+    """The one rank whose replica carries a rectangle every rank holds (a parameter under
+    ZeRO 1-2, a buffer): spread by a hash of its name, the same on every rank, no message."""
+    return zlib.crc32(f"{key}@{offsets}".encode()) % world
+
+
+def capture(objects: dict[str, Any], extra: dict[str, Any], rank: int,
+            world: int) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """This rank's pieces and values: ``(state, header facts)`` for ``blob.encode``. A
+    rectangle every rank holds is carried by its ``owner`` alone (replicas serve data-parallel
+    ranks only, where ``shared`` means held by all: ``rt.replicas`` refuses other meshes)."""
     pieces, blobs = collect(objects["model"], objects["optimizer"], objects["scheduler"],
                             objects["loader"], extra)  # fmt: skip
+    pieces = [p for p in pieces
+              if not p.shared or owner(p.key, list(p.box.offsets), world) == rank]  # fmt: skip
     rects = [{"key": p.key, "path": p.path, "dtype": dcp_meta.dtype_name(p.tensor.dtype),
               "shape": list(p.shape), "offsets": list(p.box.offsets),
               "sizes": list(p.box.sizes)} for p in pieces]  # fmt: skip
