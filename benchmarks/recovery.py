@@ -5,6 +5,13 @@
   (``--repeats`` rounds, so the machine's load drifts over all modes alike); the median step
   time of each mode and ``replication_overhead_pct`` against off. ``capture_ms``: the part on
   the training thread (one copy of the state into a buffer); the rest runs in a thread.
+- ``zero`` (``--zero K``, on its own): per ZeRO stage at world 2, a replica's bytes and
+  capture time (shards) against the consolidated state the replicas used to copy (the
+  engine's ``state_dict``, a gather each time), the step's overhead at every K, and a restore
+  at the same world:
+
+    flock /tmp/rw-bench.lock python benchmarks/recovery.py --width 1024 --steps 30 --repeats 3 \
+        --zero 10 --out benchmarks/results/recovery_zero.json
 - ``cluster`` (root, network namespaces; ``--cluster``): tests/cluster/replicas.py's trial, 3
   hosts x 1 process under ``--nnodes 1:3`` with ``--rdzv-conf keep_alive_interval=1,
   keep_alive_max_attempt=4`` and a 1 s last call, a host killed, then a replacement, repeated
@@ -44,10 +51,11 @@ import rankwise as rw
 from rankwise.testing import run_distributed
 
 
-def _block(rt, model, opt, steps: int, reps, start: int) -> float:
+def _block(rt, model, opt, steps: int, reps, start: int, dim: int | None = None) -> float:
     """Seconds per step over ``steps`` steps (replicating through ``reps`` when given)."""
     torch.manual_seed(start + 7919 * rt.rank)  # each rank its own batch, as a split loader's
-    x, y = torch.randn(32, rw.unwrap_model(model)[0].in_features), torch.randint(0, 10, (32,))
+    dim = dim or rw.unwrap_model(model)[0].in_features  # (zero3's bare module is empty)
+    x, y = torch.randn(32, dim), torch.randint(0, 10, (32,))
     begin = time.perf_counter()
     for i in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -146,6 +154,75 @@ def overhead(width: int, steps: int, repeats: int, everys: list) -> dict:
     }
 
 
+def _zero_rank(folder: str, strategy: str, width: int, steps: int, repeats: int,
+               every: int) -> dict:  # fmt: skip
+    """Under ZeRO: replicas of shards against the consolidated state the replicas copied
+    before (``capture_state``, the engine's ``state_dict``: a gather on every copy)."""
+    from rankwise.checkpoint.api import capture_state
+    from rankwise.replicas import blob
+
+    rt = rw.init(strategy=strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = rt.prepare(model, opt)
+    _block(rt, model, opt, 3, None, 0, width)
+    where = Path(folder) / f"{strategy}-r{rt.rank}"
+    reps = rt.replicas(model, opt, every=every, folder=where)
+    times: dict[str, list[float]] = {"off": [], str(every): []}
+    step = 3
+    for _ in range(repeats):
+        for mode in times:
+            times[mode].append(_block(rt, model, opt, steps, None if mode == "off" else reps,
+                                      step, width))  # fmt: skip
+            step += steps
+    shards, whole, whole_bytes = [], [], 0
+    for _ in range(5):
+        rw.barrier()
+        t = time.perf_counter()
+        reps.capture(step, None)
+        shards.append(time.perf_counter() - t)
+        rw.barrier()
+        t = time.perf_counter()
+        whole_bytes = blob.encode(capture_state(**reps.objects, step=step, epoch=None), {}).numel()
+        whole.append(time.perf_counter() - t)
+    reps.close()
+    rw.barrier()
+    again = rt.replicas(model, opt, folder=where)
+    t = time.perf_counter()
+    got = again.restore()
+    restore_s = time.perf_counter() - t
+    again.close(remove=True)
+    return {"times": times, "shards_bytes": reps.state_bytes, "whole_bytes": whole_bytes,
+            "capture_s": statistics.median(shards), "whole_capture_s": statistics.median(whole),
+            "restore_s": restore_s, "restored_step": got["step"]}  # fmt: skip
+
+
+def zero(width: int, steps: int, repeats: int, every: int) -> dict:
+    """Per ZeRO stage, world 2: a replica's bytes and capture time, shards against the
+    consolidated state; the step's overhead at ``every``; a restore at the same world."""
+    out = {}
+    for strategy in ("zero1", "zero2", "zero3"):
+        with tempfile.TemporaryDirectory(prefix="rw-recovery-") as folder:
+            ranks = run_distributed(_zero_rank, 2, args=(folder, strategy, width, steps,
+                                    repeats, every), init=False, timeout=1800)  # fmt: skip
+        step_s = {m: statistics.median(v) for m, v in ranks[0]["times"].items()}
+        off = step_s["off"]
+        out[strategy] = {
+            "replica_bytes_per_rank": [r["shards_bytes"] for r in ranks],
+            "consolidated_bytes_per_rank": [r["whole_bytes"] for r in ranks],
+            "capture_ms": [round(1000 * r["capture_s"], 2) for r in ranks],
+            "consolidated_capture_ms": [round(1000 * r["whole_capture_s"], 2) for r in ranks],
+            "step_ms": {m: round(1000 * v, 2) for m, v in step_s.items()},
+            f"overhead_pct_every_{every}": round(100 * (step_s[str(every)] - off) / off, 2),
+            "restore_same_world_s": [round(r["restore_s"], 3) for r in ranks],
+            "blocks_ms": {m: [round(1000 * t, 2) for t in v] for m, v in ranks[0]["times"].items()},
+        }
+    return {"world": 2, "model": f"MLP {width}x{width}x2 + head, AdamW", "every": every,
+            "steps_per_block": steps, "repeats": repeats, "stages": out}  # fmt: skip
+
+
 def cluster(trials: int) -> dict:
     """``trials`` runs of the trial; the medians of its seconds, the worst of its steps lost."""
     from cluster import replicas
@@ -180,8 +257,17 @@ def main() -> None:
     p.add_argument("--every", default="1,5,20")
     p.add_argument("--cluster", action="store_true")
     p.add_argument("--trials", type=int, default=3, help="cluster trials (medians reported)")
+    p.add_argument("--zero", type=int, default=0, metavar="K",
+                   help="only the ZeRO rows: shards against the consolidated state, every K")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.zero:
+        result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
+                  "torch": torch.__version__}  # fmt: skip
+        result["zero"] = zero(args.width, args.steps, args.repeats, args.zero)
+        result["load_after"] = os.getloadavg()
+        emit(result, args.out)
+        return
     everys = [k if k == "auto" else int(k) for k in args.every.split(",")]  # auto: the default
     result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
               "torch": torch.__version__}  # fmt: skip
