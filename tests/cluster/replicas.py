@@ -86,7 +86,8 @@ def _first(rows: list[dict], world: int, after: float) -> dict | None:
 
 
 def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float = 0.1,
-              grow: bool = True, victim: int = 2, after: int = 5) -> dict:  # fmt: skip
+              grow: bool = True, victim: int = 2, after: int = 5,
+              strategy: str = "ddp") -> dict:  # fmt: skip
     """Kill node ``victim`` after 8 steps; the survivors continue at world 2; with ``grow``, a
     replacement joins once they train again and the job returns to 3. Returns the facts and
     the times: ``kill_to_training_s`` (the kill to the first step finished at world 2),
@@ -96,7 +97,7 @@ def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float
     out = folder / "out"
     out.mkdir(parents=True)
     args = [str(out), "--steps", str(total), "--every", str(every), "--sleep", str(sleep),
-            "--stop-file", str(folder / "stop")]  # fmt: skip
+            "--stop-file", str(folder / "stop"), "--strategy", strategy]  # fmt: skip
     timeline = Timeline(folder)
     timeline.start()
     with Cluster(3) as cluster:

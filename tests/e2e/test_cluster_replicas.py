@@ -15,9 +15,10 @@ from cluster.required import require_cluster
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def test_a_lost_host_shrinks_the_job_and_a_returning_one_grows_it_back(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])  # zero3: replicas of shards, resharded
+def test_a_lost_host_shrinks_the_job_and_a_returning_one_grows_it_back(tmp_path, strategy):
     require_cluster()
-    r = replicas.host_lost(tmp_path)  # stopped 5 steps after the job grew back
+    r = replicas.host_lost(tmp_path, strategy=strategy)  # stopped 5 steps after growing back
     assert not r["hung"] and r["codes"] == [0, 0, 0], r["text"]
     worlds = r["worlds"]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds

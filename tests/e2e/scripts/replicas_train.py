@@ -3,7 +3,7 @@ replicated (own host's RAM folder and a buddy's); started again after a host is 
 returns), it resumes from the replicas at the new world, keeping the global batch.
 
     replicas_train.py OUT --steps N [--every K] [--disk] [--resume-from CKPT] [--sleep S]
-                      [--stop-file PATH]
+                      [--stop-file PATH] [--strategy ddp|zero1|zero2|zero3]
 
 Rank 0 appends ``{"step", "world", "time"}`` to ``OUT/progress.jsonl`` after every step and
 writes the final parameters to ``OUT/final.pt``; ``--disk`` also saves a checkpoint every step
@@ -42,9 +42,10 @@ def main() -> None:
     p.add_argument("--resume-from", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--stop-file", default=None, help="stop when it exists (ranks agree)")
+    p.add_argument("--strategy", default="ddp", help="ddp or zero1-3 (replicas of shards)")
     args = p.parse_args()
     out = Path(args.out)
-    rt = rw.init(strategy="ddp", timeout=20)
+    rt = rw.init(strategy=args.strategy, timeout=20)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -88,8 +89,9 @@ def main() -> None:
         epoch += 1
     if reps is not None:
         reps.close(remove=True)
+    final = model.state_dict()  # the full state: a gather under zero3, so every rank calls it
     if rt.rank == 0:
-        torch.save(rw.unwrap_model(model).state_dict(), out / "final.pt")
+        torch.save(final, out / "final.pt")
     rw.shutdown()
 
 
