@@ -276,3 +276,32 @@ def test_a_flipped_byte_in_a_shard_file_is_refused_naming_it(tmp_path):
         rw.load_checkpoint(path, model=_net())
     assert info.relative_path in str(refused.value) and "damaged" in str(refused.value)
     assert "model.0.weight" in str(refused.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.bool, torch.complex64])  # fmt: skip
+@pytest.mark.parametrize(("lo", "hi", "shape"), [(100, 400, (30, 10)), (7, 8, ()), (5, 5, (0,))])
+def test_a_shard_piece_is_written_as_its_compact_copy_without_copying(dtype, lo, hi, shape):
+    """A ZeRO piece is a contiguous run inside the flat shard: ``torch.save`` of a view writes
+    its base's whole storage, so the save hands it a tensor over exactly the piece's bytes (no
+    copy), whose file is byte for byte that of a compact copy (what DCP reads)."""
+    import io
+
+    from rankwise.checkpoint.sharded.save import compact_cpu
+
+    flat = (torch.randn(1000) * 10).to(dtype)
+    view = flat[lo:hi].view(shape)
+    out = compact_cpu(view)
+    assert out.dtype == dtype and out.untyped_storage().nbytes() == view.numel() * view.element_size()
+    if not view.numel():  # an empty piece is copied (nothing to copy)
+        return
+    assert out.data_ptr() == view.data_ptr()  # no copy
+
+    def saved(t):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue()
+
+    assert saved(out) == saved(view.clone())
+    flat[lo:hi] = flat[lo:hi] + 1 if dtype != torch.bool else ~flat[lo:hi]
+    assert torch.equal(out, view)  # an alias: the save must write before training goes on
