@@ -171,3 +171,45 @@ def test_a_stuck_rank_beside_tensor_or_pipeline_peers_is_reported_and_the_job_en
     assert "rankwise ends the job now" in err, err[-3000:]
     summary = err[err.rindex("rankwise run:") :]
     assert summary.startswith("rankwise run: rank(s) 1 never reached"), summary
+
+
+MESH_STUCK = textwrap.dedent("""
+    # A data 2 x tensor 2 mesh; rank 3 never comes back from its data (stuck). Its tensor
+    # peer, rank 2, waits inside the forward's tensor-parallel all-reduce; ranks 0 and 1 wait
+    # for rank 2 in the gradients' all-reduce. The cause is rank 3, not rank 2.
+    import os, sys, time, torch, torch.nn.functional as F, rankwise as rw
+    from torch import nn
+
+    rt = rw.init(mesh={"data": 2, "tensor": 2}, timeout=300)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = rw.tensor_parallel(model, plan={"0": "column", "2": "row"},
+                               group=rt.mesh.group("tensor"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.prepare(model, opt)
+    for step in range(4):
+        if step == 2 and rt.rank == 3:
+            time.sleep(3600)  # stuck-site
+        x = torch.randn(4, 4)
+        rt.backward(F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)))
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_under_a_mesh_the_stuck_rank_is_named_not_its_waiting_tensor_peer(tmp_path):
+    """The fault matrix's 3x2 mesh 'stuck' cell: the report named the tensor peer waiting for
+    the stuck rank (rank 4), since the data group saw only that it never reached the
+    gradients' all-reduce. A stall whose missing ranks all wait in another group's collective
+    is left to that group's report."""
+    (tmp_path / "mesh.py").write_text(MESH_STUCK)
+    cmd = [sys.executable, "-m", "rankwise", "run", "--nproc-per-node", "4", "mesh.py"]
+    env = {**os.environ, "RANKWISE_STALL_REPORT_S": "3"}
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150,
+                            env=env)  # fmt: skip
+    err = result.stderr
+    assert result.returncode == 1, err[-3000:]
+    assert "stall: rank(s) 3 have not reached all_reduce" in err, err[-3000:]
+    assert "stall: rank(s) 2 have not reached" not in err, err[-3000:]
+    assert "rank(s) 2 never reached" not in err, err[-3000:]
+    assert "Timed out waiting" not in err

@@ -273,3 +273,32 @@ def test_silence_is_counted_from_a_ranks_last_heartbeat_and_watched_at_least_1_5
         got = _settle_s(_Peer(beat, None, None), 1.0)
         assert want - 0.05 <= got <= want, (beat and now - beat, got, want)
     assert _settle_s(_Peer(now - 0.6, None, None), 0.2) == pytest.approx(0.3)  # 1.5 beats
+
+
+class _Heartbeats:
+    """The side channel's parsed heartbeats: rank -> {group name -> its latest records}."""
+
+    def __init__(self, groups_of: dict[int, dict[str, list[Record]]]) -> None:
+        self.groups_of = groups_of
+
+    def state(self, rank: int):
+        groups = self.groups_of.get(rank)
+        return None if groups is None else {"t": 1.0, "groups": groups}
+
+
+def test_a_missing_rank_waiting_in_another_group_is_a_victim_not_the_cause():
+    """The fault matrix's 3x2 mesh cell: the data group's report named rank 4, itself waiting
+    in the tensor group's forward all-reduce for the stuck rank 5. Such a stall is left to
+    the tensor group's report (stall.check defers it, boundedly)."""
+    from rankwise.diagnose.stall import blocked_elsewhere
+
+    waiting = Record(3, "all_reduce", "sum, float32[8]", "tensor parallel", None, "waiting", 1)
+    done = Record(2, "all_reduce", "sum, float32[8]", "tensor parallel", None, "done", 1)
+    channel = _Heartbeats({4: {"data": [_DONE4], "tensor": [waiting]}, 5: {"tensor": [done]},
+                           2: {"data": [_AR]}})  # fmt: skip
+    assert blocked_elsewhere(channel, "data", [4])
+    assert not blocked_elsewhere(channel, "tensor", [4])  # pending in the group reported on
+    assert not blocked_elsewhere(channel, "data", [5])  # the stuck rank: running user code
+    assert not blocked_elsewhere(channel, "data", [4, 5])  # one cause among them: report
+    assert not blocked_elsewhere(channel, "data", [9])  # no heartbeat: nothing to defer to
+    assert not blocked_elsewhere(channel, "data", [])

@@ -17,7 +17,10 @@ code, never reaches a collective that could fail), each leaving the same blame: 
 every node name the missing ranks, within a few heartbeats of the report, instead of waiting
 for the timeout. ``RANKWISE_ON_STALL=wait`` (or ``configure(wait=True)``) keeps the old way:
 the report is printed and the job waits, failing at the timeout if the stall does not end.
-Each collective is reported once. A ZeRO collective issued under a rank guard
+Each collective is reported once. A stall whose missing ranks are all waiting in a collective
+of another group (under a mesh, a tensor-parallel peer of a stuck rank, waiting in the
+forward's all-reduce) is left to that group's report, which names the stuck rank, for up to
+``DEFER_FACTOR`` times the delay. A ZeRO collective issued under a rank guard
 (``if rank == 0: model(x)`` under zero3) is reported after ``causes.GUARDED_SHARDED_S``
 already: nothing on the other ranks balances it.
 """
@@ -94,11 +97,14 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             continue
         if now - e.t0 < limit and not _sharded_guard_overdue(e, now - e.t0):
             continue
-        g.stall_reported = e.seq
+        before, g.stall_reported = getattr(g, "stall_reported", 0), e.seq
         node = getattr(watchdog, "node", None)
         views = gather.collect_views(g, e.record(), watchdog.own, interval, False, node)
         msg, fix = report.stall_report(g.global_rank, e.record(), views, now - e.t0, timeout)
         missing = report.culprits(views, e.seq)
+        if now - e.t0 < DEFER_FACTOR * limit and blocked_elsewhere(watchdog.own, g.name, missing):
+            g.stall_reported = before  # checked again at the next heartbeat
+            continue
         waiting = [v.rank for v in views if v.rank not in missing]
         missed = getattr(watchdog.own, "missed", None)
         if missed:  # this node is cut off: say so from here (the others are unknown)
@@ -128,6 +134,31 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             _end_job(watchdog, g.global_rank, missing, interval, msg, facts)
         return text
     return None
+
+
+DEFER_FACTOR = 3.0
+"""A stall whose missing ranks all wait in a collective of another group is left, for up to
+this many times the stall delay, to the report of that group (``blocked_elsewhere``)."""
+
+
+def blocked_elsewhere(channel: Any, group: str, missing: list[int]) -> bool:
+    """True when every rank in ``missing`` is itself waiting in a collective of a group other
+    than ``group`` (its heartbeat says so): it is a victim, not the cause. Under a mesh a rank
+    whose tensor-parallel peer is stuck in its data loader waits inside the forward's
+    all-reduce, and its data-parallel peers wait for it; the report of the tensor group, by the
+    rank waiting there, names the stuck rank. Reading the heartbeats never raises."""
+    if not missing:
+        return False
+    for rank in missing:
+        try:
+            state = channel.state(rank)
+        except Exception:
+            return False
+        groups = (state or {}).get("groups") or {}
+        if not any(name != group and recs and recs[-1].state in ("entered", "waiting")
+                   for name, recs in groups.items()):  # fmt: skip
+            return False
+    return True
 
 
 def end_facts(pending: Any, views: list[Any], missing: list[int]) -> dict:
