@@ -12,6 +12,8 @@
 
     flock /tmp/rw-bench.lock python benchmarks/recovery.py --width 1024 --steps 30 --repeats 3 \
         --zero 10 --out benchmarks/results/recovery_zero.json
+- ``--cluster-only --per-host 2 [--strategy zero3]``: the cluster trial alone, with two
+  processes per host (worlds 6, 4 and 6 again, a global batch of 24 kept).
 - ``cluster`` (root, network namespaces; ``--cluster``): tests/cluster/replicas.py's trial, 3
   hosts x 1 process under ``--nnodes 1:3`` with ``--rdzv-conf keep_alive_interval=1,
   keep_alive_max_attempt=4`` and a 1 s last call, a host killed, then a replacement, repeated
@@ -223,15 +225,17 @@ def zero(width: int, steps: int, repeats: int, every: int) -> dict:
             "steps_per_block": steps, "repeats": repeats, "stages": out}  # fmt: skip
 
 
-def cluster(trials: int) -> dict:
-    """``trials`` runs of the trial; the medians of its seconds, the worst of its steps lost."""
+def cluster(trials: int, per_host: int = 1, strategy: str = "ddp") -> dict:
+    """``trials`` runs of the trial; the medians of its seconds, the worst of its steps lost.
+    ``per_host`` processes per host (2: worlds 6 and 4, a global batch of 24 kept)."""
     from cluster import replicas
     from cluster.required import require_cluster  # noqa: F401  (the same requirements)
 
     runs = []
     for _ in range(trials):
         with tempfile.TemporaryDirectory(prefix="rw-recovery-cluster-") as folder:
-            r = replicas.host_lost(Path(folder), every=1)
+            r = replicas.host_lost(Path(folder), every=1, per_host=per_host, strategy=strategy,
+                                   global_batch=12 * per_host)  # fmt: skip
         for key in ("text", "worlds", "steps", "cause_lines"):
             r.pop(key)
         runs.append(r)
@@ -241,7 +245,8 @@ def cluster(trials: int) -> dict:
         return round(statistics.median(got), 2) if len(got) == len(runs) else None
 
     lost = [r["steps_lost"] for r in runs]
-    return {"hosts": 3, "processes_per_host": 1, "every": 1, "trials": trials,
+    return {"hosts": 3, "processes_per_host": per_host, "strategy": strategy, "every": 1,
+            "trials": trials, "global_batch": 12 * per_host,
             "rdzv_conf": "keep_alive_interval=1,keep_alive_max_attempt=4", "last_call_s": 1,
             "kill_to_training_s": median("kill_to_training_s"),
             "grow_back_s": median("grow_back_s"),
@@ -257,6 +262,9 @@ def main() -> None:
     p.add_argument("--every", default="1,5,20")
     p.add_argument("--cluster", action="store_true")
     p.add_argument("--trials", type=int, default=3, help="cluster trials (medians reported)")
+    p.add_argument("--per-host", type=int, default=1, help="cluster: processes per host")
+    p.add_argument("--strategy", default="ddp", help="cluster: ddp or zero1-3")
+    p.add_argument("--cluster-only", action="store_true", help="skip the overhead rows")
     p.add_argument("--zero", type=int, default=0, metavar="K",
                    help="only the ZeRO rows: shards against the consolidated state, every K")
     p.add_argument("--out", default=None)
@@ -268,12 +276,19 @@ def main() -> None:
         result["load_after"] = os.getloadavg()
         emit(result, args.out)
         return
+    if args.cluster_only:  # one cluster configuration alone (e.g. 2 processes per host)
+        result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
+                  "torch": torch.__version__}  # fmt: skip
+        result["cluster"] = cluster(args.trials, args.per_host, args.strategy)
+        result["load_after"] = os.getloadavg()
+        emit(result, args.out)
+        return
     everys = [k if k == "auto" else int(k) for k in args.every.split(",")]  # auto: the default
     result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
               "torch": torch.__version__}  # fmt: skip
     result["overhead"] = overhead(args.width, args.steps, args.repeats, everys)
     if args.cluster:
-        result["cluster"] = cluster(args.trials)
+        result["cluster"] = cluster(args.trials, args.per_host, args.strategy)
     result["load_after"] = os.getloadavg()
     o, c = result["overhead"], result.get("cluster", {})
     result["summary"] = {  # the keys the goodput model reads

@@ -36,8 +36,9 @@ def progress(out: Path) -> list[dict]:
     return rows
 
 
-def _launch(cluster: Cluster, node: int, folder: Path, args: list[str], name: str):
-    flags = jobs.run_flags(cluster, node, nproc=1, nnodes="1:3", rdzv="c10d", port=29400)
+def _launch(cluster: Cluster, node: int, folder: Path, args: list[str], name: str,
+            nproc: int = 1):  # fmt: skip
+    flags = jobs.run_flags(cluster, node, nproc=nproc, nnodes="1:3", rdzv="c10d", port=29400)
     # LOGLEVEL=INFO: torch's agent says "Starting worker group" (the rendezvous' end: Timeline)
     env = {"RANKWISE_REPLICA_HOST": f"node{node}", "RANKWISE_REPLICA_DIR": str(folder / "shm"),
            "RANKWISE_RDZV_LAST_CALL_S": "1", "LOGLEVEL": "INFO"}  # fmt: skip
@@ -86,8 +87,8 @@ def _first(rows: list[dict], world: int, after: float) -> dict | None:
 
 
 def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float = 0.1,
-              grow: bool = True, victim: int = 2, after: int = 5,
-              strategy: str = "ddp") -> dict:  # fmt: skip
+              grow: bool = True, victim: int = 2, after: int = 5, strategy: str = "ddp",
+              per_host: int = 1, global_batch: int = 12) -> dict:  # fmt: skip
     """Kill node ``victim`` after 8 steps; the survivors continue at world 2; with ``grow``, a
     replacement joins once they train again and the job returns to 3. Returns the facts and
     the times: ``kill_to_training_s`` (the kill to the first step finished at world 2),
@@ -97,38 +98,42 @@ def host_lost(folder: Path, *, total: int = 100000, every: int = 1, sleep: float
     out = folder / "out"
     out.mkdir(parents=True)
     args = [str(out), "--steps", str(total), "--every", str(every), "--sleep", str(sleep),
-            "--stop-file", str(folder / "stop"), "--strategy", strategy]  # fmt: skip
+            "--stop-file", str(folder / "stop"), "--strategy", strategy,
+            "--global-batch", str(global_batch)]  # fmt: skip
+    small, full = 2 * per_host, 3 * per_host  # the worlds after the loss and at full size
     timeline = Timeline(folder)
     timeline.start()
     with Cluster(3) as cluster:
-        launchers = [_launch(cluster, n, folder, args, f"node{n}") for n in (2, 1, 0)][::-1]
+        launchers = [_launch(cluster, n, folder, args, f"node{n}", per_host)
+                     for n in (2, 1, 0)][::-1]  # fmt: skip
         started = wait_until(lambda: len(progress(out)) >= 8, 300)
         time.sleep(0.1)  # the timeline has read every line written before the kill
         cluster.kill(victim)
         killed = timeline.since = time.time()
         shutil.rmtree(folder / "shm" / "cluster-job" / f"node{victim}", ignore_errors=True)
-        shrunk = wait_until(lambda: _first(progress(out), 2, killed) is not None, 120)
-        first2 = _first(progress(out), 2, killed)
+        shrunk = wait_until(lambda: _first(progress(out), small, killed) is not None, 120)
+        first2 = _first(progress(out), small, killed)
         timeline.done.set()
         joined, back = None, None
         if grow and shrunk is not None:
             joined = time.time()
-            launchers[victim] = _launch(cluster, victim, folder, args, f"node{victim}-back")
-            back = wait_until(lambda: _first(progress(out), 3, joined) is not None, 120)
+            launchers[victim] = _launch(cluster, victim, folder, args, f"node{victim}-back",
+                                        per_host)  # fmt: skip
+            back = wait_until(lambda: _first(progress(out), full, joined) is not None, 120)
         n = len(progress(out))
         wait_until(lambda: len(progress(out)) >= n + after, 120)
         (folder / "stop").touch()
         survivors = [launcher for i, launcher in enumerate(launchers) if grow or i != victim]
         codes = jobs.finish(survivors, 300)
         text = "\n".join(launcher.stdout + launcher.stderr for launcher in survivors)
-    facts = _facts(progress(out), killed, joined, started, shrunk, back, codes, text)
+    facts = _facts(progress(out), killed, joined, started, shrunk, back, codes, text, small, full)
     return {**facts, "phases_s": timeline.phases(first2["time"] if first2 else None)}
 
 
-def _facts(rows, killed, joined, started, shrunk, back, codes, text) -> dict:
+def _facts(rows, killed, joined, started, shrunk, back, codes, text, small=2, full=3) -> dict:
     before = [r["step"] for r in rows if r["time"] <= killed]
-    first2 = _first(rows, 2, killed)
-    first3 = _first(rows, 3, joined) if joined is not None else None
+    first2 = _first(rows, small, killed)
+    first3 = _first(rows, full, joined) if joined is not None else None
     return {
         "hung": started is None or shrunk is None or None in codes,
         "codes": codes,

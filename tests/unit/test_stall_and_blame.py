@@ -302,3 +302,36 @@ def test_a_missing_rank_waiting_in_another_group_is_a_victim_not_the_cause():
     assert not blocked_elsewhere(channel, "data", [4, 5])  # one cause among them: report
     assert not blocked_elsewhere(channel, "data", [9])  # no heartbeat: nothing to defer to
     assert not blocked_elsewhere(channel, "data", [])
+
+
+def test_a_pipeline_stage_waiting_on_a_receive_is_a_victim_too():
+    """The fault matrix's pipeline 'stuck' cells: stage 0 of a replica waits for the gradients
+    of its next stage, stuck in its loader; its data-parallel peers waited for it and the
+    report named it. Its heartbeat now says it waits on a transfer (``fingerprints.blocked``);
+    a peer's value is checked like every other field."""
+    from rankwise.diagnose.channel import peer
+    from rankwise.diagnose.stall import blocked_elsewhere
+
+    beat = {"t": 5.0, "blocked": ["pipeline gradient of micro-batch 1 from rank 3", 4.0]}
+    assert peer.heartbeat(beat)["blocked"] == ["pipeline gradient of micro-batch 1 from rank 3", 4.0]
+    for bad in ("x", ["x"], [3, 4.0], ["x", "y"], ["x" * 500, 1.0]):
+        got = peer.heartbeat({"t": 5.0, "blocked": bad})["blocked"]
+        assert got is None or len(got[0]) <= 200, (bad, got)
+
+    class Beats:
+        def state(self, rank):
+            return {1: {"t": 5.0, "groups": {}, "blocked": beat["blocked"]},
+                    3: {"t": 5.0, "groups": {}, "blocked": None}}.get(rank)
+
+    assert blocked_elsewhere(Beats(), "data", [1])
+    assert not blocked_elsewhere(Beats(), "data", [3])
+
+
+def test_the_heartbeat_says_when_the_main_thread_waits_on_a_transfer():
+    from rankwise.diagnose import fingerprints
+
+    assert fingerprints.STATE.blocked is None
+    with fingerprints.blocked("pipeline activation from rank 2"):
+        what, since = fingerprints.STATE.blocked
+        assert what == "pipeline activation from rank 2" and since > 0
+    assert fingerprints.STATE.blocked is None

@@ -143,7 +143,9 @@ this many times the stall delay, to the report of that group (``blocked_elsewher
 
 def blocked_elsewhere(channel: Any, group: str, missing: list[int]) -> bool:
     """True when every rank in ``missing`` is itself waiting in a collective of a group other
-    than ``group`` (its heartbeat says so): it is a victim, not the cause. Under a mesh a rank
+    than ``group``, or on a pipeline transfer (its heartbeat says so): it is a victim, not the
+    cause (a pipeline stage waits for the gradients of a next stage stuck in its loader, and
+    that stage's data-parallel group names it). Under a mesh a rank
     whose tensor-parallel peer is stuck in its data loader waits inside the forward's
     all-reduce, and its data-parallel peers wait for it; the report of the tensor group, by the
     rank waiting there, names the stuck rank. Reading the heartbeats never raises."""
@@ -155,6 +157,8 @@ def blocked_elsewhere(channel: Any, group: str, missing: list[int]) -> bool:
         except Exception:
             return False
         groups = (state or {}).get("groups") or {}
+        if (state or {}).get("blocked"):  # waiting on a pipeline transfer from a peer
+            continue
         if not any(name != group and recs and recs[-1].state in ("entered", "waiting")
                    for name, recs in groups.items()):  # fmt: skip
             return False

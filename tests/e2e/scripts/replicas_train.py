@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--stop-file", default=None, help="stop when it exists (ranks agree)")
     p.add_argument("--strategy", default="ddp", help="ddp or zero1-3 (replicas of shards)")
+    p.add_argument("--global-batch", type=int, default=GLOBAL, help="kept at every world")
     args = p.parse_args()
     out = Path(args.out)
     rt = rw.init(strategy=args.strategy, timeout=20)
@@ -54,12 +55,12 @@ def main() -> None:
     model, opt, loader = rt.prepare(model, opt, DataLoader(data, batch_size=MICRO, shuffle=True))
     torch.manual_seed(1000 + rt.rank)
     step, epoch, reps = 0, 0, None
-    accumulation = accumulation_for(GLOBAL, rt.world_size, MICRO)
+    accumulation = accumulation_for(args.global_batch, rt.world_size, MICRO)
     if args.resume_from:
         info = rt.load(args.resume_from, model=model, optimizer=opt, loader=loader)
         step, epoch = info["step"], info["epoch"]
     else:
-        reps = rt.replicas(model, opt, loader, every=args.every, global_batch=GLOBAL)
+        reps = rt.replicas(model, opt, loader, every=args.every, global_batch=args.global_batch)
         got = reps.restore()
         if got is not None:
             step, epoch, accumulation = got["step"], got["epoch"], got["accumulation"]

@@ -139,7 +139,8 @@ def exit_note(value: Any) -> dict[str, Any] | None:
 
 def heartbeat(value: Any) -> dict[str, Any] | None:
     """A peer's heartbeat (``sidechannel.Watchdog.beat``), every field checked: ``t``,
-    ``frame`` (a Site or None), ``raw`` ([op, file, line, func, since] or None) and ``groups``
+    ``frame`` (a Site or None), ``raw`` ([op, file, line, func, since] or None), ``blocked``
+    ([what, since] or None: waiting on a pipeline transfer) and ``groups``
     (group name -> its latest records) and ``node`` (an int or None). None when it is not a heartbeat at all."""
     if not isinstance(value, dict):
         return None
@@ -154,9 +155,18 @@ def heartbeat(value: Any) -> dict[str, Any] | None:
         "t": t,
         "frame": site(value.get("frame")),
         "raw": _raw(value.get("raw")),
+        "blocked": _blocked(value.get("blocked")),
         "groups": named,
         "node": node if isinstance(node, int) and not isinstance(node, bool) else None,
     }
+
+
+def _blocked(value: Any) -> list | None:
+    """``[what, since]``: the peer waits on a transfer that is no collective (or None)."""
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    what, since = text(value[0], 200), number(value[1])
+    return None if what is None or since is None else [what, since]
 
 
 def _raw(value: Any) -> list | None:

@@ -29,12 +29,13 @@ from .recording import (
 )
 from .settings import Settings
 from .state import STATE
-from .watch import watch_world
+from .watch import blocked, watch_world
 
 __all__ = [
     "STATE",
     "Entry",
     "Settings",
+    "blocked",
     "collective",
     "configure",
     "failure",

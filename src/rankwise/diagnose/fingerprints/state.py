@@ -61,6 +61,10 @@ class State:
     """The latest diagnosis made on this rank (a failure, or the watchdog's stuck report)."""
     hooks_registered: bool = False
     """``reset`` is registered with ``atexit`` and ``runtime.on_shutdown`` (done once)."""
+    blocked: list[Any] | None = None
+    """``[what, since]`` while the main thread waits on a transfer that is no collective (a
+    pipeline stage's receive): published in the heartbeat, so that a stall report elsewhere
+    knows this rank waits too (``stall.blocked_elsewhere``)."""
 
     def timeout_s(self) -> float:
         if runtime.is_initialized():

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,6 +87,17 @@ def _start_world(world: Any) -> None:
     wd.start()
 
 
+@contextlib.contextmanager
+def blocked(what: str) -> Iterator[None]:
+    """While inside, this rank's heartbeat says it waits on ``what`` (a pipeline receive: a
+    transfer that is no recorded collective), since now."""
+    before, STATE.blocked = STATE.blocked, [what[:200], time.time()]
+    try:
+        yield
+    finally:
+        STATE.blocked = before
+
+
 def _snapshot() -> dict[str, Any] | None:
     """Entry states for the heartbeat (None: disabled, skip it); notices completed async works."""
     if not STATE.settings.enabled:
@@ -98,7 +110,7 @@ def _snapshot() -> dict[str, Any] | None:
             if work is not None and e.state == "waiting" and completed(work):
                 e.finish()
         groups[g.name] = [e.to_dict() for e in tail]
-    return {"groups": groups}
+    return {"groups": groups, "blocked": STATE.blocked}
 
 
 def _overdue() -> None:

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ...diagnose import fingerprints
 from ...errors import ConfigError, DistributedError
 from .sends import Held, SendQueue
 
@@ -316,7 +317,8 @@ class Link:
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
-            ok = work.wait(timeout=self.timeout)
+            with fingerprints.blocked(f"pipeline {what}"):  # the stall report knows it waits
+                ok = work.wait(timeout=self.timeout)
         except RuntimeError as exc:
             raise self._error(what, f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
         if ok is False:
