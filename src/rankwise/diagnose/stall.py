@@ -156,11 +156,11 @@ def blocked_elsewhere(channel: Any, group: str, missing: list[int]) -> bool:
             state = channel.state(rank)
         except Exception:
             return False
-        groups = (state or {}).get("groups") or {}
-        if (state or {}).get("blocked"):  # waiting on a pipeline transfer from a peer
+        state = state or {}
+        if state.get("blocked"):  # waiting on a pipeline transfer from a peer
             continue
         if not any(name != group and recs and recs[-1].state in ("entered", "waiting")
-                   for name, recs in groups.items()):  # fmt: skip
+                   for name, recs in (state.get("groups") or {}).items()):  # fmt: skip
             return False
     return True
 

@@ -83,14 +83,9 @@ def move(held: list[list[Held]], step: int, world: int, read: Any, group: Any,
             if j == me:
                 mine = buf
             else:
-                dist.send(torch.tensor([buf.numel()], dtype=torch.int64), j, group=group)
-                dist.send(buf, j, group=group)
+                send_bytes(buf, j, group)
         elif me == j:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, h, group=group)
-            _check_size(int(size.item()), limit, h, "replica")
-            mine = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(mine, h, group=group)
+            mine = recv_bytes(h, group, limit, "replica")
     assert mine is not None  # every j was served above
     return mine, source(me, world)[1]
 
@@ -101,11 +96,11 @@ def send_bytes(buf: torch.Tensor, dst: int, group: Any) -> None:
     dist.send(buf, dst, group=group)
 
 
-def recv_bytes(src: int, group: Any, limit: int) -> torch.Tensor:
+def recv_bytes(src: int, group: Any, limit: int, what: str = "buffer") -> torch.Tensor:
     """A buffer from ``src`` (``send_bytes``), its announced size checked against ``limit``."""
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, src, group=group)
-    _check_size(int(size.item()), limit, src, "buffer")
+    _check_size(int(size.item()), limit, src, what)
     out = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(out, src, group=group)
     return out
