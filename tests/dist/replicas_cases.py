@@ -111,3 +111,43 @@ def after_loss(root: str, strategy: str, optimizer: str, host_of: list[int] | No
     return {"reference": reference, "replicas": replicas, "step": got["step"],
             "disk_step": info["step"], "accumulation": got["accumulation"],
             "event": events[0] if events else None}  # fmt: skip
+
+
+def readme_loop(root: str, strategy: str):
+    """The README's loop at world 2: AdamW in two parameter groups and a StepLR schedule,
+    replicas every step; after step 3 a fresh prepare restores from them and trains on to step
+    5. Returns both runs' parameters and learning rates (a collective under zero3)."""
+    rt = rw.init(strategy=strategy, timeout=60)
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.AdamW([{"params": net[0].parameters(), "weight_decay": 0.1},
+                                 {"params": net[2].parameters(), "weight_decay": 0.0}], lr=1e-2)
+        model, opt = rt.prepare(net, opt)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def steps(model, opt, sched, first, last):
+        for k in range(first, last):
+            g = torch.Generator().manual_seed(100 * k + rt.rank)
+            x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+            rt.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    model, opt, sched = build()
+    reps = rt.replicas(model, opt, every=1, folder=Path(root) / f"host{rt.rank}")
+    steps(model, opt, sched, 0, 3)
+    reps.step(3)
+    reps.wait()
+    steps(model, opt, sched, 3, 5)
+    reps.close()
+    whole = params(model), [g["lr"] for g in opt.param_groups]
+    model, opt, sched = build()
+    got = rt.replicas(model, opt, folder=Path(root) / f"host{rt.rank}").restore()
+    sched.last_epoch = got["step"]  # the user's own scheduler object steps on from there
+    steps(model, opt, sched, 3, 5)
+    resumed = params(model), [g["lr"] for g in opt.param_groups]
+    rw.shutdown()
+    return {"whole": whole, "resumed": resumed, "step": got["step"]}

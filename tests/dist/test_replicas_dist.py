@@ -97,3 +97,14 @@ def test_zero3_grows_back_from_shards_equal_to_disk_reference(tmp_path):
         assert (r["step"], r["accumulation"]) == (4, 2)
         _equal(r)
     assert (out[0]["event"].old_world, out[0]["event"].new_world) == (2, 3)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_the_readme_loop_with_two_groups_and_a_schedule_resumes_exactly(tmp_path, strategy):
+    out = run_distributed(rc.readme_loop, 2, args=(str(tmp_path), strategy), init=False,
+                          timeout=120)  # fmt: skip
+    for r in out:
+        assert r["step"] == 3
+        (a, lr_a), (b, lr_b) = r["whole"], r["resumed"]
+        assert lr_a == lr_b == [0.0025, 0.0025]  # the schedule, restored and stepped on
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
