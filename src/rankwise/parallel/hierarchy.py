@@ -16,8 +16,9 @@ sit on several nodes, each node holding the same number ``L`` of them, a rank be
 Groups are made once per process group and purpose (the DDP reducer's, ZeRO's reductions,
 ZeRO stage 3's gathers: each runs its own worker thread, and two threads must never issue
 collectives on one group), in the order the engines ask for them, which is the same on every
-rank. They are made with ``use_local_synchronization=True``: only the members meet, so the
-nodes build their groups side by side and a subgroup (a mesh's data group) needs nobody else.
+rank. They are made by their members alone (``comm.groups.among``): the nodes build their
+groups side by side and a subgroup (a mesh's data group) needs nobody else, under one name on
+every member whatever groups the user made before.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm.groups import among
 from ..diagnose import fingerprints
-from ..job.process_group import new_group
 from ..runtime import coords
 
 
@@ -117,8 +118,8 @@ class Hierarchy:
         intra_ranks = [self.ranks[g] for g in self.map.intra(self.rank)]
         peers = [self.ranks[g] for g in self.map.inter(self.rank)]
         # The job's timeout (torch's default is 30 minutes): a cut link must fail here too.
-        intra = new_group(intra_ranks, backend=backend, use_local_synchronization=True)
-        inter = new_group(peers, backend=backend, use_local_synchronization=True)
+        intra = among(intra_ranks, self.group, backend=backend)
+        inter = among(peers, self.group, backend=backend)
         made = Groups(
             intra=intra,
             inter=inter,

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...comm.groups import among
 from ...errors import ConfigError
-from ...job.process_group import new_group
 from .. import deferred
 from ..agreement import broadcast_tensors
 from ..buckets import assign_buckets
@@ -90,7 +90,7 @@ def gather_group(engine: ShardedDataParallel) -> Any:
     if engine.stage < 3 or engine.world_size == 1:
         return group
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+    return among(ranks, group, backend=dist.get_backend(group))
 
 
 def broadcast_the_rest(engine: ShardedDataParallel) -> None:

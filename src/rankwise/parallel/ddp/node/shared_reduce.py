@@ -38,8 +38,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ....comm.groups import among
 from ....errors import ConfigError
-from ....job.process_group import new_group
 from ...buckets import Bucket
 from . import shm_file
 from .shm_file import SHM_DIR
@@ -93,9 +93,7 @@ class _Channel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         timeout = group._get_backend(torch.device("cpu")).options._timeout
         ranks = dist.get_process_group_ranks(group)
-        self.barriers = new_group(
-            ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-        )
+        self.barriers = among(ranks, group, backend="gloo", timeout=timeout)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: tuple[Callable[[], None], Work] | None = None  # a summed, ungathered bucket
         threading.Thread(target=self._serve, name="rankwise-shared-reduce", daemon=True).start()
