@@ -76,3 +76,44 @@ def test_the_report_says_mismatch_or_who_is_outside():
     assert "Rank(s) 1 are not in any collective" in raw.report(0, 2, states, 100.0, 1.0)
     states[1]["t"] = 80.0
     assert "rank 1 has sent no heartbeat for 20s" in raw.report(0, 2, states, 100.0, 1.0)
+
+
+class _Channel:
+    def __init__(self, states):
+        self.states, self.set_keys = states, {}
+
+    def get(self, key):
+        return self.set_keys.get(key)
+
+    def set(self, key, value):
+        self.set_keys[key] = value
+
+    def state(self, rank):
+        return self.states.get(rank)
+
+
+def test_ranks_waiting_in_rankwise_collectives_are_not_blamed_with_the_stuck_one():
+    """A 3 x 3 pipeline (3 stages x 3 data ranks), rank 8 stuck in its DataLoader: the stages
+    behind it wait in pipeline receives (raw), the others in their data groups' gradient
+    all-reduce (rankwise's). The lowest raw waiter's report ends the job blaming rank 8 alone,
+    with where it is for its own launcher (the matrix's 3x3-small-pipeline-stuck blamed every
+    rank but the reporter)."""
+    from rankwise.diagnose import stall
+    from rankwise.diagnose.records import Record, Site
+
+    now, site = 1000.0, Site("/x/matrix_train.py", 89, "step")
+    pending = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
+    recv = ["recv", "/x/matrix_train.py", 89, "step", now - 30]
+    states = {r: {"t": now, "raw": None, "groups": {"data": [pending]}} for r in (0, 1, 3, 4, 5)}
+    states.update({r: {"t": now, "raw": recv, "groups": {}} for r in (6, 7)})
+    states[8] = {"t": now - 0.5, "raw": None, "groups": {}, "frame": ["/x/matrix_train.py", 101, "train"]}
+    found = raw.check(raw.Tracker(), recv, _Channel(states), 2, 9, 1.0, 10.0, waits=False)
+    assert found is not None and found.deadlocked and found.missing == (8,), found
+    assert "Rank(s) 8 are not in any collective" in found.text
+    assert "rank 0 is waiting in rankwise's all_reduce #15" in found.text
+    note = {"rank": 2, "missing": list(found.missing), **found.facts}
+    said = stall.stalled_sentence(note, 8)
+    assert "matrix_train.py:101" in said and "rank(s) 2, 6, 7 waited in" in said, said
+    # Nobody outside every collective: the rankwise collectives' own report names who is missing.
+    states[8] = {"t": now, "raw": None, "groups": {"data": [pending]}}
+    assert raw.check(raw.Tracker(), recv, _Channel(states), 2, 9, 1.0, 10.0, waits=False) is None

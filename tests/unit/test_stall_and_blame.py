@@ -226,8 +226,15 @@ def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
             **stall.end_facts(_AR, views, [1])}  # fmt: skip
 
     class Own:
+        reads = 0
+
         def get(self, key):
             return json.dumps(note) if key == stall.END_KEY else None
+
+        def add_bounded(self, key, amount, timeout):
+            assert key == stall.READ_KEY
+            Own.reads += amount
+            return Own.reads
 
     class Watchdog:
         own, node = Own(), 1
@@ -335,3 +342,90 @@ def test_the_heartbeat_says_when_the_main_thread_waits_on_a_transfer():
         what, since = fingerprints.STATE.blocked
         assert what == "pipeline activation from rank 2" and since > 0
     assert fingerprints.STATE.blocked is None
+
+
+def test_every_node_says_where_the_stuck_rank_is_when_the_report_is_long(tmp_path, monkeypatch):
+    """Nine ranks waiting in one collective make the reporter's message longer than the
+    1,000 characters the end note carries; a waiting rank ended by the note (on another node)
+    must still say where the stuck rank 8 is (the fault matrix's 3 x 3 'stuck' cells)."""
+    import json
+
+    from rankwise.diagnose import stall
+    from rankwise.launch.failures.report import read_culprits, read_diagnoses
+
+    site = Site("/x/matrix_train.py", 89, "step")
+    want = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
+    done = Record(14, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "done", 1)
+    views = [RankView(r, want, True) for r in range(8)]
+    views.append(RankView(8, done, True, 0.5, Site("/x/matrix_train.py", 101, "train")))
+    msg = stall_report(0, want, views, 12, 120)[0]
+    assert len(msg) > 1000 and msg[:1000].count("matrix_train.py:101") == 0  # the case itself
+    note = {"rank": 0, "missing": [8], "node": 0, "msg": msg[:1000],
+            **stall.end_facts(want, views, [8])}  # fmt: skip
+
+    class Own:
+        reads = 0
+
+        def get(self, key):
+            return json.dumps(note) if key == stall.END_KEY else None
+
+        def add_bounded(self, key, amount, timeout):
+            assert key == stall.READ_KEY
+            Own.reads += amount
+            return Own.reads
+
+    class Watchdog:
+        own, node = Own(), 1
+
+    monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
+    monkeypatch.setattr(stall, "_exit", lambda rank, why: None)
+    stall.configure(None, wait=False)
+    try:
+        stall.follow(Watchdog(), 3)
+    finally:
+        stall.configure(None)
+    err = JobFailed([RankFailure(rank=3, local_rank=0, pid=13, exitcode=1)], world_size=9,
+                    node_rank=1, diagnoses=read_diagnoses(tmp_path),
+                    culprits=read_culprits(tmp_path))  # fmt: skip
+    text = str(err)
+    assert text.startswith("rank(s) 8 never reached the collective that rank(s) 3 waited"), text
+    assert "matrix_train.py:101" in text, text
+
+
+def test_the_reporter_ends_once_every_other_rank_read_the_end_note(monkeypatch):
+    """The reporting rank's end closes its node (and, on the store's node, the store): it
+    waits until the other ranks counted themselves as having read the note, bounded."""
+    import time
+
+    import torch.distributed as dist
+
+    from rankwise.diagnose import stall
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+
+    class Own:
+        def __init__(self, answers):
+            self.answers, self.asked = answers, 0
+
+        def add_bounded(self, key, amount, timeout):
+            assert key == stall.READ_KEY and amount == 0
+            self.asked += 1
+            return self.answers(self.asked)
+
+    class Watchdog:
+        def __init__(self, own):
+            self.own = own
+
+    def timed(own, interval=0.01):
+        start = time.monotonic()
+        stall.await_readers(Watchdog(own), interval)
+        return time.monotonic() - start
+
+    monkeypatch.setattr(stall, "READERS_WAIT_S", 1.0)
+    late = Own(lambda n: 0 if n < 4 else 2)  # both others read it after a few polls
+    assert timed(late) < 0.9 and late.asked == 4
+    never = Own(lambda n: 1)  # one rank never reads it (dead): bounded
+    assert 1.0 <= timed(never) < 2.0
+    gone = Own(lambda n: None)  # the store is gone: nobody can read it
+    assert timed(gone, 0.2) < 0.6 and gone.asked <= 3

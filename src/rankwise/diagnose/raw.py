@@ -90,6 +90,14 @@ class Tracker:
         return [op, site.file, site.line, site.func, self._since]
 
 
+def _pending(state: dict[str, Any] | None) -> Any | None:
+    """The rankwise collective ``state``'s rank waits in (its heartbeat's records), or None."""
+    for records in ((state or {}).get("groups") or {}).values():
+        if records and records[-1].state in ("entered", "waiting"):
+            return records[-1]
+    return None
+
+
 def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     if state is None:
         return "has no heartbeat (not started, or the side channel is off)"
@@ -100,6 +108,9 @@ def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
             f"is in torch.distributed.{op} (from {os.path.basename(file)}:{line}) "
             f"for {now - since:.0f}s"
         )
+    pending = _pending(state)
+    if pending is not None:
+        return f"is waiting in rankwise's {pending.op} #{pending.seq}"
     stale = now - state.get("t", 0) > 3 * interval
     frame = state.get("frame")
     where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
@@ -122,6 +133,17 @@ class Stall(NamedTuple):
     deadlocked: bool
     missing: tuple[int, ...] = ()
     """The ranks in no collective (stuck elsewhere), when the job ends on the report."""
+    facts: dict[str, Any] | None = None
+    """For the missing ranks' launchers (``stall.stalled_sentence``): the call, who waited in
+    it, where each missing rank was."""
+
+
+def outside(states: dict[int, Any], world: int) -> list[int]:
+    """The ranks in no collective at all: neither a raw call nor one of rankwise's (whose
+    own stall report covers it; under a pipeline with data parallel, the stages of the stuck
+    rank's data group wait there, and were blamed with it)."""
+    return [r for r in range(world) if not (states.get(r) or {}).get("raw")
+            and _pending(states.get(r)) is None]  # fmt: skip
 
 
 def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) -> bool:
@@ -147,9 +169,9 @@ def report(
     ``ending``: the ranks are deadlocked and the job ends now, not at the timeout."""
     parts = [f"rank {r} {_where(states.get(r), now, interval)}" for r in range(world)]
     ops = {tuple(s["raw"][:3]) for s in states.values() if s and s.get("raw")}
-    outside = [r for r in range(world) if not (states.get(r) or {}).get("raw")]
-    if outside:
-        why = f"Rank(s) {', '.join(map(str, outside))} are not in any collective"
+    elsewhere = outside(states, world)
+    if elsewhere:
+        why = f"Rank(s) {', '.join(map(str, elsewhere))} are not in any collective"
     elif len({o[0] for o in ops}) > 1:
         why = "The ranks are in different collectives (a mismatch: they can never match up)"
     else:
@@ -191,12 +213,17 @@ def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: i
     ending = deadlocked(states, world, now, interval)
     if not first and not ending:
         return None  # reported already, and not (yet) certain
+    elsewhere = outside(states, world)
+    if not ending and not elsewhere:
+        return None  # the others wait in rankwise's collectives: their stall report names who
     text = report(rank, world, states, now, interval, ending, waits)
     if not ending and not waits:  # the stall report ends the job (stall.py)
         print(text, file=sys.stderr, flush=True)
         channel.set(DEADLOCK_KEY, str(rank))
-        outside = tuple(r for r in range(world) if not (states.get(r) or {}).get("raw"))
-        return Stall(text, True, outside)
+        where = {str(r): f"rank {r} {_where(states.get(r), now, interval)}"[:400]
+                 for r in elsewhere[:64]}  # fmt: skip
+        facts = {"op": f"torch.distributed.{mine[0]}", "waiting": stuck[:64], "where": where}
+        return Stall(text, True, tuple(elsewhere), facts)
     print(text if first else f"rankwise: [rank {rank}] the stall reported above is a deadlock: "
           "every rank is blocked in a call that can never complete.", file=sys.stderr,
           flush=True)  # fmt: skip

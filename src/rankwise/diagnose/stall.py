@@ -207,8 +207,34 @@ def _end_job(
     note = {"rank": rank, "missing": [int(r) for r in missing], "node": node, "msg": msg[:1000],
             **facts}  # fmt: skip
     watchdog.own.set_bounded(END_KEY, json.dumps(note), 2.0)
-    time.sleep(min(2.0, 1.5 * interval))
+    await_readers(watchdog, interval)
     _exit(rank, "after the stall report above")
+
+
+READ_KEY = END_KEY + "/read"
+"""A counter: each rank that read ``END_KEY`` adds one (``follow``)."""
+READERS_WAIT_S = 6.0
+"""How long the reporter waits at most for every other rank to read the end note."""
+
+
+def await_readers(watchdog: Any, interval: float) -> None:
+    """Wait until every other rank has read the end note (``READ_KEY``), at least 1.5
+    heartbeats and at most ``READERS_WAIT_S``: when this rank ends, its node's launcher ends
+    and, on the store's node, the store closes; a rank of another node that had not read the
+    note by then heads its node's summary with "the master's machine stopped responding"
+    (a fixed 1.5 heartbeats was too short with six workers on two cores). Never raises."""
+    import torch.distributed as dist
+
+    others = dist.get_world_size() - 1 if dist.is_initialized() else 0
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        read = watchdog.own.add_bounded(READ_KEY, 0, 2.0)
+        if waited >= READERS_WAIT_S or (waited >= 1.5 * interval and (read or 0) >= others):
+            return
+        if read is None and waited >= 1.5 * interval:
+            return  # the store does not answer: nobody can read the note now
+        time.sleep(min(0.25, interval))
 
 
 def _exit(rank: int, why: str) -> None:
@@ -233,14 +259,25 @@ def follow(watchdog: Any, rank: int) -> None:
     missing = [r for r in note.get("missing") or [] if isinstance(r, int)][:4096]
     reporter, who = note["rank"], ", ".join(map(str, missing)) or "unknown"
     said = peer.text(note.get("msg"), 1000) or f"rank(s) {who} never arrived in a collective"
-    msg = f"{said} (reported by rank {reporter}, which ended the job)"
+    msg = f"{said}{_whereabouts(note, missing, said)} (reported by rank {reporter}, which ended the job)"
     fix = f"look at where rank(s) {who} were (the stall report on rank {reporter})."
     node = getattr(watchdog, "node", None)
     stalled = stalled_sentence(note, rank) if rank in missing else None
     gather.write_diag_file(rank, msg, fix, missing, node=node, stalled=stalled)
+    watchdog.own.add_bounded(READ_KEY, 1, 2.0)  # the reporter waits for every rank's
     if node is not None and note.get("node") == node:
         time.sleep(3.0)  # the reporter is quoted; a missing rank elsewhere heads with its own
     _exit(rank, f"(rank {reporter} reported a stall: rank(s) {who} never arrived)")
+
+
+def _whereabouts(note: dict, missing: list[int], said: str) -> str:
+    """Where the first missing ranks were, for those the reporter's message, cut at 1,000
+    characters, no longer holds (nine ranks waiting in one collective fill it before the
+    highest rank's sentence: the stuck rank 8 of a 3 x 3 job went unplaced)."""
+    where = note.get("where") if isinstance(note.get("where"), dict) else {}
+    lacking = [text for r in missing[:4] if (text := peer.text(where.get(str(r)), 400))
+               and text not in said]  # fmt: skip
+    return f" Where: {'; '.join(lacking)}." if lacking else ""
 
 
 def stalled_sentence(note: dict, rank: int) -> str:

@@ -111,6 +111,19 @@ class Channel:
         except Exception as exc:
             self._off(exc)
 
+    def add_bounded(self, key: str, amount: int, timeout: float) -> int | None:
+        """The store's counter ``key`` after adding ``amount`` (0 reads it), or None when the
+        store did not answer within ``timeout`` s or is gone."""
+        if not self.ok or self.reads.unreachable:
+            return None
+        try:
+            return int(self.reads.call(self.store.add, key, amount, timeout=timeout))
+        except reach.Unreachable:
+            self.missed = self.reads.where
+        except Exception as exc:
+            self._off(exc)
+        return None
+
     def get(self, key: str) -> str | None:
         """The value of ``key``, or None when it is not set (never blocks on a missing key)."""
         if not self.ok:

@@ -127,8 +127,10 @@ def _overdue() -> None:
         if found is not None and found.deadlocked:
             if found.missing:  # ranks in user code: they end through the stall's key
                 note = json.dumps({"rank": wd.rank, "missing": list(found.missing),
-                                   "node": wd.node, "msg": (found.text or "")[:1000]})  # fmt: skip
+                                   "node": wd.node, "msg": (found.text or "")[:1000],
+                                   **(found.facts or {})})  # fmt: skip
                 wd.own.set_bounded(stall.END_KEY, note, 2.0)
+                stall.await_readers(wd, STATE.interval())
             _end_deadlocked(wd.rank, found.text, found.missing)
     limit = STATE.timeout_s() - 2 * STATE.interval()
     now = time.time()
