@@ -91,6 +91,31 @@ def test_mesh_groups_carry_the_jobs_timeout():
     _assert_job_timeout(results)
 
 
+def _replicas_and_background_save(folder: str) -> dict:
+    """The replicas' exchange group and the background saves' group (both Gloo, every rank)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rt = rw.init("gloo", timeout=JOB_TIMEOUT)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    model, opt, loader = rt.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    DataLoader(data, batch_size=2))  # fmt: skip
+    reps = rt.replicas(model, opt, loader, every=1, folder=os.path.join(folder, "reps"))
+    rt.save(os.path.join(folder, "ckpt"), model=model, optimizer=opt, step=1,
+            background=True).wait()  # fmt: skip
+    groups = _timeouts()
+    reps.close()
+    return {"groups": groups}
+
+
+def test_replicas_and_background_save_groups_carry_the_jobs_timeout(tmp_path):
+    results = run_distributed(_replicas_and_background_save, 2, args=(str(tmp_path),), init=False,
+                              timeout=180)  # fmt: skip
+    _assert_job_timeout(results)
+    assert len(results[0]["groups"]) >= 3, results[0]  # world, replicas, background saves
+
+
 def test_new_group_defaults_to_the_job_timeout_and_keeps_an_explicit_one():
     results = run_distributed(_explicit, 2, init=False, timeout=120)
     assert results == [[JOB_TIMEOUT, 5.0]] * 2

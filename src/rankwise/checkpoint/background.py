@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import runtime
 from ..comm import collectives as comm
+from ..job.process_group import new_group
 from . import files, single
 from .sharded import save as sharded_save
 
@@ -98,8 +98,8 @@ class _Saves:
             return None
         if self.group is None:
             rt = runtime.get_runtime() if runtime.is_initialized() else None
-            kwargs = {"timeout": rt.timeout} if rt is not None else {}
-            self.group = dist.new_group(backend="gloo", **kwargs)
+            # The job's timeout, else the default group's own (never torch's 30 minutes).
+            self.group = new_group(backend="gloo", timeout=rt.timeout if rt is not None else None)
         return self.group
 
 

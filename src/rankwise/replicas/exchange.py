@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from ..job.process_group import new_group
 from .plan import Held, holders, source
 
 MAX_ROWS = 256
@@ -19,8 +20,9 @@ buddies' copies: far fewer)."""
 
 
 def make_group() -> Any:
-    """A Gloo group of every rank, for the replicas alone. Sync point: all ranks."""
-    return dist.new_group(backend="gloo")
+    """A Gloo group of every rank, for the replicas alone, with the job's timeout (torch's
+    default is 30 minutes). Sync point: all ranks."""
+    return new_group(backend="gloo")
 
 
 def _sizes(mine: int, dst: int, src: int, group: Any) -> int:
