@@ -25,9 +25,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 SEED = 42
 SAMPLE = matrix.sample(len(matrix.FAULTS), SEED, max_world=4)  # 2 cores: small jobs
-REGRESSIONS = [matrix.Cell(2, 1, "small", "ddp", "stuck")]
+REGRESSIONS = [
+    matrix.Cell(2, 1, "small", "ddp", "stuck"),
+    matrix.Cell(2, 2, "large", "pipeline", "stuck"),
+]
 """Cells the matrix once failed, always run: a stuck rank alone on its host was headed only
-'rank(s) 1 failed' by its own node (not where it was stuck)."""
+'rank(s) 1 failed' by its own node (not where it was stuck); a pipeline stage stuck in its
+loader was hidden behind the stage waiting on its gradients (the stall report named rank 1, a
+victim), and a pipeline receive's own report blamed every rank waiting in a collective."""
 CELLS = SAMPLE + [c for c in REGRESSIONS if c not in SAMPLE]
 MARGIN_S = 30.0  # a loaded machine's slack over the benchmark's promise (matrix.STOP_S...)
 
