@@ -429,3 +429,62 @@ def test_the_reporter_ends_once_every_other_rank_read_the_end_note(monkeypatch):
     assert 1.0 <= timed(never) < 2.0
     gone = Own(lambda n: None)  # the store is gone: nobody can read it
     assert timed(gone, 0.2) < 0.6 and gone.asked <= 3
+
+
+def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_reports_blame(
+    tmp_path, monkeypatch
+):
+    """The reporter waits for every rank to read its end note; meanwhile the ranks of other
+    nodes leave on it, and a collective of a rank of the reporter's node fails (a peer closed
+    its connection). That failure is the end's consequence: its error and its node's summary
+    carry the report's blame (rank 8, where it was), not "nodes 1 and 2 stopped responding"
+    (the fault matrix's 3x3 'stuck' cells, once the reporter waited for the readers)."""
+    import json
+    from types import SimpleNamespace
+
+    from rankwise.diagnose import stall
+    from rankwise.diagnose.fingerprints import entry as entry_mod
+    from rankwise.launch.failures.report import read_culprits, read_diagnoses
+
+    site = Site("/x/matrix_train.py", 89, "step")
+    want = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
+    done = Record(14, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "done", 1)
+    views = [RankView(r, want, True) for r in range(8)]
+    views.append(RankView(8, done, True, 0.5, Site("/x/matrix_train.py", 101, "train")))
+    note = {"rank": 0, "missing": [8], "node": 0,
+            "msg": stall_report(0, want, views, 12, 120)[0][:1000],
+            **stall.end_facts(want, views, [8])}  # fmt: skip
+
+    class Channel:
+        read = 0
+
+        def get(self, key):
+            return json.dumps(note) if key == stall.END_KEY else None
+
+        def add_bounded(self, key, amount, timeout):
+            Channel.read += amount
+            return Channel.read
+
+    monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
+    stall.configure(None, wait=False)
+    try:
+        err = entry_mod._ended_by_a_stall_report(
+            SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
+        )
+    finally:
+        stall.configure(None)
+    assert err is not None and err.waited_for == [8] and Channel.read == 1
+    assert "matrix_train.py:101" in str(err) and "reported by rank 0" in str(err)
+    summary = JobFailed([RankFailure(rank=1, local_rank=1, pid=11, exitcode=1)], world_size=9,
+                        node_rank=0, diagnoses=read_diagnoses(tmp_path),
+                        culprits=read_culprits(tmp_path))  # fmt: skip
+    assert str(summary).startswith("rank(s) 8 never reached the collective that rank(s) 1"), summary
+    # Without a note, the failure is diagnosed as before.
+    note.clear()
+    stall.configure(None, wait=False)
+    try:
+        assert entry_mod._ended_by_a_stall_report(
+            SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
+        ) is None
+    finally:
+        stall.configure(None)

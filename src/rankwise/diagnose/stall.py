@@ -253,21 +253,37 @@ def follow(watchdog: Any, rank: int) -> None:
     report); elsewhere at once. Never raises."""
     if watchdog is None or waits() or after_s() <= 0:
         return
-    note = peer.loads(watchdog.own.get(END_KEY))
-    if not isinstance(note, dict) or not isinstance(note.get("rank"), int):
+    node = getattr(watchdog, "node", None)
+    adopted = adopt_end_note(watchdog.own, rank, node)
+    if adopted is None:
         return
+    note, missing = adopted
+    if node is not None and note.get("node") == node:
+        time.sleep(3.0)  # the reporter is quoted; a missing rank elsewhere heads with its own
+    who = ", ".join(map(str, missing)) or "unknown"
+    _exit(rank, f"(rank {note['rank']} reported a stall: rank(s) {who} never arrived)")
+
+
+def adopt_end_note(channel: Any, rank: int, node: int | None) -> tuple[dict, list[int]] | None:
+    """When another rank reported a stall and is ending the job (``END_KEY``): leave its
+    blame as this rank's diagnosis for this node's launcher, count this rank as having read
+    the note, and return (the note, the missing ranks); None without a note. Also called when
+    a collective of this rank fails meanwhile (its peers on other nodes are leaving on the
+    note): that failure is the end's consequence, and its own diagnosis would name the
+    leaving nodes as lost. Never raises."""
+    note = peer.loads(channel.get(END_KEY))
+    if not isinstance(note, dict) or not isinstance(note.get("rank"), int):
+        return None
     missing = [r for r in note.get("missing") or [] if isinstance(r, int)][:4096]
     reporter, who = note["rank"], ", ".join(map(str, missing)) or "unknown"
     said = peer.text(note.get("msg"), 1000) or f"rank(s) {who} never arrived in a collective"
     msg = f"{said}{_whereabouts(note, missing, said)} (reported by rank {reporter}, which ended the job)"
     fix = f"look at where rank(s) {who} were (the stall report on rank {reporter})."
-    node = getattr(watchdog, "node", None)
     stalled = stalled_sentence(note, rank) if rank in missing else None
     gather.write_diag_file(rank, msg, fix, missing, node=node, stalled=stalled)
-    watchdog.own.add_bounded(READ_KEY, 1, 2.0)  # the reporter waits for every rank's
-    if node is not None and note.get("node") == node:
-        time.sleep(3.0)  # the reporter is quoted; a missing rank elsewhere heads with its own
-    _exit(rank, f"(rank {reporter} reported a stall: rank(s) {who} never arrived)")
+    channel.add_bounded(READ_KEY, 1, 2.0)  # the reporter waits for every rank's
+    note["said"], note["fix"] = msg, fix
+    return note, missing
 
 
 def _whereabouts(note: dict, missing: list[int], said: str) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ...errors import DistributedError
+from .. import stall
 from ..channel import gather
 from ..report import Record
 from .state import STATE
@@ -103,6 +104,25 @@ def failure(entry: Entry, exc: BaseException, *, mark: bool = True) -> Distribut
     if isinstance(exc, DistributedError):
         return exc
     channel = STATE.channel if mark else STATE.watchdog.own
+    ended = _ended_by_a_stall_report(entry, channel) if mark else None
+    if ended is not None:
+        return kept(ended)
     return kept(
         gather.failure_error(entry, exc, STATE.interval(), STATE.watchdog, channel, mark=mark)
     )
+
+
+def _ended_by_a_stall_report(entry: Entry, channel: Any) -> DistributedError | None:
+    """The error of a collective that failed because another rank reported a stall and is
+    ending the job (its peers on other nodes left on the note): the report's blame, as the
+    ranks that read the note leave it, not "nodes 1 and 2 stopped responding"."""
+    g = entry.group
+    if g is None or channel is None or stall.waits():
+        return None
+    adopted = stall.adopt_end_note(channel, g.global_rank, getattr(STATE.watchdog, "node", None))
+    if adopted is None:
+        return None
+    note, missing = adopted
+    err = DistributedError(note["said"], fix=note["fix"], rank=g.global_rank)
+    err.waited_for = sorted(set(missing) - {g.global_rank})
+    return err
