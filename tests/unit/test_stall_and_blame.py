@@ -468,7 +468,7 @@ def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_
     monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
     stall.configure(None, wait=False)
     try:
-        err = entry_mod._ended_by_a_stall_report(
+        err = entry_mod.ended_by_a_stall_report(
             SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
         )
     finally:
@@ -483,7 +483,7 @@ def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_
     note.clear()
     stall.configure(None, wait=False)
     try:
-        assert entry_mod._ended_by_a_stall_report(
+        assert entry_mod.ended_by_a_stall_report(
             SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
         ) is None
     finally:

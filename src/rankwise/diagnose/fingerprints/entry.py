@@ -104,7 +104,7 @@ def failure(entry: Entry, exc: BaseException, *, mark: bool = True) -> Distribut
     if isinstance(exc, DistributedError):
         return exc
     channel = STATE.channel if mark else STATE.watchdog.own
-    ended = _ended_by_a_stall_report(entry, channel) if mark else None
+    ended = ended_by_a_stall_report(entry, channel) if mark else None
     if ended is not None:
         return kept(ended)
     return kept(
@@ -112,7 +112,7 @@ def failure(entry: Entry, exc: BaseException, *, mark: bool = True) -> Distribut
     )
 
 
-def _ended_by_a_stall_report(entry: Entry, channel: Any) -> DistributedError | None:
+def ended_by_a_stall_report(entry: Entry, channel: Any) -> DistributedError | None:
     """The error of a collective that failed because another rank reported a stall and is
     ending the job (its peers on other nodes left on the note): the report's blame, as the
     ranks that read the note leave it, not "nodes 1 and 2 stopped responding"."""

@@ -15,7 +15,7 @@ from torch.distributed import distributed_c10d as c10d
 from ...errors import DistributedError
 from ...timing import clock as timing
 from ..channel import gather, sidechannel
-from .entry import Entry, failure, kept
+from .entry import Entry, ended_by_a_stall_report, failure, kept
 from .settings import Settings
 from .state import STATE, Group
 from .watch import SKIP, group_for
@@ -109,8 +109,13 @@ def _check(g: Group, e: Entry) -> None:
         with timing.span("blocked", any_thread=True):  # it meets the peers: a wait for them
             gather.check(g, e, STATE.interval(), STATE.watchdog)
     except DistributedError as err:
-        kept(err)
-        raise
+        # The check's own all-gather failing while the job ends on a stall report: the
+        # report's blame (as ``failure`` gives for the collective itself).
+        ended = ended_by_a_stall_report(e, STATE.channel)
+        if ended is None:
+            kept(err)
+            raise
+        raise kept(ended) from err.__cause__
 
 
 class collective:
