@@ -488,3 +488,18 @@ def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_
         ) is None
     finally:
         stall.configure(None)
+
+
+def test_a_silent_missing_rank_is_the_cause_even_if_its_last_beat_waited_elsewhere():
+    """The fault matrix's 3x2 mesh 'link_cut': the cut host's rank 5 last beat while waiting
+    in its tensor group, so the data group's report was deferred 3x the delay (30 s, ended
+    23 s after the first report). A rank that stopped responding is reported at once."""
+    from rankwise.diagnose.stall import DEFER_FACTOR, defer
+
+    waiting = Record(3, "all_reduce", "sum, float32[8]", "tensor parallel", None, "waiting", 1)
+    channel = _Heartbeats({5: {"data": [_DONE4], "tensor": [waiting]}})
+    alive = [RankView(1, _AR, True), RankView(5, _DONE4, True)]
+    silent = [RankView(1, _AR, True), RankView(5, _DONE4, False, 12.0)]
+    assert defer(10.0, 10.0, alive, [5], channel, "data")  # a victim elsewhere: wait for that
+    assert not defer(10.0, 10.0, silent, [5], channel, "data")  # gone: report now
+    assert not defer(DEFER_FACTOR * 10.0, 10.0, alive, [5], channel, "data")  # bounded
