@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -17,6 +18,37 @@ _AR = Record(
 _DONE4 = Record(
     4, "all_reduce", "sum, float32[3]", None, Site("/x/train.py", 30, "main"), "done", 1
 )
+
+
+class _NoteStore:
+    """The store as a rank's side channel sees it: ``note`` under the stall's end key (none
+    once emptied), and the counter of the ranks that read it."""
+
+    def __init__(self, note: dict) -> None:
+        self.note, self.reads = note, 0
+
+    def get(self, key):
+        from rankwise.diagnose import stall
+
+        return json.dumps(self.note) if key == stall.END_KEY and self.note else None
+
+    def add_bounded(self, key, amount, timeout):
+        from rankwise.diagnose import stall
+
+        assert key == stall.READ_KEY
+        self.reads += amount
+        return self.reads
+
+
+def _nine_ranks_one_stuck():
+    """(the pending all_reduce #15, the views): ranks 0-7 wait in it, rank 8 finished #14 and
+    runs user code at matrix_train.py:101 (a 3 x 3 job's stuck rank)."""
+    site = Site("/x/matrix_train.py", 89, "step")
+    want = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
+    done = Record(14, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "done", 1)
+    views = [RankView(r, want, True) for r in range(8)]
+    views.append(RankView(8, done, True, 0.5, Site("/x/matrix_train.py", 101, "train")))
+    return want, views
 
 
 def _views(behind_alive=True):
@@ -214,7 +246,6 @@ def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
     """The missing rank's own launcher names it, the collective it never reached and where it
     was (alone on its node, its exit code 1 says nothing; beside a waiting rank, either ends
     first), not 'rank(s) 1 failed'."""
-    import json
 
     from rankwise.diagnose import stall
     from rankwise.diagnose.channel import gather
@@ -225,19 +256,8 @@ def test_a_stuck_rank_ended_by_the_stall_report_heads_its_own_nodes_summary(
     note = {"rank": 0, "missing": [1], "node": 0, "msg": stall_report(0, _AR, views, 12, 90)[0],
             **stall.end_facts(_AR, views, [1])}  # fmt: skip
 
-    class Own:
-        reads = 0
-
-        def get(self, key):
-            return json.dumps(note) if key == stall.END_KEY else None
-
-        def add_bounded(self, key, amount, timeout):
-            assert key == stall.READ_KEY
-            Own.reads += amount
-            return Own.reads
-
     class Watchdog:
-        own, node = Own(), 1
+        own, node = _NoteStore(note), 1
 
     exits = []
     monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
@@ -348,34 +368,18 @@ def test_every_node_says_where_the_stuck_rank_is_when_the_report_is_long(tmp_pat
     """Nine ranks waiting in one collective make the reporter's message longer than the
     1,000 characters the end note carries; a waiting rank ended by the note (on another node)
     must still say where the stuck rank 8 is (the fault matrix's 3 x 3 'stuck' cells)."""
-    import json
 
     from rankwise.diagnose import stall
     from rankwise.launch.failures.report import read_culprits, read_diagnoses
 
-    site = Site("/x/matrix_train.py", 89, "step")
-    want = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
-    done = Record(14, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "done", 1)
-    views = [RankView(r, want, True) for r in range(8)]
-    views.append(RankView(8, done, True, 0.5, Site("/x/matrix_train.py", 101, "train")))
+    want, views = _nine_ranks_one_stuck()
     msg = stall_report(0, want, views, 12, 120)[0]
     assert len(msg) > 1000 and msg[:1000].count("matrix_train.py:101") == 0  # the case itself
     note = {"rank": 0, "missing": [8], "node": 0, "msg": msg[:1000],
             **stall.end_facts(want, views, [8])}  # fmt: skip
 
-    class Own:
-        reads = 0
-
-        def get(self, key):
-            return json.dumps(note) if key == stall.END_KEY else None
-
-        def add_bounded(self, key, amount, timeout):
-            assert key == stall.READ_KEY
-            Own.reads += amount
-            return Own.reads
-
     class Watchdog:
-        own, node = Own(), 1
+        own, node = _NoteStore(note), 1
 
     monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
     monkeypatch.setattr(stall, "_exit", lambda rank, why: None)
@@ -439,41 +443,28 @@ def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_
     its connection). That failure is the end's consequence: its error and its node's summary
     carry the report's blame (rank 8, where it was), not "nodes 1 and 2 stopped responding"
     (the fault matrix's 3x3 'stuck' cells, once the reporter waited for the readers)."""
-    import json
     from types import SimpleNamespace
 
     from rankwise.diagnose import stall
     from rankwise.diagnose.fingerprints import entry as entry_mod
     from rankwise.launch.failures.report import read_culprits, read_diagnoses
 
-    site = Site("/x/matrix_train.py", 89, "step")
-    want = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
-    done = Record(14, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "done", 1)
-    views = [RankView(r, want, True) for r in range(8)]
-    views.append(RankView(8, done, True, 0.5, Site("/x/matrix_train.py", 101, "train")))
+    want, views = _nine_ranks_one_stuck()
     note = {"rank": 0, "missing": [8], "node": 0,
             "msg": stall_report(0, want, views, 12, 120)[0][:1000],
             **stall.end_facts(want, views, [8])}  # fmt: skip
 
-    class Channel:
-        read = 0
-
-        def get(self, key):
-            return json.dumps(note) if key == stall.END_KEY else None
-
-        def add_bounded(self, key, amount, timeout):
-            Channel.read += amount
-            return Channel.read
+    channel = _NoteStore(note)
 
     monkeypatch.setenv("RANKWISE_DIAG_DIR", str(tmp_path))
     stall.configure(None, wait=False)
     try:
         err = entry_mod.ended_by_a_stall_report(
-            SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
+            SimpleNamespace(group=SimpleNamespace(global_rank=1)), channel
         )
     finally:
         stall.configure(None)
-    assert err is not None and err.waited_for == [8] and Channel.read == 1
+    assert err is not None and err.waited_for == [8] and channel.reads == 1
     assert "matrix_train.py:101" in str(err) and "reported by rank 0" in str(err)
     summary = JobFailed([RankFailure(rank=1, local_rank=1, pid=11, exitcode=1)], world_size=9,
                         node_rank=0, diagnoses=read_diagnoses(tmp_path),
@@ -484,7 +475,7 @@ def test_a_collective_that_fails_while_the_job_ends_on_a_stall_report_keeps_the_
     stall.configure(None, wait=False)
     try:
         assert entry_mod.ended_by_a_stall_report(
-            SimpleNamespace(group=SimpleNamespace(global_rank=1)), Channel()
+            SimpleNamespace(group=SimpleNamespace(global_rank=1)), channel
         ) is None
     finally:
         stall.configure(None)
