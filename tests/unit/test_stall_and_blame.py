@@ -431,6 +431,9 @@ def test_the_reporter_ends_once_every_other_rank_read_the_end_note(monkeypatch):
     assert timed(late) < 0.9 and late.asked == 4
     never = Own(lambda n: 1)  # one rank never reads it (dead): bounded
     assert 1.0 <= timed(never) < 2.0
+    start = time.monotonic()  # ... unless it is known to have stopped responding (cut off)
+    stall.await_readers(Watchdog(Own(lambda n: 1)), 0.01, silent=1)
+    assert time.monotonic() - start < 0.9
     gone = Own(lambda n: None)  # the store is gone: nobody can read it
     assert timed(gone, 0.2) < 0.6 and gone.asked <= 3
 

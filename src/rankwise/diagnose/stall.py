@@ -131,7 +131,8 @@ def check(groups: list[Any], watchdog: Any, interval: float, timeout: float) -> 
             gather.write_diag_file(g.global_rank, msg, fix, missing, lost=lost,
                                    unreachable=missed, node=node)  # fmt: skip
             facts = end_facts(e.record(), views, missing)
-            _end_job(watchdog, g.global_rank, missing, interval, msg, facts)
+            silent = sum(1 for v in views if v.alive is False)  # they cannot read the note
+            _end_job(watchdog, g.global_rank, missing, interval, msg, facts, silent)
         return text
     return None
 
@@ -209,18 +210,24 @@ def _long_by_design(pending: Any) -> bool:
 
 
 def _end_job(
-    watchdog: Any, rank: int, missing: list[int], interval: float, msg: str, facts: dict
+    watchdog: Any,
+    rank: int,
+    missing: list[int],
+    interval: float,
+    msg: str,
+    facts: dict,
+    silent: int = 0,
 ) -> None:
-    """Tell every rank to end (``END_KEY``), give the other nodes' ranks a heartbeat or so to
-    read it (so each node's launcher hears the blame from its own ranks, not from a peer's
-    closed socket), end first on this node (its launcher quotes this rank's report).
+    """Tell every rank to end (``END_KEY``), wait until the others have read it
+    (``await_readers``: each node's launcher then hears the blame from its own ranks, not from
+    a peer's closed socket), end first on this node (its launcher quotes this rank's report).
     ``facts``: the pending collective, the waiting ranks and where each missing rank is, for
     the missing ranks' own launchers (``stalled_sentence``)."""
     node = getattr(watchdog, "node", None)
     note = {"rank": rank, "missing": [int(r) for r in missing], "node": node, "msg": msg[:1000],
             **facts}  # fmt: skip
     watchdog.own.set_bounded(END_KEY, json.dumps(note), 2.0)
-    await_readers(watchdog, interval)
+    await_readers(watchdog, interval, silent)
     _exit(rank, "after the stall report above")
 
 
@@ -230,15 +237,16 @@ READERS_WAIT_S = 6.0
 """How long the reporter waits at most for every other rank to read the end note."""
 
 
-def await_readers(watchdog: Any, interval: float) -> None:
+def await_readers(watchdog: Any, interval: float, silent: int = 0) -> None:
     """Wait until every other rank has read the end note (``READ_KEY``), at least 1.5
     heartbeats and at most ``READERS_WAIT_S``: when this rank ends, its node's launcher ends
     and, on the store's node, the store closes; a rank of another node that had not read the
     note by then heads its node's summary with "the master's machine stopped responding"
-    (a fixed 1.5 heartbeats was too short with six workers on two cores). Never raises."""
+    (a fixed 1.5 heartbeats was too short with six workers on two cores). ``silent``: ranks
+    known to have stopped responding (a host cut off), not waited for. Never raises."""
     import torch.distributed as dist
 
-    others = dist.get_world_size() - 1 if dist.is_initialized() else 0
+    others = (dist.get_world_size() - 1 - silent) if dist.is_initialized() else 0
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
