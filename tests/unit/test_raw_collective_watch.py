@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -101,7 +102,7 @@ def test_ranks_waiting_in_rankwise_collectives_are_not_blamed_with_the_stuck_one
     from rankwise.diagnose import stall
     from rankwise.diagnose.records import Record, Site
 
-    now, site = 1000.0, Site("/x/matrix_train.py", 89, "step")
+    now, site = time.time(), Site("/x/matrix_train.py", 89, "step")
     pending = Record(15, "all_reduce", "sum, float32[58804]", "gradient bucket 0", site, "entered", 1)
     recv = ["recv", "/x/matrix_train.py", 89, "step", now - 30]
     states = {r: {"t": now, "raw": None, "groups": {"data": [pending]}} for r in (0, 1, 3, 4, 5)}
@@ -117,3 +118,18 @@ def test_ranks_waiting_in_rankwise_collectives_are_not_blamed_with_the_stuck_one
     # Nobody outside every collective: the rankwise collectives' own report names who is missing.
     states[8] = {"t": now, "raw": None, "groups": {"data": [pending]}}
     assert raw.check(raw.Tracker(), recv, _Channel(states), 2, 9, 1.0, 10.0, waits=False) is None
+
+
+def test_ranks_of_a_cut_host_are_blamed_whatever_their_last_heartbeat_said():
+    """The matrix's 2x3-large-pipeline-link_cut (stages cross the hosts): the cut host's
+    ranks last beat from inside a pipeline receive, so no rank was 'outside' any collective,
+    nobody reported, and the job waited for the 120 s timeout. A rank silent for three beats
+    is gone: the report names it and ends the job."""
+    now = time.time()
+    recv = ["recv", "/x/matrix_train.py", 89, "step", now - 30]
+    states = {r: {"t": now, "raw": recv, "groups": {}} for r in (0, 1, 2)}
+    states.update({r: {"t": now - 12, "raw": recv, "groups": {}} for r in (3, 4, 5)})
+    found = raw.check(raw.Tracker(), recv, _Channel(states), 0, 6, 1.0, 10.0, waits=False)
+    assert found is not None and found.deadlocked and found.missing == (3, 4, 5), found
+    assert "Rank(s) 3, 4, 5 stopped responding" in found.text
+    assert "rank 3 has sent no heartbeat for 12s" in found.text

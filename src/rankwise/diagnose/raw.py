@@ -98,9 +98,18 @@ def _pending(state: dict[str, Any] | None) -> Any | None:
     return None
 
 
+def _stale(state: dict[str, Any] | None, now: float, interval: float) -> bool:
+    """No heartbeat for three beats: the rank stopped responding (dead, frozen or cut off)."""
+    return now - (state or {}).get("t", 0) > 3 * interval
+
+
 def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     if state is None:
         return "has no heartbeat (not started, or the side channel is off)"
+    frame = state.get("frame")
+    if _stale(state, now, interval):
+        where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
+        return f"has sent no heartbeat for {now - state.get('t', 0):.0f}s (stopped or dead){where}"
     raw = state.get("raw")
     if raw:
         op, file, line, _, since = raw
@@ -111,11 +120,7 @@ def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     pending = _pending(state)
     if pending is not None:
         return f"is waiting in rankwise's {pending.op} #{pending.seq}"
-    stale = now - state.get("t", 0) > 3 * interval
-    frame = state.get("frame")
     where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
-    if stale:
-        return f"has sent no heartbeat for {now - state.get('t', 0):.0f}s (stopped or dead){where}"
     return f"is running user code{where}, in no collective"
 
 
@@ -138,12 +143,17 @@ class Stall(NamedTuple):
     it, where each missing rank was."""
 
 
-def outside(states: dict[int, Any], world: int) -> list[int]:
+def outside(states: dict[int, Any], world: int, now: float, interval: float) -> list[int]:
     """The ranks in no collective at all: neither a raw call nor one of rankwise's (whose
     own stall report covers it; under a pipeline with data parallel, the stages of the stuck
-    rank's data group wait there, and were blamed with it)."""
-    return [r for r in range(world) if not (states.get(r) or {}).get("raw")
-            and _pending(states.get(r)) is None]  # fmt: skip
+    rank's data group wait there, and were blamed with it), or silent for three heartbeats
+    (a host cut off or dead: whatever its last heartbeat said, it is gone, and the cause)."""
+    out = []
+    for r in range(world):
+        state = states.get(r) or {}
+        if _stale(state, now, interval) or not (state.get("raw") or _pending(state) is not None):
+            out.append(r)
+    return out
 
 
 def deadlocked(states: dict[int, Any], world: int, now: float, interval: float) -> bool:
@@ -169,9 +179,14 @@ def report(
     ``ending``: the ranks are deadlocked and the job ends now, not at the timeout."""
     parts = [f"rank {r} {_where(states.get(r), now, interval)}" for r in range(world)]
     ops = {tuple(s["raw"][:3]) for s in states.values() if s and s.get("raw")}
-    elsewhere = outside(states, world)
+    elsewhere = outside(states, world, now, interval)
+    gone = [r for r in elsewhere if _stale(states.get(r), now, interval)]
+    idle = [r for r in elsewhere if r not in gone]
     if elsewhere:
-        why = f"Rank(s) {', '.join(map(str, elsewhere))} are not in any collective"
+        why = "; ".join(
+            ([f"Rank(s) {', '.join(map(str, idle))} are not in any collective"] if idle else [])
+            + ([f"Rank(s) {', '.join(map(str, gone))} stopped responding"] if gone else [])
+        )
     elif len({o[0] for o in ops}) > 1:
         why = "The ranks are in different collectives (a mismatch: they can never match up)"
     else:
@@ -213,7 +228,7 @@ def check(tracker: Tracker, mine: list | None, channel: Any, rank: int, world: i
     ending = deadlocked(states, world, now, interval)
     if not first and not ending:
         return None  # reported already, and not (yet) certain
-    elsewhere = outside(states, world)
+    elsewhere = outside(states, world, now, interval)
     if not ending and not elsewhere:
         return None  # the others wait in rankwise's collectives: their stall report names who
     text = report(rank, world, states, now, interval, ending, waits)
