@@ -107,8 +107,8 @@ def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     if state is None:
         return "has no heartbeat (not started, or the side channel is off)"
     frame = state.get("frame")
+    where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
     if _stale(state, now, interval):
-        where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
         return f"has sent no heartbeat for {now - state.get('t', 0):.0f}s (stopped or dead){where}"
     raw = state.get("raw")
     if raw:
@@ -120,7 +120,6 @@ def _where(state: dict[str, Any] | None, now: float, interval: float) -> str:
     pending = _pending(state)
     if pending is not None:
         return f"is waiting in rankwise's {pending.op} #{pending.seq}"
-    where = f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
     return f"is running user code{where}, in no collective"
 
 
