@@ -15,6 +15,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [SRC, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
 )
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# run_distributed's ranks fork from a server that imported torch once (about 2 s less per rank,
+# a third of the multi-process tests' time on two cores); tests of spawn itself pass it.
+os.environ.setdefault("RANKWISE_START_METHOD", "forkserver")
 
 
 @pytest.fixture(autouse=True)

@@ -102,13 +102,27 @@ def child(
     init: bool,
     stream: bool = False,
     parent: int | None = None,
+    *,
+    whole_env: bool = False,
+    stdio: tuple[int, int] | None = None,
 ) -> None:
-    """The target of each rank's process (``spawn_ranks``)."""
+    """The target of each rank's process (``spawn_ranks``). ``whole_env``: ``env`` is the whole
+    environment (a fork of the forkserver has the server's); ``stdio``: the descriptors to use
+    as stdout and stderr."""
     # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
     die_with_parent(parent)
+    if stdio is not None:
+        for fd, target in zip(stdio, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
     link = Link(conn)
     link.put(("phase", rank, "starting"))
+    if whole_env:
+        os.environ.clear()
     _set_rank_env(env, rank, world_size, port)
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        # torch came with the fork, its thread count read from the server's environment
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     if stream:
         sys.stdout = _QueueWriter(link, rank, "stdout")  # type: ignore[assignment]
         sys.stderr = _QueueWriter(link, rank, "stderr")  # type: ignore[assignment]
