@@ -83,5 +83,5 @@ def test_both_start_methods_give_a_rank_the_callers_environment_and_output(
 
 
 def test_an_unknown_start_method_is_refused_by_name():
-    with pytest.raises(ValueError, match="start_method='fork'.*'spawn'"):
+    with pytest.raises(ValueError, match=r"start_method='fork'.*'spawn'"):
         run_distributed(_sum_of_ranks, 2, start_method="fork")
