@@ -2,8 +2,8 @@
 
 Each rank is a spawned process (the child bootstrap is ``rankwise.launch.spawn``, shared with
 ``rw.launch``); with ``RANKWISE_START_METHOD=forkserver`` (this project's own tests) it is
-forked from a server that imported torch once: a rank starts in hundredths of a second, not the
-~2 s of importing torch again. It joins a gloo (or nccl) group through a store the parent
+forked from a server that imported torch once: a rank starts without importing torch again.
+It joins a gloo (or nccl) group through a store the parent
 hosts on a free port (no port clash between concurrent tests), runs ``fn(*args)`` and sends back
 its return value or its traceback. The parent fails fast: the first failing rank ends the run,
 and a run that passes its timeout is a failure that carries every rank's current stack (taken
