@@ -111,10 +111,7 @@ def child(
     as stdout and stderr."""
     # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
     die_with_parent(parent)
-    if stdio is not None:
-        for fd, target in zip(stdio, (1, 2), strict=True):
-            os.dup2(fd, target)
-            os.close(fd)
+    _take_stdio(stdio)
     link = Link(conn)
     link.put(("phase", rank, "starting"))
     if whole_env:
@@ -139,6 +136,14 @@ def child(
             except Exception:
                 pass
     sys.stdout.flush()
+
+
+def _take_stdio(stdio: tuple[int, int] | None) -> None:
+    """Write to the caller's stdout and stderr (``stdio``'s descriptors), not the server's."""
+    if stdio is not None:
+        for fd, target in zip(stdio, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _run(fn, args, rank: int, backend, timeout: float, init: bool, link: Link) -> tuple:

@@ -64,11 +64,9 @@ def spawn_ranks(
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
-    ctx = mp.get_context(start_method)
-    forked = start_method == "forkserver"
-    if forked:  # the server imports torch once; each rank is a fork of it (~0.03 s, not ~2 s)
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    me = os.getpid()
+    ctx, forked = _context(start_method)
+    # A forked rank's parent is the server, which ends with this process.
+    parent = None if forked else os.getpid()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     tmp = tempfile.TemporaryDirectory(prefix="rankwise-ranks-")
     stack_files = [str(Path(tmp.name) / f"rank{r}.stack") for r in range(world_size)]
@@ -76,32 +74,43 @@ def spawn_ranks(
     extra = {"OMP_NUM_THREADS": "1", **envmod.live_bars_env(shown.live), **(env or {})}
     if forked:  # a fork of the server has the server's environment: send this one, whole
         extra = {**os.environ, **extra}
+    how = {"whole_env": forked, "stdio": _Stdio() if forked else None}
     common = (backend, store.port, timeout or 1800.0)
     ranks: list[_Rank] = []
     try:
         for r in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=child,
-                # A forked rank's parent is the server, which ends with this process.
-                args=(fn, args, r, world_size, *common, writer, stack_files[r], extra, init,
-                      stream, None if forked else me),
-                kwargs={"whole_env": forked, "stdio": _Stdio() if forked else None},
-                name=f"rank{r}",
-                # Not daemonic: a rank may start processes of its own (DataLoader workers),
-                # which multiprocessing refuses to daemons. _end() still kills every rank
-                # left, and each dies with its parent (die_with_parent).
-                daemon=False,
-            )  # fmt: skip
-            ranks.append(_Rank(proc, reader))
-            proc.start()
-            writer.close()  # the child holds its own copy: the pipe closes when it ends
+            ranks.append(_start(ctx, r, how, lambda w, r=r: (
+                fn, args, r, world_size, *common, w, stack_files[r], extra, init, stream, parent
+            )))  # fmt: skip
         return _collect(ranks, stack_files, timeout, shown)
     finally:
         shown.end()
         _end([rk.proc for rk in ranks])
         del store
         tmp.cleanup()
+
+
+def _start(ctx: Any, r: int, how: dict, child_args: Callable[[Any], tuple]) -> _Rank:
+    """Start rank ``r``'s process (``child_args(pipe end)``: ``child``'s arguments). Not
+    daemonic: a rank may start processes of its own (DataLoader workers), which multiprocessing
+    refuses to daemons; ``_end()`` still kills every rank left, and each dies with its parent
+    (``die_with_parent``)."""
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child, args=child_args(writer), kwargs=how, name=f"rank{r}",
+                       daemon=False)  # fmt: skip
+    proc.start()
+    writer.close()  # the child holds its own copy: the pipe closes when it ends
+    return _Rank(proc, reader)
+
+
+def _context(start_method: str) -> tuple[Any, bool]:
+    """The multiprocessing context, and whether its ranks are forks of the forkserver (which
+    imports torch once: a rank then starts in hundredths of a second, not seconds)."""
+    ctx = mp.get_context(start_method)
+    forked = start_method == "forkserver"
+    if forked:
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx, forked
 
 
 class _Stdio:
