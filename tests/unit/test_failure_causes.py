@@ -8,6 +8,8 @@ never complete are recognised as such.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from rankwise.diagnose import causes, raw, records, report
 from rankwise.diagnose.channel import peer
@@ -15,7 +17,7 @@ from rankwise.diagnose.records import RankView, Record, Site
 from rankwise.errors import DistributedError
 from rankwise.launch.bootstrap import shown_traceback
 from rankwise.launch.failures.report import JobFailed, RankFailure
-from rankwise.launch.spawn import Failure
+from rankwise.launch.spawn import Failure, _await_dumps
 from rankwise.launch.spawn import report as spawn_report
 
 GLOO = (
@@ -231,3 +233,22 @@ def test_a_pipeline_stage_whose_peer_died_blames_the_peer_not_itself(tmp_path, m
     # A timeout names no peer as dead: the stall report is what explains it.
     assert link._error("activation of micro-batch 1 from rank 2", "timed out").__dict__.get(
         "waited_for") is None
+
+
+def test_a_hang_report_reads_each_stack_dump_once_it_stops_growing(tmp_path):
+    """faulthandler writes a dump a piece at a time from a signal handler: read as soon as the
+    file was not empty, a report once ended at ``File`` (under load)."""
+    dump = tmp_path / "rank1.stack"
+
+    def write_slowly() -> None:
+        for piece in ["Thread 0x1 (most recent call first):\n", "  File ", '"x.py"', ", line 3",
+                      " in f\n"]:  # fmt: skip
+            with dump.open("a") as f:
+                f.write(piece)
+            time.sleep(0.1)
+
+    writer = threading.Thread(target=write_slowly)
+    writer.start()
+    _await_dumps([dump])
+    assert dump.read_text().endswith("line 3 in f\n")
+    writer.join()

@@ -214,16 +214,30 @@ def exit_text(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _await_dumps(files: list[Path], limit_s: float = 5.0, settle_s: float = 0.3) -> None:
+    """Wait until each rank's faulthandler dump is whole: it writes from a signal handler, a
+    piece of a line at a time, and a file read as soon as it was not empty once ended in the
+    middle of a frame's line (under load: ``File`` and nothing after). Whole: not empty and
+    unchanged for ``settle_s``; at most ``limit_s`` in all."""
+    until = time.monotonic() + limit_s
+    sizes: list[int] = []
+    steady_since = time.monotonic()
+    while time.monotonic() < until:
+        now = [f.stat().st_size if f.exists() else 0 for f in files]
+        if now != sizes:
+            sizes, steady_since = now, time.monotonic()
+        elif all(now) and time.monotonic() - steady_since >= settle_s:
+            return
+        time.sleep(0.05)
+
+
 def _hang(ranks: list[_Rank], values, failures, stack_files, timeout: float) -> None:
     signalled = []
     for r, rk in enumerate(ranks):
         if rk.proc.is_alive() and rk.proc.pid is not None:
             os.kill(rk.proc.pid, signal.SIGUSR1)
             signalled.append(Path(stack_files[r]))
-    # faulthandler writes from a signal handler: give every rank a moment to finish its dump.
-    until = time.monotonic() + 3.0
-    while time.monotonic() < until and not all(f.exists() and f.stat().st_size for f in signalled):
-        time.sleep(0.05)
+    _await_dumps(signalled)
     now = time.monotonic()
     for r, rk in enumerate(ranks):
         if r in values or r in failures:
