@@ -103,21 +103,20 @@ def child(
     stream: bool = False,
     parent: int | None = None,
     *,
-    whole_env: bool = False,
-    stdio: tuple[int, int] | None = None,
+    forked: tuple[int, int] | None = None,
 ) -> None:
-    """The target of each rank's process (``spawn_ranks``). ``whole_env``: ``env`` is the whole
-    environment (a fork of the forkserver has the server's); ``stdio``: the descriptors to use
-    as stdout and stderr."""
+    """The target of each rank's process (``spawn_ranks``). ``forked``: this rank is a fork of
+    the forkserver, whose stdout, stderr and environment it has; these are the caller's stdout
+    and stderr descriptors, and ``env`` is the caller's whole environment."""
     # A notebook kernel killed or restarted must not leave ranks training (as `rankwise run`).
     die_with_parent(parent)
-    _take_stdio(stdio)
+    if forked is not None:
+        _take_stdio(forked)
+        os.environ.clear()
     link = Link(conn)
     link.put(("phase", rank, "starting"))
-    if whole_env:
-        os.environ.clear()
     _set_rank_env(env, rank, world_size, port)
-    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+    if forked is not None and env.get("OMP_NUM_THREADS", "").isdigit():
         # torch came with the fork, its thread count read from the server's environment
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     if stream:
@@ -138,12 +137,11 @@ def child(
     sys.stdout.flush()
 
 
-def _take_stdio(stdio: tuple[int, int] | None) -> None:
+def _take_stdio(stdio: tuple[int, int]) -> None:
     """Write to the caller's stdout and stderr (``stdio``'s descriptors), not the server's."""
-    if stdio is not None:
-        for fd, target in zip(stdio, (1, 2), strict=True):
-            os.dup2(fd, target)
-            os.close(fd)
+    for fd, target in zip(stdio, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def _run(fn, args, rank: int, backend, timeout: float, init: bool, link: Link) -> tuple:

@@ -74,7 +74,7 @@ def spawn_ranks(
     extra = {"OMP_NUM_THREADS": "1", **envmod.live_bars_env(shown.live), **(env or {})}
     if forked:  # a fork of the server has the server's environment: send this one, whole
         extra = {**os.environ, **extra}
-    how = {"whole_env": forked, "stdio": _Stdio() if forked else None}
+    how = {"forked": _Stdio() if forked else None}
     common = (backend, store.port, timeout or 1800.0)
     ranks: list[_Rank] = []
     try:
