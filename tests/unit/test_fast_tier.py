@@ -56,3 +56,40 @@ def test_the_fast_tier_touches_every_module(request: pytest.FixtureRequest) -> N
     if why is not None:
         pytest.skip(why)
     assert not untouched, fast_tier.untouched_message(untouched)
+
+
+_FORKED = """
+import rankwise.testing as t
+
+def rank():
+    import rankwise.models.resnet  # only this rank imports it
+    return 1
+
+if __name__ == "__main__":
+    print(t.run_distributed(rank, world_size=2, start_method={method!r}, timeout=60))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_rank_logs_its_imports_whether_spawned_or_forked_from_the_server(
+    tmp_path: Path, method: str
+) -> None:
+    """A forked rank ends by ``os._exit`` (no ``atexit``) and its server was started before the
+    test set its log folder: the census must still see what the rank imported. (CI once failed
+    the census for rankwise.models, imported only by forked ranks.)"""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "log"
+    folder.mkdir()
+    script = tmp_path / "main.py"
+    script.write_text(_FORKED.format(method=method))
+    env = {**os.environ, fast_tier.DIR_VAR: str(tmp_path), fast_tier.LOG_VAR: str(folder),
+           "PYTHONPATH": os.pathsep.join([str(fast_tier.IMPORTS), str(fast_tier.SRC)])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    logs = {p.name: p.read_text().split() for p in folder.glob("process-*.txt")}
+    ranks = [name for name, mods in logs.items() if "rankwise.models.resnet" in mods]
+    assert len(ranks) >= 2, f"{method}: the ranks' imports are not in the logs: {sorted(logs)}"

@@ -31,6 +31,9 @@ from .output import RankLines
 
 __all__ = ["Failure", "_QueueWriter", "causes_first", "exit_text", "report", "spawn_ranks"]
 
+_EXIT_S = 5.0
+"""How long the ranks that reported their result get, together, to end on their own."""
+
 _GRACE_S = 10.0
 """How long the other ranks get to report their own error after the first one fails (their
 diagnosis names the rank that raised; under load, making it takes a few seconds). The run
@@ -77,15 +80,17 @@ def spawn_ranks(
     how = {"forked": _Stdio() if forked else None}
     common = (backend, store.port, timeout or 1800.0)
     ranks: list[_Rank] = []
+    values: dict[int, Any] = {}
     try:
         for r in range(world_size):
             ranks.append(_start(ctx, r, how, lambda w, r=r: (
                 fn, args, r, world_size, *common, w, stack_files[r], extra, init, stream, parent
             )))  # fmt: skip
-        return _collect(ranks, stack_files, timeout, shown)
+        values, failures, timed_out = _collect(ranks, stack_files, timeout, shown)
+        return values, failures, timed_out
     finally:
         shown.end()
-        _end([rk.proc for rk in ranks])
+        _end([rk.proc for rk in ranks], finishing=[ranks[r].proc for r in values])
         del store
         tmp.cleanup()
 
@@ -141,8 +146,14 @@ class _Rank:
     open: bool = True
 
 
-def _end(procs: list) -> None:
-    """Kill what still runs; sweep the shared-memory files a SIGKILLed rank 0 left."""
+def _end(procs: list, finishing: list = ()) -> None:
+    """Kill what still runs; sweep the shared-memory files a SIGKILLed rank 0 left. A rank
+    that reported its result (``finishing``) gets up to ``_EXIT_S`` to end on its own first:
+    killed on the way out, it would skip its exit handlers (``atexit``, multiprocessing's
+    finalizers), which flush what it wrote."""
+    until = time.monotonic() + _EXIT_S
+    for p in finishing:
+        p.join(max(0.0, until - time.monotonic()))
     for p in procs:
         if p.pid is None:  # never started (spawning an earlier rank failed)
             continue
