@@ -85,10 +85,15 @@ def test_a_rank_logs_its_imports_whether_spawned_or_forked_from_the_server(
     folder.mkdir()
     script = tmp_path / "main.py"
     script.write_text(_FORKED.format(method=method))
-    env = {**os.environ, fast_tier.DIR_VAR: str(tmp_path), fast_tier.LOG_VAR: str(folder),
-           "PYTHONPATH": os.pathsep.join([str(fast_tier.IMPORTS), str(fast_tier.SRC)])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        fast_tier.DIR_VAR: str(tmp_path),
+        fast_tier.LOG_VAR: str(folder),
+        "PYTHONPATH": os.pathsep.join([str(fast_tier.IMPORTS), str(fast_tier.SRC)]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     logs = {p.name: p.read_text().split() for p in folder.glob("process-*.txt")}
     ranks = [name for name, mods in logs.items() if "rankwise.models.resnet" in mods]
