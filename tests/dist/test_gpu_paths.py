@@ -60,9 +60,10 @@ def _batches(n: int = STEPS, batch: int = 16) -> list[tuple[torch.Tensor, torch.
     ]
 
 
-def _train(model: nn.Module, batches, device: torch.device, lr: float = 0.1) -> nn.Module:
-    """SGD steps; batches come from pinned memory with non_blocking copies when on CUDA."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+def _train(model: nn.Module, batches, device: torch.device, lr: float = 0.1, opt=None) -> nn.Module:
+    """Steps of ``opt`` (by default SGD with momentum); batches come from pinned memory with
+    non_blocking copies when on CUDA."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     cuda = device.type == "cuda"
     for x, y in batches:
         if cuda:
@@ -109,9 +110,10 @@ class TalkingReducer(Reducer):
         self.communicates = True
         super()._allocate(wire)
 
-    def _wait_all(self) -> None:
-        self.waited += sum(e is not None and e.work is not None for e in self._works)
-        super()._wait_all()
+    def _finalize(self) -> None:
+        # Counted where the pass ends (end_of_pass.run waits for them): launched works only.
+        self.waited += sum(e is not None for e in self._works)
+        super()._finalize()
 
 
 def world1_ddp(backend: str, device: str, compression: str | None) -> dict:
@@ -318,7 +320,7 @@ def test_checkpoint_of_cuda_tensors_loads_on_the_gpu_and_on_the_cpu(tmp_path):
     rt = rw.init(device="cuda:0")
     model = _mlp().to(rt.device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    _train(model, _batches(2), rt.device)
+    _train(model, _batches(2), rt.device, opt=opt)  # the saved optimizer has state to restore
     path = rw.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, step=2)
     after_save = torch.randn(4, device=rt.device)  # the CUDA RNG moved on after the save
 

@@ -18,8 +18,21 @@ from rankwise.timing import attribution, clock, files, record, robust, settings_
 STEP = 0.100  # seconds: a healthy step
 
 
-def _rank(*, data=0.005, forward=0.030, backward=0.050, blocked=0.010, optimizer=0.003,
-          cpu=None, mem=1 << 30, node=0, role=0, lag=None, noise=0.0, rng=None) -> dict:
+def _rank(
+    *,
+    data=0.005,
+    forward=0.030,
+    backward=0.050,
+    blocked=0.010,
+    optimizer=0.003,
+    cpu=None,
+    mem=1 << 30,
+    node=0,
+    role=0,
+    lag=None,
+    noise=0.0,
+    rng=None,
+) -> dict:
     """One rank's record as the gather unpacks it (seconds, bytes)."""
     jitter = (lambda: rng.uniform(-noise, noise)) if rng else (lambda: 0.0)
     row = {"steps": 10.0, "data": data + jitter(), "forward": forward + jitter(),
@@ -33,15 +46,29 @@ def _rank(*, data=0.005, forward=0.030, backward=0.050, blocked=0.010, optimizer
     return row
 
 
-def _table(world: int, slow: int | None, kind: str, extra: float, *, nodes: int = 1,
-           step: int = 0, rng=None, noise: float = 0.0) -> list[dict]:
+def _table(
+    world: int,
+    slow: int | None,
+    kind: str,
+    extra: float,
+    *,
+    nodes: int = 1,
+    step: int = 0,
+    rng=None,
+    noise: float = 0.0,
+) -> list[dict]:
     """A record of ``world`` ranks where ``slow`` (or nobody) is ``extra`` seconds slower in
     ``kind``; the others wait for it (their blocked time grows by what it is late)."""
     per_node = world // nodes
     rows = []
     for r in range(world):
         late = extra if r == slow else 0.0
-        kw = dict(node=r // per_node, rng=rng, noise=noise, mem=(1 << 30) + (r == slow and kind == "memory") * step * (64 << 20))
+        kw = dict(
+            node=r // per_node,
+            rng=rng,
+            noise=noise,
+            mem=(1 << 30) + (r == slow and kind == "memory") * step * (64 << 20),
+        )
         if kind == "input":
             row = _rank(data=0.005 + late, blocked=0.010 + extra - late, **kw)
         elif kind == "host":  # throttled: slower everywhere, and little CPU per busy second
@@ -136,8 +163,11 @@ def test_the_straggler_is_gone_when_it_recovers_and_chronic_when_it_lasts():
     plan = [False] * 3 + [True] * 12 + [False] * 6
     for sick in plan:
         step += 1 if at.want_dense() else 10
-        events += at.observe(step, _table(4, 1 if sick else None, "compute",
-                                          0.04 if sick else 0.0), dense=at.want_dense())
+        events += at.observe(
+            step,
+            _table(4, 1 if sick else None, "compute", 0.04 if sick else 0.0),
+            dense=at.want_dense(),
+        )
     kinds = [e["event"] for e in events]
     assert kinds == ["straggler", "straggler_gone"]
     gone = events[1]
@@ -208,6 +238,52 @@ def test_clock_spans_are_exclusive_and_add_up_to_the_step():
     assert sum(sample.phases.values()) + sample.other == pytest.approx(sample.total)
 
 
+class _StreamEvent:
+    """A CUDA event on a simulated stream: recorded at the stream's position in device
+    milliseconds, where the kernels launched so far will have ended."""
+
+    stream_ms = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = _StreamEvent.stream_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _StreamEvent) -> float:
+        return end.at - self.at
+
+
+@pytest.mark.parametrize("hooked_late", [True, False])
+def test_the_device_backward_starts_at_the_forwards_end_like_the_host_one(monkeypatch, hooked_late):
+    """The backward span opens at the first gradient hook of the model's output, dated back to
+    the forward's end: on the device too, the loss's own backward (here 100 ms of kernels,
+    launched before that hook fired) counts as backward. Seen on an H100: a sleep in the loss's
+    backward was missing from the device time. A span that opened in between stops the dating
+    back (``hooked_late=False``)."""
+    monkeypatch.setattr(torch.cuda, "Event", _StreamEvent)
+    _StreamEvent.stream_ms = 0.0
+    c = clock.StepClock(device_type="cuda")
+    c.arm(True)
+    c.push("forward")
+    _StreamEvent.stream_ms += 30.0  # the forward's kernels
+    c.pop("forward")
+    ended = time.perf_counter()
+    if not hooked_late:
+        c.push("data")
+        c.pop("data")
+    _StreamEvent.stream_ms += 100.0  # the loss and its backward, before the output's hook
+    c.push("backward", since=ended)
+    _StreamEvent.stream_ms += 50.0  # the model's backward
+    c.pop("backward")
+    phases = c.finish_step().phases
+    assert phases["forward"] == pytest.approx(0.030)
+    assert phases["backward"] == pytest.approx(0.150 if hooked_late else 0.050)
+
+
 def test_other_threads_do_not_mark_the_loops_clock():
     import threading
 
@@ -229,7 +305,9 @@ def test_profile_steps_from_the_environment(raw, want):
 
 
 def test_a_bad_profile_steps_names_the_value_and_the_fix():
-    with pytest.raises(EnvError, match=r"(?s)RANKWISE_PROFILE_STEPS=.ten.*Fix: set it to e\.g\. 10"):
+    with pytest.raises(
+        EnvError, match=r"(?s)RANKWISE_PROFILE_STEPS=.ten.*Fix: set it to e\.g\. 10"
+    ):
         settings_from_env({"RANKWISE_PROFILE_STEPS": "ten"})
 
 
@@ -266,7 +344,7 @@ def test_the_peer_median_of_each_rank_leaves_that_rank_out(n):
 
     rng = random.Random(n)
     values = [rng.random() for _ in range(n)]
-    want = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
+    want = [statistics.median(values[:i] + values[i + 1 :]) for i in range(n)]
     assert robust.medians_without_each(values) == pytest.approx(want)
 
 
@@ -389,7 +467,9 @@ def test_a_leak_after_memory_given_back_is_named_from_the_windows_lowest_record(
             table[0]["blocked"] += 0.02
             table[0]["total"] += 0.02
         events += at.observe(step, table, dense=at.want_dense())
-    named = [(e["rank"], e["kind"], "memory" in e["why"]) for e in events if e["event"] == "straggler"]
+    named = [
+        (e["rank"], e["kind"], "memory" in e["why"]) for e in events if e["event"] == "straggler"
+    ]
     assert named[-1] == (1, "host", True) and (1, "compute", False) not in named, events
 
 

@@ -61,10 +61,17 @@ class DeviceSpans:
     def __init__(self) -> None:
         self.pairs: dict[str, list[tuple[Any, Any]]] = {}
         self.open: dict[str, Any] = {}
+        self.last_end: Any = None  # the end event of the phase that stopped last
 
-    def start(self, phase: str) -> None:
+    def start(self, phase: str, at_last_end: bool = False) -> None:
+        """``at_last_end``: the phase began when the last one ended (the backward, from the
+        forward's end: its first hook fires after the loss's own backward, whose kernels the
+        device runs before it, and which the host time counts too)."""
         import torch
 
+        if at_last_end and self.last_end is not None:
+            self.open[phase] = self.last_end
+            return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         self.open[phase] = ev
@@ -75,7 +82,7 @@ class DeviceSpans:
         start = self.open.pop(phase, None)
         if start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = self.last_end = torch.cuda.Event(enable_timing=True)
         end.record()
         self.pairs.setdefault(phase, []).append((start, end))
 
@@ -86,6 +93,7 @@ class DeviceSpans:
             pairs[-1][1].synchronize()
             out[phase] = sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
         self.pairs.clear()
+        self.last_end = None
         return out
 
 
@@ -139,7 +147,7 @@ class StepClock:
             if self._cpu_since is None and self.cpu0 is not None and self.mine():
                 self._cpu_since = time.thread_time()
         elif self.armed and self.device is not None and phase in DEVICE_PHASES:
-            self.device.start(phase)
+            self.device.start(phase, at_last_end=since is not None and start == since)
 
     def pop(self, phase: str) -> None:
         now = self.last = time.perf_counter()
@@ -181,7 +189,11 @@ class StepClock:
         synced = self.synced if self.synced is not None else now
         arrived = self.arrived if self.synced is not None else synced
         first = min(self.first_ready or arrived, arrived)
-        cpu = None if self.cpu0 is None else max(0.0, time.thread_time() - self.cpu0 - self.cpu_blocked)
+        cpu = (
+            None
+            if self.cpu0 is None
+            else max(0.0, time.thread_time() - self.cpu0 - self.cpu_blocked)
+        )
         sample = StepSample(phases, now - self.start, cpu,
                             max(0.0, synced - arrived), max(0.0, synced - first))  # fmt: skip
         self.step += 1
