@@ -47,7 +47,11 @@ import rankwise as rw
 from rankwise.bench.memory import _status_kb, _trim_heap
 from rankwise.testing import run_distributed
 
-VARIANTS = ("rankwise-eager", "rankwise-meta", "rankwise-meta-exact", "fsdp2-eager", "fsdp2-meta")
+VARIANTS = ("rankwise-eager", "rankwise-eager-prefetch0", "rankwise-meta", "rankwise-meta-exact",
+            "fsdp2-eager", "fsdp2-meta")  # fmt: skip
+"""``-prefetch0``: stage 3 gathers no unit ahead (``model.prefetch = 0`` on what ``rt.prepare``
+returned, docs/zero.md): one unit whole at a time in backward, beside the one reduction in
+flight."""
 
 
 def _model(size: int, layers: int) -> nn.Sequential:
@@ -84,7 +88,10 @@ def _prepare(variant: str, rt, model: nn.Sequential) -> object:
     if variant.startswith("fsdp2"):
         _fsdp2(model, meta=variant.endswith("meta"))
         return torch.optim.AdamW(model.parameters(), lr=1e-4)  # FSDP2: built after sharding
-    return rt.prepare(model, opt, exact_init=variant.endswith("exact"))
+    prepared = rt.prepare(model, opt, exact_init=variant.endswith("exact"))
+    if variant.endswith("prefetch0"):
+        prepared[0].prefetch = 0
+    return prepared
 
 
 def _phase(start_kb: int) -> tuple[float, float]:
