@@ -81,6 +81,7 @@ def spawn_ranks(
     common = (backend, store.port, timeout or 1800.0)
     ranks: list[_Rank] = []
     values: dict[int, Any] = {}
+    failures: dict[int, Failure] = {}
     try:
         for r in range(world_size):
             ranks.append(_start(ctx, r, how, lambda w, r=r: (
@@ -90,7 +91,9 @@ def spawn_ranks(
         return values, failures, timed_out
     finally:
         shown.end()
-        _end([rk.proc for rk in ranks], finishing=[ranks[r].proc for r in values])
+        # After a failure the others are ended at once: one may be blocked on the failed rank.
+        finishing = [] if failures else [ranks[r].proc for r in values]
+        _end([rk.proc for rk in ranks], finishing)
         del store
         tmp.cleanup()
 
