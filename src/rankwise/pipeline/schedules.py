@@ -167,8 +167,9 @@ def _warmup(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
     every chunk but the last of the first round, and two forwards per rank below this one
     (torch's and Megatron-LM's count) when ``m`` is a multiple of ``p``. On paper one per rank
     gives the same step time with less memory, but then each steady-state forward waits on a
-    message sent just before it: measured, interleaved steps took about 7% longer
-    (docs/model-parallel.md). Otherwise one per rank: two can deadlock there."""
+    message sent just before it: measured, interleaved steps took about 6% longer
+    (benchmarks/results/pipeline_warmup_ab_round5.json). Otherwise one per rank: two can
+    deadlock there."""
     per_rank = 2 if chunks > 1 and micro_batches % ranks == 0 else 1
     return min((chunks - 1) * ranks + per_rank * (ranks - 1 - rank), micro_batches * chunks)
 
