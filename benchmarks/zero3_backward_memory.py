@@ -15,9 +15,10 @@ previous hook and this one (``pre3``: the end of layer 4's backward to the start
 ranks; ``worst``: the highest window and where it was. Prints JSON and writes
 ``benchmarks/results/zero3_backward_memory.json`` (or ``--out``).
 
-Why: with ``prefetch=1`` (the default) rankwise's steps peak above FSDP2's, which prefetches
-too, and with ``prefetch=0`` they equal it (``bigmodel_round5_prefetch0.json``); this shows in
-which layer's window the difference is made.
+Why: rankwise's steps peaked above FSDP2's with ``prefetch=1`` and equalled them with
+``prefetch=0`` (``bigmodel_round5_prefetch0.json``); this showed the difference inside each
+layer's backward, and that it was the reduction left in flight (FSDP2 waits for each at once on
+the CPU): ``zero3_backward_memory.json`` before, ``zero3_backward_memory_inflight0.json`` after.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """benchmarks/zero3_backward_memory.py runs end to end on a small model (world 2, 4 x 1024), and
-what it finds holds there: with ``prefetch=0`` the backward pass peaks where FSDP2's does, no
-higher (within a quarter of a layer), and every layer's two windows and the end are reported."""
+what it finds holds there: on the CPU the backward pass peaks where FSDP2's does, no higher
+(within a quarter of a layer), with prefetch 1 (the default) and 0, and every layer's two
+windows and the end are reported."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.mark.slow  # three spawned groups of two ranks
 @pytest.mark.timeout(600)
-def test_prefetch_off_peaks_no_higher_than_fsdp2_and_every_window_is_reported(
+def test_the_backward_peaks_no_higher_than_fsdp2_and_every_window_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the spawned ranks import it the same way
@@ -31,8 +32,9 @@ def test_prefetch_off_peaks_no_higher_than_fsdp2_and_every_window_is_reported(
         assert row["worst"]["mib"] == max(row["peak_mib"].values()), name
         # a layer's own backward computes its full gradient: above a unit over its start
         assert row["peak_mib"]["post2"] >= row["resident_mib"]["pre2"] + result["unit_mib"] * 0.9
-    unit = result["unit_mib"]
-    assert rows["rankwise-prefetch0"]["worst"]["mib"] <= rows["fsdp2"]["worst"]["mib"] + unit / 4
+    unit, theirs = result["unit_mib"], rows["fsdp2"]["worst"]["mib"]
+    for name in ("rankwise-prefetch1", "rankwise-prefetch0"):  # on the CPU, no reduction in
+        assert rows[name]["worst"]["mib"] <= theirs + unit / 4, (name, rows)  # flight (as FSDP2)
 
 
 def test_bad_arguments_are_refused_naming_the_value(

@@ -47,11 +47,15 @@ from .engine_view import OptimizerFactory
 from .stage3 import Stage3Hooks, _grad_outputs
 from .wrap import WrapPolicy
 
-_IN_FLIGHT = 1
-"""Stages 2/3: gradient reductions (each with its full-size unit buffer) allowed in flight,
-beside the unit whose gradients are being computed. FSDP2 keeps one too: a second cost a unit's
-full gradient at the backward's peak (the 134M-parameter benchmark's) and gained no time
-(GPT-2 recipe, zero3: 1031 against 1096 ms)."""
+_IN_FLIGHT = {"cpu": 0}
+"""Stages 2/3: gradient reductions (each with its unit's full-size gradient buffer) left in
+flight while the next unit's gradients are computed, by the parameters' device type (others:
+1). On a GPU a reduction runs beside the backward's kernels, as FSDP2's reduce-scatter on its
+own stream: one in flight. On the CPU the backward and Gloo share the cores: each reduction is
+waited for at once, as FSDP2's is there, which holds one unit's full gradient less at the
+backward's peak (benchmarks/results/zero3_backward_memory_inflight0.json) for about 2.5% of a
+GPT-2 zero3 step (1140 against 1112 ms, two runs each). Two in flight cost a unit more and
+gained no time (1096 against 1031 ms)."""
 
 DEFAULT_PREFETCH = 1
 """Stage 3: unit modules gathered ahead of the one computing (docs/zero.md, "Prefetch")."""
@@ -143,6 +147,8 @@ class ShardedDataParallel(nn.Module):
             for i, p in enumerate(self.params)
         ]
         self._prefetch = prefetch
+        kind = self.params[0].device.type if self.params else target.type
+        self._in_flight = _IN_FLIGHT.get(kind, 1)  # see _IN_FLIGHT
         self.stage3 = Stage3Hooks(self, self._unit_modules, prefetch) if stage == 3 else None
         self._reset()
 
@@ -189,9 +195,10 @@ class ShardedDataParallel(nn.Module):
         while self._next < len(order) and pending[order[self._next]] == 0:
             self.units[order[self._next]].launch_reduce()
             self._next += 1
-            # Stages 2/3 keep at most _IN_FLIGHT full gradient buffers: finishing an earlier
-            # reduction drops its buffer, so the full gradient never exists all at once.
-            while self.stage > 1 and self._next - self._done > _IN_FLIGHT:
+            # Stages 2/3 keep at most _in_flight full gradient buffers besides the one being
+            # filled: finishing an earlier reduction drops its buffer, so the full gradient
+            # never exists all at once.
+            while self.stage > 1 and self._next - self._done > self._in_flight:
                 self.units[order[self._done]].finish_reduce()
                 self._done += 1
 
