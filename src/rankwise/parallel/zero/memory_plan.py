@@ -14,7 +14,8 @@ zero3       b*P*(2 + k)/N               16P/N (+ the gathered units)
 
 Stage 3 also holds, briefly, the full parameters of the unit being computed and of the
 ``prefetch`` ones (default 1) gathered ahead of it; stages 2 and 3 hold the full gradients of
-the unit being computed and of one more while it is reduced.
+the unit being computed and, on a GPU, of one more while it is reduced (on the CPU each
+reduction is waited for at once: ``sharded._IN_FLIGHT``).
 """
 
 from __future__ import annotations
