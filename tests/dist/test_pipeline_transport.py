@@ -82,9 +82,14 @@ def test_sends_held_across_a_1f1b_step_stay_within_the_in_flight_bound(stages):
             assert nbytes <= max_bytes, (stages, r["position"], m, nbytes, max_bytes)
 
 
-SHAPES = [(3, 4), (3, 4), (2, 4), (2, 4), (3, 4), (5,), (5,), (1, 2, 3), (3, 4)]
+BIG = p2p.PACK_MAX_BYTES // 4 + 1  # float32 elements: one byte-group past packing
+EDGE = p2p.PACK_MAX_BYTES // 4  # exactly at the limit: still packed
+SHAPES = [(3, 4), (3, 4), (2, 4), (2, 4), (3, 4), (5,), (5,), (1, 2, 3), (3, 4), (BIG,),
+          (BIG,), (EDGE,), (EDGE,), (BIG,), (0, 4), (0, 4), (), (), (3, 4)]  # fmt: skip
 DTYPES = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32,
-          torch.int64, torch.int64, torch.bfloat16, torch.float32]  # fmt: skip
+          torch.int64, torch.int64, torch.bfloat16, torch.float32, torch.float32,
+          torch.float32, torch.float32, torch.float32, torch.float32, torch.float32,
+          torch.float32, torch.float64, torch.float64, torch.float32]  # fmt: skip
 
 
 def _sequence() -> list[torch.Tensor]:
@@ -127,11 +132,44 @@ def _relay(ahead_every: int) -> list:
 
 def test_activations_whose_shape_and_dtype_change_arrive_intact():
     # shapes and dtypes change between consecutive activations (the receive posted with the
-    # header, shaped as the last one, then takes the sender's filler) and stay the same;
-    # receives posted ahead for every activation, every other one, none
+    # header, shaped as the last one, then takes the sender's filler) and stay the same, on
+    # both sides of p2p.PACK_MAX_BYTES (header and tensor in one message, or two), empty and
+    # zero-dimensional; receives posted ahead for every activation, every other one, none
     want = [t.float().numpy() for t in _sequence()]
     for by_every in run_distributed(_relays, 2, timeout=120):
         for every, got in by_every.items():
             assert len(got) == len(want), every
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 assert a.shape == b.shape and (a == b).all(), (every, i)
+
+
+def _messages_per_activation() -> list[int]:
+    """Rank 0 sends small activations, then large ones, each the same shape as the last;
+    how many messages each activation took (rank 1 receives them, posting ahead)."""
+    from datetime import timedelta
+
+    rt = rw.get_runtime()
+    link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
+    sizes = [64] * 4 + [BIG] * 3 + [64] * 2
+    counts = []
+    for i, n in enumerate(sizes):
+        expected = p2p.Expected("stage 0 (rank 0)", i, len(sizes))
+        if rt.rank == 0:
+            t = torch.full((n,), float(i))
+            link.send(t, 1, "activation", p2p.Header(i, len(sizes), t.dtype, (n,)))
+            counts.append(len(link._queued))
+            link.post()
+        else:
+            link.expect(0, None, expected)
+            _, x = link.receive_activation(0, "activation", expected)
+            assert x.shape == (n,) and bool((x == i).all()), (i, x[:4])
+    link.flush()
+    return counts
+
+
+def test_a_small_activation_of_the_last_shape_is_one_message_with_its_header():
+    # the first activation on a channel: its header, then the tensor; the same shape again,
+    # small: one message; large (above PACK_MAX_BYTES): header and tensor, two messages; a
+    # change of shape: the filler of the receive posted for the old shape, then the tensor
+    counts = run_distributed(_messages_per_activation, 2, timeout=120)[0]
+    assert counts == [2, 1, 1, 1, 2, 2, 2, 3, 1], counts

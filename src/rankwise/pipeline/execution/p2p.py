@@ -10,16 +10,24 @@ Backward gradients need no header: the gradient of an activation has its shape a
 which the receiver already knows from the forward.
 
 Over Gloo a transfer starts only once the receiver has posted its receive, so a receive that
-waits for its header first costs a round trip more than the header itself. Both ends of a
-channel remember the last activation shape on it (the receiver only once it accepted that
-header): the receiver posts, with each header's receive, a receive shaped as the last
-activation, and the sender, when the shape changes (the shorter last micro-batch), first sends
-zeros of the old shape to fill it. The steady state is then one round trip per activation, as
-for a tensor whose shape is known. Every receive waits at most the runtime's
-timeout and then raises a ``DistributedError`` naming the peer, the phase and the micro-batch.
-A header is checked before anything is allocated for it (its number, the micro-batch count,
-dtype, dimensions and a size cap): a wrong one is a ``DistributedError`` naming the stage that
-sent it.
+waits for its header first costs a round trip more than the header itself; and every message
+costs its two ends a post and a wake-up (about 0.15 ms each on a busy 2-core machine), whatever
+its size. Both ends of a channel remember the last activation shape on it (the receiver only
+once it accepted that header), and the receiver posts, with each header, a receive shaped as
+the last activation:
+
+- up to ``PACK_MAX_BYTES``: one message, the header's bytes followed by the tensor's
+  (``pack``); the receiver reads the tensor in place, after the header;
+- above it: the header and the tensor as two messages posted together (copying a large tensor
+  into one buffer would cost more than the second message).
+
+When the shape changes (the shorter last micro-batch) the sender first fills the receive
+posted for the old shape (its header announces the new shape) and then sends the tensor alone.
+The steady state is one round trip per activation, as for a tensor whose shape is known. Every
+receive waits at most the runtime's timeout and then raises a ``DistributedError`` naming the
+peer, the phase and the micro-batch. A header is checked before anything is allocated for it
+(its number, the micro-batch count, dtype, dimensions and a size cap): a wrong one is a
+``DistributedError`` naming the stage that sent it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ from .sends import Held, SendQueue
 
 MAX_DIMS = 8
 HEADER_LEN = 4 + MAX_DIMS
+HEADER_BYTES = HEADER_LEN * 8
+PACK_MAX_BYTES = 1 << 20
+"""Largest activation sent in one message with its header over Gloo (a copy of it, into the
+message, costs about what a second message costs at this size)."""
 MAX_MICRO_BATCHES = 1 << 16
 """Most micro-batches a header may announce (``chunks`` of any real pipeline is far lower)."""
 MAX_ACTIVATION_BYTES = 64 << 30
@@ -73,6 +85,28 @@ def encode(header: Header, device: torch.device) -> torch.Tensor:
     shape = list(header.shape) + [0] * (MAX_DIMS - len(header.shape))
     values = [header.micro_batch, header.num_micro_batches, DTYPES.index(header.dtype)]
     return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
+
+
+def packs(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether an activation of this shape goes in one message with its header (Gloo)."""
+    return math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
+
+
+def pack(header: torch.Tensor, tensor: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """One message of ``header``'s bytes followed by ``nbytes`` bytes: ``tensor``'s, or zeros
+    (a filler for a receive posted for another shape)."""
+    out = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=header.device)
+    out[:HEADER_BYTES].view(torch.int64).copy_(header)
+    if tensor is None:
+        out[HEADER_BYTES:].zero_()
+    else:
+        out[HEADER_BYTES:].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return out
+
+
+def unpack(message: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in a packed ``message``, in place (its header is 8-byte aligned)."""
+    return message[HEADER_BYTES:].view(dtype).view(shape)
 
 
 def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
@@ -128,13 +162,15 @@ class Expected:
 class _Early:
     """A receive posted ahead of need: an activation's header (``head`` None until it is in,
     checked against ``expected``; ``guess``: the receive of its tensor, shaped as the last
-    activation from that peer) or a tensor of known shape."""
+    activation from that peer; ``packed``: that shape, when the header and the tensor come
+    in one message) or a tensor of known shape."""
 
     def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
                  expected: Expected | None = None,
-                 guess: tuple[dist.Work, torch.Tensor] | None = None) -> None:  # fmt: skip
+                 guess: tuple[dist.Work, torch.Tensor] | None = None,
+                 packed: tuple[tuple[int, ...], torch.dtype] | None = None) -> None:  # fmt: skip
         self.work, self.buf, self.head, self.tensor = work, buf, head, tensor
-        self.expected, self.guess = expected, guess
+        self.expected, self.guess, self.packed = expected, guess, packed
 
 
 class Link:
@@ -170,14 +206,22 @@ class Link:
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
         """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
+        tensor = tensor.detach().to(self.comm_device)
         parts = [] if header is None else [encode(header, self.comm_device)]
         if header is not None and self.ahead:
-            last = self._sent_shape.get(dst)
-            if last is not None and last != (header.shape, header.dtype):
-                # the receiver posted a receive shaped as the last activation: fill it
+            # the receiver posted, with the header, a receive shaped as the last activation
+            last, now = self._sent_shape.get(dst), (header.shape, header.dtype)
+            self._sent_shape[dst] = now
+            if last is not None and packs(*last):
+                if last == now:  # header and tensor in one message
+                    parts = [pack(parts[0], tensor, tensor.numel() * tensor.element_size())]
+                    tensor = None
+                else:  # fill the packed receive (its header announces the new shape)
+                    parts = [pack(parts[0], None, math.prod(last[0]) * last[1].itemsize)]
+            elif last is not None and last != now:  # fill the receive posted for the tensor
                 parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
-            self._sent_shape[dst] = (header.shape, header.dtype)
-        parts.append(tensor.detach().to(self.comm_device).contiguous())
+        if tensor is not None:
+            parts.append(tensor.contiguous())
         for part in parts:
             self._queued.append((dist.P2POp(dist.isend, part, dst), dst, f"{what} to rank {dst}"))
 
@@ -199,8 +243,12 @@ class Link:
     def _post_header(self, src: int, expected: Expected | None) -> _Early:
         """Post the receive of ``src``'s next activation header (over Gloo with a receive
         shaped as the last activation accepted from ``src``: see the module docstring)."""
-        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         last = self._recv_shape.get(src) if self.ahead else None
+        if last is not None and packs(*last):
+            nbytes = math.prod(last[0]) * last[1].itemsize
+            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.comm_device)
+            return _Early(self._start([buf], src)[0], buf, None, False, expected, packed=last)
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         bufs = [buf]
         if last is not None:
             bufs.append(torch.empty(last[0], dtype=last[1], device=self.comm_device))
@@ -212,7 +260,8 @@ class Link:
         """Post the tensor receive of every activation whose header has arrived (checked
         first: a header that is refused is dropped, nothing is allocated for it)."""
         for src, early in list(self._early.items()):
-            if not early.tensor and early.guess is None and early.work.is_completed():
+            if (not early.tensor and early.guess is None and early.packed is None
+                    and early.work.is_completed()):  # fmt: skip
                 del self._early[src]
                 self._wait(early.work, f"activation header from rank {src}")
                 head = self._decode(early.buf, early.expected, src)
@@ -236,10 +285,13 @@ class Link:
             self.post()
         self._wait(early.work, f"{what} header from rank {src}")
         self._orphans.append(early)  # a refused header leaves its guess posted: keep its buffer
-        head = self._decode(early.buf, expected, src)
+        raw = early.buf if early.packed is None else early.buf[:HEADER_BYTES].view(torch.int64)
+        head = self._decode(raw, expected, src)
         self._orphans.pop()
         if self.ahead:
             self._recv_shape[src] = (head.shape, head.dtype)
+        if early.packed == (head.shape, head.dtype):
+            return head, unpack(early.buf, head.shape, head.dtype)
         if early.guess is not None:
             work, buf = early.guess
             self._wait(work, f"{what} from rank {src}")
