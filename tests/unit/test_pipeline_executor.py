@@ -58,6 +58,31 @@ def test_every_schedule_gives_the_unsplit_gradients(schedule, v, positions, chun
     assert {a.kind for a in ran} == kinds | {"F"} and len(ran) == len(set(ran))
 
 
+def _freeze_some(model: nn.Sequential) -> nn.Sequential:
+    """What fine-tuning does: the embeddings and the first block frozen whole, one layer with
+    only its weight frozen (its bias still trains)."""
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    model[3].attn.proj.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(("schedule", "v"), CASES)
+def test_every_schedule_with_frozen_layers_gives_the_unsplit_gradients(schedule, v):
+    # a frozen layer is not cut for the W pass (before: zero_bubble asked autograd for the
+    # gradients of no weights and raised)
+    ref = _freeze_some(_gpt())
+    pipe = rw.split(copy.deepcopy(ref), ["cpu", "cpu"], chunks=4, schedule=schedule,
+                    stages_per_rank=v)  # fmt: skip
+    x, y = _batch()
+    _loss(ref(x), y).backward()
+    pipe.train_step(x, y, _loss)
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) == (not q.requires_grad), name
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= TOL, name
+
+
 def test_a_failing_stage_stops_every_thread_and_raises():
     pipe = rw.split(_gpt(), ["cpu", "cpu"], chunks=2)
     x, y = _batch()

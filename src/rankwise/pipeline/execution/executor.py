@@ -10,7 +10,8 @@ The schedule (``pipeline/schedules.py``) says what to compute and in which order
 - ``B``: ``torch.autograd.grad`` of the stage output with the received gradient (the last
   stage: the loss with its seed), for the stage input and the stage's parameters; send the
   input's gradient back;
-- ``I``/``W`` (zero-bubble): the same split in two by ``weight_pass.WeightPass``.
+- ``I``/``W`` (zero-bubble): the same split in two by ``weight_pass.WeightPass`` (on the first
+  stage, whose input needs no gradient, ``I`` is the whole backward and ``W`` does nothing).
 
 Parameter gradients are summed into ``StepResult.grads`` (one tensor per parameter), never
 into ``.grad``: the caller decides when they land there (all at once, so that a data-parallel
@@ -165,7 +166,10 @@ class Executor:
         x = self.stages.first_input(i) if s == 0 else received
         if isinstance(x, torch.Tensor) and s > 0 and x.is_floating_point() and not forward_only:
             x = x.detach().requires_grad_(True)
-        split = self.split and not forward_only
+        # the first stage's input needs no gradient: nobody waits for its I pass, so it runs
+        # the whole backward there (one autograd pass; its W does nothing) instead of paying
+        # the split's per-layer autograd calls
+        split = self.split and not forward_only and s > 0
         anchor = self.weight_pass.begin((s, i)) if split else None
         try:
             out = self.stages.run(s, i, x)
@@ -190,6 +194,10 @@ class Executor:
         takes_grad = isinstance(x, torch.Tensor) and x.requires_grad
         head = ([anchor] if anchor is not None else []) + ([x] if takes_grad else [])
         params = self.stages.parameters_of(s)
+        if not out.requires_grad or not (head or params):  # a frozen first stage
+            if s > 0:
+                self._send(Message("grad", s, i), torch.zeros_like(x), False)
+            return
         grads = torch.autograd.grad([out], head + params, [grad], allow_unused=True)
         self._add_grads(zip(params, grads[len(head) :], strict=True))
         if s > 0:

@@ -88,15 +88,29 @@ class WeightPass:
         self._key = self._anchor = None
 
     def run(self, key: Key) -> Iterator[tuple[nn.Parameter, torch.Tensor | None]]:
-        """(parameter, gradient) pairs of ``key``'s weight pass; frees its graphs."""
-        for module, y, grad_out in self._pending.pop(key):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            grads = torch.autograd.grad(y, params, grad_out, allow_unused=True)
-            yield from zip(params, grads, strict=True)
+        """(parameter, gradient) pairs of ``key``'s weight pass; frees its graphs. One
+        autograd call for every cut layer of the forward (a call per layer cost a zero-bubble
+        step more than its weight gradients' arithmetic on small layers); a weight shared by
+        two layers appears once, with both contributions."""
+        outputs, grads_out, params, seen = [], [], [], set()
+        for module, y, grad_out in self._pending.pop(key, ()):  # none: the forward was not cut
+            outputs.append(y)
+            grads_out.append(grad_out)
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:  # every cut layer was frozen after its forward
+            return iter(())
+        grads = torch.autograd.grad(outputs, params, grads_out, allow_unused=True)
+        return zip(params, grads, strict=True)
 
     def _pre(self, module: nn.Module, args: tuple) -> tuple | None:
         if self._key is None or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             self._inputs.setdefault(id(module), []).append(None)
+            return None
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            self._inputs.setdefault(id(module), []).append(None)  # frozen: nothing for W
             return None
         x = args[0]
         cut = x.detach().requires_grad_(x.requires_grad)
