@@ -13,13 +13,19 @@ One spawned group per ``--world``; in each rank a model of ``--layers`` x
 - ``rankwise-single``: the same model, today's one file (every rank's shards gathered, rank 0
   writes; every rank reads the file and keeps its slice);
 - ``torch-fsdp2-dcp``: torch's FSDP2 (``fully_shard`` per layer and the root) with
-  ``dcp.save``/``dcp.load`` of ``get_state_dict`` (torch's DCP tutorial);
+  ``dcp.save``/``dcp.load`` of ``get_state_dict`` (torch's DCP tutorial), into the same folder
+  each time: DCP truncates and rewrites its files in place;
+- ``torch-fsdp2-dcp-fresh``: the same into a new folder each time, the previous one deleted
+  after (``_FreshDCP``): the disk pattern of our atomic save, which writes new files and never
+  touches the checkpoint it replaces until the new one is complete (on this machine's virtual
+  disk, writing freshly allocated blocks costs more than rewriting just-freed ones);
 - ``background``: the ZeRO-3 model's step time while ``rt.save(..., background=True)`` writes
   (the steps that overlap the thread) against its normal step time, and how long the call
   took to return (staging to host memory; after a first background save, which also makes
   the saves' process group).
 
-Each way is saved and loaded once unmeasured, then ``--repeats`` times: seconds are the median
+Each way is saved and loaded once unmeasured, then ``--repeats`` times (ours sharded and DCP
+alternating, both models alive, the order reversed every other round): seconds are the median
 of the slowest rank's wall time; **peak MB** is a rank's resident-set high-water mark
 during the operation above what it held just before (``VmHWM`` reset with
 ``/proc/self/clear_refs``; allocations over 1 MiB served by mmap), the max over ranks;
@@ -33,6 +39,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import os
 import shutil
 import statistics
 import sys
@@ -119,48 +126,85 @@ def _dcp(folder: Path, model, opt, load: bool) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+class _FreshDCP:
+    """``dcp.save`` into a new folder each time, the previous one deleted after it (what
+    ``keep_last=1`` does): the write pattern of an atomic save, which never overwrites the
+    checkpoint it replaces. ``dcp.save`` into the same folder truncates and rewrites its files
+    in place, reusing the disk blocks just freed."""
+
+    def __init__(self, root: Path, model, opt) -> None:
+        self.root, self.model, self.opt, self.count = root, model, opt, 0
+
+    def path(self) -> Path:
+        return self.root / f"dcp-fresh-{self.count}"
+
+    def save(self) -> None:
+        self.count += 1
+        _dcp(self.path(), self.model, self.opt, load=False)
+        dist.barrier()  # every rank wrote: the previous checkpoint may go
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root / f"dcp-fresh-{self.count - 1}", ignore_errors=True)
+
+    def load(self) -> None:
+        _dcp(self.path(), self.model, self.opt, load=True)
+
+
 def _size_mb(path: Path) -> float:
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files) / 2**20
 
 
-def _timed(save, load, where: Path, repeats: int) -> dict:
-    """One warm-up save and load, then ``repeats`` measured: medians of the times, the
+def _timed(ways: dict[str, tuple], repeats: int) -> dict:
+    """Per way ``(save, load, where)`` (``where``: a path, or what returns it): one warm-up save and load, then ``repeats`` measured
+    saves of every way in turn (the order reversed every other round, so the disk's state and
+    writeback hit each way alike), then the loads the same way; medians of the times, the
     highest peaks."""
-    save()
-    load()
-    saves = [_measured(save) for _ in range(repeats)]
-    loads = [_measured(load) for _ in range(repeats)]
-    return {
-        "save": {"s": statistics.median(m["s"] for m in saves),
-                 "peak_mb": max(m["peak_mb"] for m in saves)},
-        "load": {"s": statistics.median(m["s"] for m in loads),
-                 "peak_mb": max(m["peak_mb"] for m in loads)},
-        "size_mb": _size_mb(where),
-    }  # fmt: skip
+    for save, load, _ in ways.values():
+        save()
+        load()
+    runs: dict[str, dict[str, list]] = {name: {"save": [], "load": []} for name in ways}
+    for op in ("save", "load"):
+        for r in range(repeats):
+            for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+                save, load, _ = ways[name]
+                runs[name][op].append(_measured(save if op == "save" else load))
+    return {name: {**{op: {"s": statistics.median(m["s"] for m in ms),
+                           "peak_mb": max(m["peak_mb"] for m in ms)}
+                      for op, ms in runs[name].items()},
+                   "size_mb": _size_mb(ways[name][2]() if callable(ways[name][2])
+                                       else ways[name][2])}
+            for name in ways}  # fmt: skip
 
 
 def _rows(root: Path, size: int, layers: int, repeats: int) -> dict:
     out = {}
     model, opt = _zero3(size, layers)
     out["step"] = _measured(lambda: _step(model, opt, size))
+    net, net_opt = _fsdp2(size, layers)  # alive beside ours: their saves alternate
+    ways = {}
     for name, sharded, where in (("rankwise-sharded", True, root / "sharded"),
                                  ("rankwise-single", False, root / "single.pt")):  # fmt: skip
         save = functools.partial(rw.save_checkpoint, where, model=model, optimizer=opt,
                                  sharded=sharded, keep_last=1)  # fmt: skip
         load = functools.partial(rw.load_checkpoint, where, model=model, optimizer=opt)
-        out[name] = _timed(save, load, where, repeats)
+        ways[name] = (save, load, where)
+    ways["torch-fsdp2-dcp"] = (functools.partial(_dcp, root / "dcp", net, net_opt, load=False),
+                               functools.partial(_dcp, root / "dcp", net, net_opt, load=True),
+                               root / "dcp")  # fmt: skip
+    fresh = _FreshDCP(root, net, net_opt)
+    ways["torch-fsdp2-dcp-fresh"] = (fresh.save, fresh.load, fresh.path)
+    alternating = ("rankwise-sharded", "torch-fsdp2-dcp", "torch-fsdp2-dcp-fresh")
+    out.update(_timed({k: ways[k] for k in alternating}, repeats))
+    out.update(_timed({"rankwise-single": ways["rankwise-single"]}, repeats))
+    del ways, fresh, net, net_opt
     out["background"] = _background(root / "background", model, opt, size)
-    del model, opt
-    model, opt = _fsdp2(size, layers)
-    out["torch-fsdp2-dcp"] = _timed(lambda: _dcp(root / "dcp", model, opt, load=False),
-                                    lambda: _dcp(root / "dcp", model, opt, load=True),
-                                    root / "dcp", repeats)  # fmt: skip
     return out
 
 
 def _background(folder: Path, model, opt, size: int) -> dict:
     rt = rw.get_runtime()
+    os.sync()  # the earlier saves' writeback is over: what slows the steps is this save's
+    dist.barrier()
     # The first background save also makes the saves' own process group: not measured.
     rt.save(folder / "warm-up", model=model, optimizer=opt, background=True, sharded=True).wait()
     normal = []
@@ -204,7 +248,8 @@ def _merge(ranks: list[dict]) -> dict:
     first = ranks[0]
     out: dict = {"step_peak_mb": round(max(r["step"]["peak_mb"] for r in ranks), 1),
                  "step_s": round(max(r["step"]["s"] for r in ranks), 3)}  # fmt: skip
-    for name in ("rankwise-sharded", "rankwise-single", "torch-fsdp2-dcp"):
+    for name in ("rankwise-sharded", "rankwise-single", "torch-fsdp2-dcp",
+                 "torch-fsdp2-dcp-fresh"):
         row = {"size_mb": round(first[name]["size_mb"], 1)}
         for op in ("save", "load"):
             row[f"{op}_s"] = round(max(r[name][op]["s"] for r in ranks), 3)

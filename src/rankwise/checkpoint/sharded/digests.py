@@ -91,15 +91,18 @@ class FileSlice(io.RawIOBase):
 
 
 def range_digest(fd: int, offset: int, length: int) -> str:
-    """``xxh3_64`` of ``length`` bytes at ``offset`` of an open file."""
+    """``xxh3_64`` of ``length`` bytes at ``offset`` of an open file (fewer if the file ends
+    first). Read through one buffer, allocated once per call: a new 8 MiB block per read cost
+    a verified load a third of its time (a fresh allocation is mapped and faulted in anew)."""
     h = xxhash.xxh3_64()
+    block = memoryview(bytearray(min(_BLOCK, length)))
     done = 0
     while done < length:
-        chunk = os.pread(fd, min(_BLOCK, length - done), offset + done)
-        if not chunk:
+        got = os.preadv(fd, [block[: length - done]], offset + done)
+        if got <= 0:
             break
-        h.update(chunk)
-        done += len(chunk)
+        h.update(block[:got])
+        done += got
     return h.hexdigest()
 
 
