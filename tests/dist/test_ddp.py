@@ -178,10 +178,22 @@ def _error_messages() -> dict:
         model(torch.randn(2, 8)).sum().backward()
     except rw.ConfigError as exc:
         out["unused"] = str(exc)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    net[0].requires_grad_(False)
+    model = rw.DistributedDataParallel(net)
+    model(torch.randn(2, 8)).sum().backward()  # frozen as when wrapped: trains
+    net[0].requires_grad_(True)
+    with torch.no_grad():
+        model(torch.randn(2, 8))  # an evaluation builds no gradient: allowed
+    try:
+        model(torch.randn(2, 8))
+        out["unfrozen"] = "no error"
+    except rw.ConfigError as exc:
+        out["unfrozen"] = str(exc)
     return out
 
 
-def test_mismatched_models_and_unused_parameters_are_named(world2):
+def test_mismatched_models_unused_and_unfrozen_parameters_are_named(world2):
     for rank, res in enumerate(r["errors"] for r in world2):
         assert res["mismatch"].startswith(f"[rank {rank}] the model differs across ranks: ")
         assert "parameter '0.weight' of shape [4, 8] float32 on rank 0" in res["mismatch"]
@@ -193,6 +205,10 @@ def test_mismatched_models_and_unused_parameters_are_named(world2):
         )
         assert "never.bias." in res["unused"]
         assert "Fix: set find_unused_parameters=True" in res["unused"]
+        # unfrozen after wrapping: its gradient has no bucket, each rank would train its own
+        assert res["unfrozen"].startswith(f"[rank {rank}] 2 parameter(s) had requires_grad=False")
+        assert "0.weight, 0.bias" in res["unfrozen"]
+        assert "Fix: set requires_grad before wrapping" in res["unfrozen"]
 
 
 # -- GPU: the same engine on CUDA tensors (gloo carries them) -------------------------------

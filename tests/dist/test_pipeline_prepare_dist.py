@@ -394,3 +394,49 @@ def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule
     assert set(results[0]) | set(results[2]) == set(want)
     for rank, state in enumerate(results):  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
         assert _worst(state, want) <= mc.TOL, rank
+
+
+def _freeze_schedule(model, step: int) -> None:
+    """Block 1 frozen for the first step; then block 1 trains and block 0 is frozen (what a
+    fine-tuning script does between steps, after ``rt.prepare``: by name, since a pipeline
+    rank holds only its stages' blocks)."""
+    for name, p in model.named_parameters():
+        if name.startswith("blocks.1."):
+            p.requires_grad_(step > 0)
+
+
+
+def _refreezing(schedule: str, v: int | None) -> dict:
+    rt = rw.init(mesh={"pipeline": 2}, timeout=200)
+    out = {}
+    for schedule, v in (("1f1b", None), ("zero_bubble", 1)):
+        net, opt = _gpt()
+        _freeze_schedule(net, 0)
+        loader = DataLoader(_data(), batch_size=BATCH)
+        model, opt, loader = rt.prepare(net, opt, loader, pipeline_schedule=schedule,
+                                        stages_per_rank=v, microbatches=4)  # fmt: skip
+        for step, (x, y) in enumerate(loader):
+            _freeze_schedule(net, step)
+            _, loss = model(x, y)
+            rt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        bare = rw.checkpoint.state_dict.model_state(model)
+        out[schedule] = {k: t.numpy().copy() for k, t in bare.items()}
+    return out
+
+
+def test_layers_frozen_and_unfrozen_after_prepare_train_as_in_one_process():
+    # before: the stages kept the trainable parameters of the moment rt.prepare ran, so a
+    # layer unfrozen later never got a gradient (silently) and one frozen later raised
+    model, opt = _gpt()
+    for step, (x, y) in enumerate(DataLoader(_data(), batch_size=BATCH)):
+        _freeze_schedule(model, step)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    want = model.state_dict()
+    for rank, got in enumerate(run_distributed(_refreezing, 2, args=("", None), init=False,
+                                               timeout=300)):  # fmt: skip
+        for schedule, state in got.items():
+            assert _worst(state, {k: want[k] for k in state}) <= PARAM_TOL, (rank, schedule)

@@ -104,7 +104,7 @@ class PipelineModel(nn.Module):
         names += list(self.plan.pre) if stage == 0 else []
         names += list(self.plan.post) if stage == last else []
         found = {id(q): q for n in names for q in self.module.get_submodule(n).parameters()}
-        return [q for q in found.values() if q.requires_grad]
+        return list(found.values())  # every one: which train is read at each backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """One batch through every stage: a training step (forward and backward of every
@@ -234,7 +234,8 @@ class _ModelStages:
         return output if shape.kind == 0 else output[shape.loss_index]
 
     def parameters_of(self, stage: int) -> list[nn.Parameter]:
-        return self.pipe._params[stage]
+        # now, not at rt.prepare: a script may freeze or unfreeze layers between steps
+        return [q for q in self.pipe._params[stage] if q.requires_grad]
 
 
 def _until_blocks(model: nn.Module, runner: blocks.StageBlocks, args, kwargs) -> torch.Tensor:
