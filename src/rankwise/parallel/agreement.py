@@ -38,6 +38,33 @@ def trainable_parameters(module: nn.Module, rank: int) -> tuple[list[str], list[
     return [n for n, _ in named], [p for _, p in named]
 
 
+def frozen_at_wrap(
+    module: nn.Module, trainable: Sequence[nn.Parameter], ignore: frozenset[str] = frozenset()
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of ``module`` outside ``trainable`` (frozen when the engine was built):
+    the engine keeps no bucket or shard for them, so one unfrozen later must be refused."""
+    kept = {id(p) for p in trainable}
+    return [(n, p) for n, p in module.named_parameters() if id(p) not in kept and n not in ignore]
+
+
+def check_unfrozen(frozen: Sequence[tuple[str, nn.Parameter]], engine: str, rank: int) -> None:
+    """A ``ModelError`` naming every parameter of ``frozen`` that requires grad now (only
+    while grad mode is on: an evaluation builds no gradient)."""
+    now = [n for n, p in frozen if p.requires_grad]
+    if not now or not torch.is_grad_enabled():
+        return
+    shown = ", ".join(now[:8]) + (f" ... and {len(now) - 8} more" if len(now) > 8 else "")
+    raise ModelError(
+        f"{len(now)} parameter(s) had requires_grad=False when {engine} was built and "
+        f"require grad now: {shown}. The engine keeps nothing for them: their gradients would "
+        "never be averaged (or, sharded, never reach the optimizer)",
+        fix="set requires_grad before wrapping (rt.prepare / the engine), or wrap the model "
+        "again after unfreezing; to train in stages, unfreeze every stage's layers up front "
+        "and keep the ones that wait out of the optimizer (or at learning rate 0).",
+        rank=rank,
+    )
+
+
 def _signature(module: nn.Module) -> list[list]:
     """[kind, name, shape, dtype, requires_grad] per parameter and buffer: JSON, as it travels."""
     sig = [

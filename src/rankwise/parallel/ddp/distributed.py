@@ -31,6 +31,8 @@ from ...errors import ConfigError, ModelError
 from .. import buckets as bucketing
 from ..agreement import (
     broadcast_tensors,
+    check_unfrozen,
+    frozen_at_wrap,
     move_to_device,
     trainable_parameters,
     verify_same_model,
@@ -153,10 +155,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Parameters frozen now have no bucket: one unfrozen later would train on each rank's
         # own gradient, unaveraged (torch's DDP lets it); forward refuses it (_check_unfrozen).
         # (One replica averages nothing: it may unfreeze as it likes.)
-        averaged = {id(p) for p in params}
-        self._frozen_at_wrap = [(n, p) for n, p in self.module.named_parameters()
-                                if id(p) not in averaged and n not in ignore
-                                and self.world_size > 1]  # fmt: skip
+        self._frozen_at_wrap = (frozen_at_wrap(self.module, params, frozenset(ignore))
+                                if self.world_size > 1 else [])  # fmt: skip
         # Every buffer, persistent or not, as torch's DDP broadcasts them.
         self._buffer_slots = [
             (mod, name)
@@ -219,7 +219,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Run the wrapped module; broadcast rank 0's buffers first (Sync point: all ranks)."""
         start = clock()
         if self._frozen_at_wrap:
-            self._check_unfrozen()
+            check_unfrozen(self._frozen_at_wrap, "DistributedDataParallel", self.rank)
         self.reducer.prepare_for_forward()
         grad_on = torch.is_grad_enabled()
         if grad_on:  # a no_grad forward builds no graph, so it does not change the decision
@@ -238,22 +238,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         out = self.module(*inputs, **kwargs)
         self._logger.forward(start, clock())
         return out
-
-    def _check_unfrozen(self) -> None:
-        """A ``ModelError`` naming every parameter that was frozen when this wrapper was built
-        and trains now: its gradient would never be averaged, and the replicas would drift."""
-        now = [n for n, p in self._frozen_at_wrap if p.requires_grad]
-        if now and torch.is_grad_enabled():
-            raise ModelError(
-                f"{len(now)} parameter(s) had requires_grad=False when DistributedDataParallel "
-                f"was built and require grad now: {passes.names_of(now, range(len(now)))}. "
-                "Their gradients have no bucket and would never be averaged: each rank would "
-                "train its own copy",
-                fix="set requires_grad before wrapping (rt.prepare / DistributedDataParallel), "
-                "or wrap the model again after unfreezing; to train in stages, unfreeze every "
-                "stage's layers up front and keep the ones that wait out of the optimizer.",
-                rank=self.rank,
-            )
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers into every replica's, leaving autograd's version counters alone.

@@ -35,7 +35,13 @@ from ... import validate
 from ...errors import ConfigError
 from ...timing import clock as timing
 from .. import deferred
-from ..agreement import broadcast_tensors, trainable_parameters, verify_same_model
+from ..agreement import (
+    broadcast_tensors,
+    check_unfrozen,
+    frozen_at_wrap,
+    trainable_parameters,
+    verify_same_model,
+)
 from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..ddp.devices import group_size_and_rank
 from ..ddp.no_sync import gradient_sync_off
@@ -134,6 +140,7 @@ class ShardedDataParallel(nn.Module):
         if self.world_size > 1:
             verify_same_model(module, process_group, self.rank)
         self.names, self.params = trainable_parameters(module, self.rank)
+        self._frozen_at_wrap = frozen_at_wrap(module, self.params)  # no shard: forward refuses
         build.check_one_dtype(self.names, self.params, self.rank)
         self.group_params, group_of = sharded_optim.optimizer_groups(self, optimizer)
         build.build_units(self, bucket_cap_mb, unit_numel, wrap, group_of, target, how is None)
@@ -310,6 +317,8 @@ class ShardedDataParallel(nn.Module):
         """Run the module (stage 3: gathering each unit's parameters on the way)."""
         if self._active:  # a backward pass died half-way: forget it
             self._reset()
+        if self._frozen_at_wrap:
+            check_unfrozen(self._frozen_at_wrap, "ShardedDataParallel", self.rank)
         grad_on = torch.is_grad_enabled()
         if grad_on:
             self._forward_sync = self.require_backward_grad_sync
