@@ -149,10 +149,8 @@ class ShardedDataParallel(nn.Module):
         else:
             build.fill_from_meta(self, how, target)
         self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.params)
-        ]
+        hook = self._make_hook
+        self._handles = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(self.params)]
         self._prefetch = prefetch
         kind = self.params[0].device.type if self.params else target.type
         self._in_flight = _IN_FLIGHT.get(kind, 1)  # see _IN_FLIGHT

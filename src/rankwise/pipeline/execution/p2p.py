@@ -11,15 +11,11 @@ which the receiver already knows from the forward.
 
 Over Gloo a transfer starts only once the receiver has posted its receive, so a receive that
 waits for its header first costs a round trip more than the header itself; and every message
-costs its two ends a post and a wake-up (about 0.15 ms each on a busy 2-core machine), whatever
-its size. Both ends of a channel remember the last activation shape on it (the receiver only
-once it accepted that header), and the receiver posts, with each header, a receive shaped as
-the last activation:
-
-- up to ``PACK_MAX_BYTES``: one message, the header's bytes followed by the tensor's
-  (``pack``); the receiver reads the tensor in place, after the header;
-- above it: the header and the tensor as two messages posted together (copying a large tensor
-  into one buffer would cost more than the second message).
+costs its two ends a post and a wake-up, whatever its size. Both ends of a channel remember the
+last activation shape on it (the receiver only once it accepted that header), and the receiver
+posts, with each header, a receive shaped as the last activation: up to ``PACK_MAX_BYTES`` one
+message, the header's bytes then the tensor's (``pack``; read in place after the header);
+above it, the header and the tensor as two messages (a copy into one would cost more).
 
 When the shape changes (the shorter last micro-batch) the sender first fills the receive
 posted for the old shape (its header announces the new shape) and then sends the tensor alone.
