@@ -10,7 +10,9 @@ builds the recipe's model (``recipes._build``, the same weights), wraps it
 (``recipes._wrap``), takes ``--steps`` steps and reports its proportional set size
 (``Pss`` of ``/proc/self/smaps_rollup``: a shared page counts once over the ranks that map
 it, so ddp's shared-memory buckets count half in each of two ranks) above what it held before
-the model was built, and its resident high-water mark above the same start. Strategies
+the model was built, and its resident high-water mark above the same start. The proportional
+set splits every shared page among the processes mapping it, the libraries' pages too, so it
+moves with whatever else runs on the machine: compare it only within one quiet run. Strategies
 alternate, the order reversed every other repeat; per strategy the median over repeats of the
 worse rank. ``independent`` (no communication) is the floor; the JSON gives ddp / torch-ddp
 and each one's excess over the floor.

@@ -1,6 +1,7 @@
 """benchmarks/recipes_memory.py runs end to end (the GPT-2 recipe's small model, world 2, one
 repeat): every strategy is measured in processes of its own and reports its memory above the
-start, and no data-parallel engine holds less than the same training with no communication."""
+start, and no data-parallel engine's resident peak is below the same training's with no
+communication."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def test_each_strategy_is_measured_alone_and_none_is_below_the_floor(
     rows, runs = result["rows"], result["runs"]
     assert set(rows) == {"ddp", "torch-ddp", "independent"}
     assert all(len(r) == 1 for r in runs.values()), runs
-    floor = rows["independent"]["pss_mb"]
-    assert floor > 0, rows  # the model and AdamW's state were counted
-    for name in ("ddp", "torch-ddp"):  # gradients' buckets on top of the same training
-        assert rows[name]["pss_mb"] >= floor - 1.0, (name, rows)
-        assert rows[name]["peak_mb"] >= rows[name]["pss_mb"] - 1.0, (name, rows)
+    # The resident high-water mark counts every page a rank touched, whoever else maps it: a
+    # data-parallel engine holds its buckets on top of the same training. (The proportional
+    # set splits shared pages, the libraries' too, among every process mapping them, so it
+    # moves with whatever else runs: compared only between runs of one quiet benchmark.)
+    floor = rows["independent"]["peak_mb"]
+    assert floor > 0 and rows["independent"]["pss_mb"] > 0, rows
+    for name in ("ddp", "torch-ddp"):
+        assert rows[name]["peak_mb"] >= floor - 2.0, (name, rows)
