@@ -153,7 +153,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         ]
         shared = self._shared_buckets(buckets, shared_memory_reduce, hierarchical_reduce)
         # Parameters frozen now have no bucket: one unfrozen later would train on each rank's
-        # own gradient, unaveraged (torch's DDP lets it); forward refuses it (_check_unfrozen).
+        # own gradient, unaveraged (torch's DDP lets it): forward refuses it (check_unfrozen).
         # (One replica averages nothing: it may unfreeze as it likes.)
         self._frozen_at_wrap = (frozen_at_wrap(self.module, params, frozenset(ignore))
                                 if self.world_size > 1 else [])  # fmt: skip
