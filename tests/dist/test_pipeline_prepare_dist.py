@@ -397,9 +397,10 @@ def test_tensor_parallel_gpt_with_a_tied_head_on_pipeline_2_by_tensor_2(schedule
 
 
 def _freeze_schedule(model, step: int) -> None:
-    """Block 1 frozen for the first step; then block 1 trains and block 0 is frozen (what a
-    fine-tuning script does between steps, after ``rt.prepare``: by name, since a pipeline
-    rank holds only its stages' blocks)."""
+    """Block 1 frozen for the first step, then unfrozen (what a fine-tuning script does between
+    steps, after ``rt.prepare``: by name, since a pipeline rank holds only its stages' blocks).
+    Freezing a trained layer after ``rt.prepare`` is refused as under DDP (a parameter without
+    a gradient), so only unfreezing is tried here."""
     for name, p in model.named_parameters():
         if name.startswith("blocks.1."):
             p.requires_grad_(step > 0)
@@ -426,9 +427,9 @@ def _refreezing(schedule: str, v: int | None) -> dict:
     return out
 
 
-def test_layers_frozen_and_unfrozen_after_prepare_train_as_in_one_process():
+def test_a_block_unfrozen_after_prepare_trains_as_in_one_process():
     # before: the stages kept the trainable parameters of the moment rt.prepare ran, so a
-    # layer unfrozen later never got a gradient (silently) and one frozen later raised
+    # block unfrozen later never got a gradient (silently)
     model, opt = _gpt()
     for step, (x, y) in enumerate(DataLoader(_data(), batch_size=BATCH)):
         _freeze_schedule(model, step)
