@@ -50,9 +50,9 @@ def frozen_at_wrap(
 def check_unfrozen(frozen: Sequence[tuple[str, nn.Parameter]], engine: str, rank: int) -> None:
     """A ``ModelError`` naming every parameter of ``frozen`` that requires grad now (only
     while grad mode is on: an evaluation builds no gradient)."""
+    if not torch.is_grad_enabled() or not any(p.requires_grad for _, p in frozen):
+        return  # the per-step cost: one flag per frozen parameter
     now = [n for n, p in frozen if p.requires_grad]
-    if not now or not torch.is_grad_enabled():
-        return
     shown = ", ".join(now[:8]) + (f" ... and {len(now) - 8} more" if len(now) > 8 else "")
     raise ModelError(
         f"{len(now)} parameter(s) had requires_grad=False when {engine} was built and "

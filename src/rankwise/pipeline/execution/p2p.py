@@ -83,26 +83,26 @@ def encode(header: Header, device: torch.device) -> torch.Tensor:
     return torch.tensor([*values, len(header.shape), *shape], dtype=torch.int64, device=device)
 
 
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def packs(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Whether an activation of this shape goes in one message with its header (Gloo)."""
-    return math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
+    return nbytes(shape, dtype) <= PACK_MAX_BYTES
 
 
-def pack(header: torch.Tensor, tensor: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    """One message of ``header``'s bytes followed by ``nbytes`` bytes: ``tensor``'s, or zeros
-    (a filler for a receive posted for another shape)."""
-    out = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=header.device)
+def pack(header: torch.Tensor, tensor: torch.Tensor | None, size: int) -> torch.Tensor:
+    """One message of ``header``'s bytes followed by ``size`` bytes: ``tensor``'s, or zeros
+    (a filler for a receive posted for another shape); read back in place after the header
+    (8-byte aligned)."""
+    out = torch.empty(HEADER_BYTES + size, dtype=torch.uint8, device=header.device)
     out[:HEADER_BYTES].view(torch.int64).copy_(header)
     if tensor is None:
         out[HEADER_BYTES:].zero_()
     else:
         out[HEADER_BYTES:].view(tensor.dtype).view(tensor.shape).copy_(tensor)
     return out
-
-
-def unpack(message: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in a packed ``message``, in place (its header is 8-byte aligned)."""
-    return message[HEADER_BYTES:].view(dtype).view(shape)
 
 
 def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
@@ -121,9 +121,9 @@ def header_problem(v: list[int], micro_batch: int, count: int | None) -> str:
     shape = sizes[:ndim]
     if any(s < 0 for s in shape) or any(sizes[ndim:]):
         return f"has shape {sizes} for {ndim} dimensions"
-    nbytes = math.prod(shape) * DTYPES[code].itemsize
-    if nbytes > MAX_ACTIVATION_BYTES:
-        return f"announces {nbytes} bytes (the limit is {MAX_ACTIVATION_BYTES})"
+    size = nbytes(tuple(shape), DTYPES[code])
+    if size > MAX_ACTIVATION_BYTES:
+        return f"announces {size} bytes (the limit is {MAX_ACTIVATION_BYTES})"
     return ""
 
 
@@ -210,10 +210,10 @@ class Link:
             self._sent_shape[dst] = now
             if last is not None and packs(*last):
                 if last == now:  # header and tensor in one message
-                    parts = [pack(parts[0], tensor, tensor.numel() * tensor.element_size())]
+                    parts = [pack(parts[0], tensor, nbytes(*now))]
                     tensor = None
                 else:  # fill the packed receive (its header announces the new shape)
-                    parts = [pack(parts[0], None, math.prod(last[0]) * last[1].itemsize)]
+                    parts = [pack(parts[0], None, nbytes(*last))]
             elif last is not None and last != now:  # fill the receive posted for the tensor
                 parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
         if tensor is not None:
@@ -241,8 +241,8 @@ class Link:
         shaped as the last activation accepted from ``src``: see the module docstring)."""
         last = self._recv_shape.get(src) if self.ahead else None
         if last is not None and packs(*last):
-            nbytes = math.prod(last[0]) * last[1].itemsize
-            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.comm_device)
+            size = HEADER_BYTES + nbytes(*last)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
             return _Early(self._start([buf], src)[0], buf, None, False, expected, packed=last)
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         bufs = [buf]
@@ -287,7 +287,7 @@ class Link:
         if self.ahead:
             self._recv_shape[src] = (head.shape, head.dtype)
         if early.packed == (head.shape, head.dtype):
-            return head, unpack(early.buf, head.shape, head.dtype)
+            return head, early.buf[HEADER_BYTES:].view(head.dtype).view(head.shape)
         if early.guess is not None:
             work, buf = early.guess
             self._wait(work, f"{what} from rank {src}")
