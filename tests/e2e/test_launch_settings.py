@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-SCRIPT = 'import os\nprint("world", os.environ["WORLD_SIZE"], "rank", os.environ["RANK"])\n'
+# Under --no-prefix both workers write to the one console pipe: each line goes in one write() (a
+# print of several items is several writes, which interleave when PYTHONUNBUFFERED is set).
+SCRIPT = ('import os, sys\n'
+          'sys.stdout.write(f"world {os.environ[\'WORLD_SIZE\']} rank {os.environ[\'RANK\']}\\n")\n')
 
 
 def _run(cwd, *flags: str) -> subprocess.CompletedProcess:
