@@ -20,8 +20,10 @@ One spawned group per ``--world``; in each rank a model of ``--layers`` x
   touches the checkpoint it replaces until the new one is complete (on this machine's virtual
   disk, writing freshly allocated blocks costs more than rewriting just-freed ones);
 - ``background``: the ZeRO-3 model's step time while ``rt.save(..., background=True)`` writes
-  (the steps that overlap the thread) against its normal step time, and how long the call
-  took to return (staging to host memory; after a first background save, which also makes
+  (the steps that overlap the thread) against its normal step time (five steps just before),
+  in three rounds (the median ratio, and each round's); beside it the floor, the steps while a
+  bare thread writes the same bytes (``O_DIRECT`` from one buffer: the disk's own cost, with no
+  serialising or hashing) in the same round; and how long the call took to return (staging to host memory; after a first background save, which also makes
   the saves' process group).
 
 Each way is saved and loaded once unmeasured, then ``--repeats`` times (ours sharded and DCP
@@ -39,11 +41,13 @@ import argparse
 import contextlib
 import functools
 import gc
+import mmap
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -201,36 +205,77 @@ def _rows(root: Path, size: int, layers: int, repeats: int) -> dict:
     return out
 
 
-def _background(folder: Path, model, opt, size: int) -> dict:
-    rt = rw.get_runtime()
-    os.sync()  # the earlier saves' writeback is over: what slows the steps is this save's
-    dist.barrier()
-    # The first background save also makes the saves' own process group: not measured.
-    rt.save(folder / "warm-up", model=model, optimizer=opt, background=True, sharded=True).wait()
-    normal = []
-    for _ in range(5):
-        dist.barrier()
-        start = time.perf_counter()
-        _step(model, opt, size)
-        normal.append(time.perf_counter() - start)
-    dist.barrier()
-    start = time.perf_counter()
-    pending = rt.save(folder, model=model, optimizer=opt, background=True, sharded=True)
-    returned = time.perf_counter() - start
-    during = []
-    while len(during) < 50:  # a step is a collective: the ranks agree to take one more
-        busy = torch.tensor([0.0 if pending.done() else 1.0])
-        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
-        if busy.item() == 0.0:
+def _steps_while(model, opt, size: int, busy) -> list[float]:
+    """Training steps while ``busy()`` on any rank (a step is a collective: the ranks agree
+    to take one more); each one's seconds."""
+    during: list[float] = []
+    while len(during) < 50:
+        flag = torch.tensor([1.0 if busy() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0.0:
             break
         t0 = time.perf_counter()
         _step(model, opt, size)
         during.append(time.perf_counter() - t0)
-    pending.wait()
-    total = time.perf_counter() - start
-    return {"normal_step_s": statistics.median(normal),
-            "during_step_s": statistics.median(during) if during else None,
-            "steps_during": len(during), "returned_s": returned, "total_s": total}  # fmt: skip
+    return during
+
+
+def _bare_write(path: Path, nbytes: int) -> threading.Thread:
+    """A thread writing ``nbytes`` from one buffer with O_DIRECT, then fsync: the disk's own
+    cost to the steps, with no serialising, hashing or copying (the floor under ours)."""
+
+    def write() -> None:
+        buf = mmap.mmap(-1, 4 << 20)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+        for _ in range(-(-nbytes // len(buf))):
+            os.write(fd, buf)
+        os.fsync(fd)
+        os.close(fd)
+        buf.close()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    return thread
+
+
+def _background(folder: Path, model, opt, size: int, rounds: int = 3) -> dict:
+    rt = rw.get_runtime()
+    # The first background save also makes the saves' own process group: not measured.
+    rt.save(folder / "warm-up", model=model, optimizer=opt, background=True, sharded=True).wait()
+    out: dict = {"normal_step_s": [], "during_step_s": [], "steps_during": [], "returned_s": [],
+                 "total_s": [], "bare_during_step_s": []}  # fmt: skip
+    for r in range(rounds):
+        os.sync()  # the earlier saves' writeback is over: what slows the steps is this save's
+        normal = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            _step(model, opt, size)
+            normal.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        pending = rt.save(folder / f"round-{r}", model=model, optimizer=opt, background=True,
+                          sharded=True)  # fmt: skip
+        returned = time.perf_counter() - start
+        during = _steps_while(model, opt, size, lambda p=pending: not p.done())
+        pending.wait()
+        total = time.perf_counter() - start
+        mine = sum(f.stat().st_size for f in (folder / f"round-{r}").rglob(
+            f"__{dist.get_rank()}_*.distcp"))  # fmt: skip
+        assert mine > 0, f"no shard file of rank {dist.get_rank()} in round-{r}"
+        os.sync()
+        bare = _bare_write(folder / f"bare-{dist.get_rank()}", mine)
+        bare_during = _steps_while(model, opt, size, bare.is_alive)
+        bare.join()
+        (folder / f"bare-{dist.get_rank()}").unlink()
+        for key, value in (("normal_step_s", statistics.median(normal)),
+                           ("during_step_s", statistics.median(during) if during else None),
+                           ("steps_during", len(during)), ("returned_s", returned),
+                           ("total_s", total),
+                           ("bare_during_step_s",
+                            statistics.median(bare_during) if bare_during else None)):  # fmt: skip
+            out[key].append(value)
+    return out
 
 
 def _rank(folder: str, size: int, layers: int, repeats: int) -> dict:
@@ -256,15 +301,28 @@ def _merge(ranks: list[dict]) -> dict:
             row[f"{op}_peak_mb"] = round(max(r[name][op]["peak_mb"] for r in ranks), 1)
         out[name] = row
     bg = [r["background"] for r in ranks]
-    normal = max(b["normal_step_s"] for b in bg)
-    during = [b["during_step_s"] for b in bg if b["during_step_s"] is not None]
+    rounds = len(bg[0]["normal_step_s"])
+    # Per round, the slowest rank's normal step and its slowest step during the save.
+    normal = [max(b["normal_step_s"][i] for b in bg) for i in range(rounds)]
+    during = [max((b["during_step_s"][i] for b in bg if b["during_step_s"][i] is not None),
+                  default=None) for i in range(rounds)]  # fmt: skip
+    ratios = [round(d / n, 3) for d, n in zip(during, normal, strict=True) if d is not None]
+    bare = [max((b["bare_during_step_s"][i] for b in bg if b["bare_during_step_s"][i]),
+                default=None) for i in range(rounds)]  # fmt: skip
+    bare_ratios = [round(d / n, 3) for d, n in zip(bare, normal, strict=True) if d is not None]
     out["background"] = {
-        "normal_step_s": round(normal, 3),
-        "during_step_s": round(max(during), 3) if during else None,
-        "during_over_normal": round(max(during) / normal, 3) if during else None,
-        "steps_during": min(b["steps_during"] for b in bg),
-        "returned_s": round(max(b["returned_s"] for b in bg), 3),
-        "total_s": round(max(b["total_s"] for b in bg), 3),
+        "normal_step_s": round(statistics.median(normal), 3),
+        "during_step_s": round(statistics.median(d for d in during if d is not None), 3)
+        if ratios else None,
+        "during_over_normal": round(statistics.median(ratios), 3) if ratios else None,
+        "during_over_normal_rounds": ratios,
+        # The floor: the same bytes written bare (O_DIRECT from one buffer) in the same round.
+        "bare_write_over_normal": round(statistics.median(bare_ratios), 3) if bare_ratios else None,
+        "bare_write_over_normal_rounds": bare_ratios,
+        "steps_during": [min(b["steps_during"][i] for b in bg) for i in range(rounds)],
+        "returned_s": round(max(max(b["returned_s"]) for b in bg), 3),
+        "total_s": round(statistics.median(max(b["total_s"][i] for b in bg)
+                                           for i in range(rounds)), 3),
     }
     return out
 
@@ -283,7 +341,8 @@ def main() -> None:
     params = args.layers * (args.size * args.size + args.size)
     result = {"config": {"size": args.size, "layers": args.layers, "parameters": params,
                          "param_mib": round(params * 4 / 2**20, 1), "batch": BATCH, "repeats": args.repeats,
-                         "threads_per_rank": 1}, "worlds": {}}  # fmt: skip
+                         "threads_per_rank": 1}, "worlds": {},
+              "load_before": list(os.getloadavg()), "cores": os.cpu_count()}  # fmt: skip
     for world in worlds:
         folder = tempfile.mkdtemp(prefix=f"ckpt-bench-w{world}-")
         try:
@@ -292,6 +351,7 @@ def main() -> None:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         result["worlds"][str(world)] = _merge(ranks)
+    result["load_after"] = list(os.getloadavg())  # 1, 5, 15 min: quiet when near 2 (the ranks)
     emit(result, args.out)
 
 

@@ -22,6 +22,8 @@ from ...errors import ConfigError
 FILE_DIGEST = "xxh3_128"
 ITEM_DIGEST = "xxh3_64"
 _BLOCK = 8 << 20
+_SLICE = 1 << 20
+"""Bytes hashed at a time while writing: well inside a core's L2 cache."""
 
 
 class HashingWriter(io.RawIOBase):
@@ -40,10 +42,15 @@ class HashingWriter(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.raw.write(view)
-        self.file_hash.update(view)
-        if self.item_hash is not None:
-            self.item_hash.update(view)
+        # A slice at a time: the copy reads it from memory, both hashes find it in the cache
+        # (a 64 MiB tensor in three whole passes took twice as long, and its memory traffic
+        # slowed the training steps a background save overlaps).
+        for start in range(0, len(view), _SLICE):
+            piece = view[start : start + _SLICE]
+            self.raw.write(piece)
+            self.file_hash.update(piece)
+            if self.item_hash is not None:
+                self.item_hash.update(piece)
         self.position += len(view)
         return len(view)
 

@@ -24,10 +24,12 @@ sends is unpickled, and the bytes on disk are DCP's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from ...comm import wire
 from ...errors import ConfigError, DistributedError
 from ...version import __version__
 from .. import files, rng
+from ..direct import DirectFile
 from ..state_dict import model_class_name
 from . import dcp_meta, digests
 from .assign import assign, merged_names
@@ -230,6 +233,23 @@ def _alias(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+@contextlib.contextmanager
+def _without_zip_crc() -> Iterator[None]:
+    """``torch.save`` without the CRC-32 of each zip record: ``torch.load`` never checks it, and
+    every item here has its xxh3 checked at each load instead. Computing it was half the
+    writing thread's CPU (0.19 of 0.34 s for 0.8 GB), taken from the training's steps by a
+    background save. (torch's switch is process-wide: set for one item's save at a time.)"""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    before = get() if get is not None else None
+    if before:
+        torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        if before:
+            torch.serialization.set_crc32_options(True)
+
+
 def write(plan: Plan) -> dict[str, Any]:
     """Write this rank's pieces into its file in the temporary folder."""
     mine = plan.writes[plan.rank]
@@ -238,17 +258,21 @@ def write(plan: Plan) -> dict[str, Any]:
     name = f"__{plan.rank}_0.distcp"
     offers = plan.offers[plan.rank]
     items = []
-    with open(plan.tmp / name, "wb") as raw:
+    raw = DirectFile(plan.tmp / name)  # around the page cache: see checkpoint/direct.py
+    try:
         out = digests.HashingWriter(raw)
         for i in mine:
             start = out.begin_item()
             if offers[i]["kind"] == "t":
-                torch.save(compact_cpu(plan.data[i]), out)
+                with _without_zip_crc():
+                    torch.save(compact_cpu(plan.data[i]), out)
             else:
                 out.write(plan.data[i])
             items.append([start, out.tell() - start, out.end_item()])
-        raw.flush()
-        os.fsync(raw.fileno())
+    except BaseException:
+        raw.abort()
+        raise
+    raw.close()  # the last block, then fsync
     return {"error": "", "file": name, "bytes": out.tell(),
             "digest": out.file_hash.hexdigest(), "items": items}  # fmt: skip
 
