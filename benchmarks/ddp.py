@@ -40,6 +40,7 @@ Prints one JSON object (and writes it to ``--out``). Times are medians over repe
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -57,6 +58,7 @@ from _report import emit
 import rankwise as rw
 from rankwise.bench import models
 from rankwise.parallel.buckets import assign_buckets
+from rankwise.parallel.ddp.node import shared_reduce
 from rankwise.testing import run_distributed
 
 ORDERS = ("first", "after_forward", "last")
@@ -81,6 +83,14 @@ def _make(kind: str, name: str, **kw):
     if kind == "all_reduce":  # the model's gradient buckets, as rankwise lays them out
         params = [p for p in net.parameters() if p.requires_grad]
         return [torch.zeros(b.numel) for b in assign_buckets(params)]
+    if kind == "shared_reduce":  # the same buckets through rankwise's shared memory, alone
+        params = [p for p in net.parameters() if p.requires_grad]
+        buckets = assign_buckets(params)
+        shared = shared_reduce.attach(buckets, None, None)  # None: every bucket is small
+        held = [b for b in range(len(buckets)) if shared is not None and shared.holds(b)]
+        sources = {b: torch.randn(buckets[b].numel) for b in held}
+        small = [torch.zeros(bk.numel) for b, bk in enumerate(buckets) if b not in held]
+        return shared, sources, small  # the small buckets go through Gloo, as in the wrapper
     if kind == "rankwise":
         return rw.DistributedDataParallel(net, **kw)
     if kind == "rankwise_gloo":  # every bucket through Gloo's all-reduce, none shared
@@ -124,6 +134,25 @@ def _all_reduce_steps(buffers: list[torch.Tensor], steps: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
+def _shared_reduce_steps(made, steps: int) -> float:
+    """One step's worth of shared-memory reduction alone: every bucket put in this rank's slot
+    (``torch.mul(grad, 1/world, out=slot)``, as a backward's hooks do), summed across the slots
+    and gathered, then the pass's fence."""
+    shared, sources, small = made
+    scale = 1.0 / dist.get_world_size()
+    start = time.perf_counter()
+    for _ in range(steps):
+        works = [dist.all_reduce(buf, async_op=True) for buf in small]
+        for b, src in sources.items():
+            torch.mul(src, scale, out=shared.flat(b))
+            works.append(shared.all_reduce(b))
+        if sources:
+            works.append(shared.fence())
+        for work in works:
+            work.wait()
+    return (time.perf_counter() - start) * 1000 / steps
+
+
 def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=True) -> float:
     """Mean step time (ms) over ``steps`` steps; the slowest rank's for DDP.
 
@@ -137,6 +166,8 @@ def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=
         elapsed = _steps(model, opt, x, y, steps, order, to_none) if dist.get_rank() == 0 else 0.0
     elif kind == "all_reduce":
         elapsed = _all_reduce_steps(model, steps)
+    elif kind == "shared_reduce":
+        elapsed = _shared_reduce_steps(model, steps)
     else:
         elapsed = _steps(model, opt, x, y, steps, order, to_none)
     # CPU time (all threads of the process, Gloo's included) and page faults per step: less
@@ -168,7 +199,8 @@ def _compare(
     for label, (kind, name, kw) in configs.items():
         loop = {k: kw.pop(k) for k in ("order", "to_none") if k in kw}
         model = _make(kind, name, **kw)
-        opt = None if kind == "all_reduce" else torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = (None if kind in ("all_reduce", "shared_reduce")
+               else torch.optim.SGD(model.parameters(), lr=0.01))  # fmt: skip
         x, y = _batch(name, batch, seed=rank)
         loop_args = (loop.get("order", "last"), loop.get("to_none", True))
         _time(kind, model, opt, x, y, 2, *loop_args)  # warm-up (and torch's bucket rebuild)
@@ -208,6 +240,7 @@ def _orders_part(batch: int, steps: int, repeats: int) -> dict:
             for kind in ("rankwise", "rankwise_gloo", "torch", "independent")
         }
         configs["all_reduce"] = ("all_reduce", name, {})
+        configs["shared_reduce"] = ("shared_reduce", name, {})
         out[name] = _compare(configs, batch, steps, repeats, with_cpu=True)
     return out
 
@@ -223,19 +256,21 @@ def _orders_table(res: dict, field: str = "wall_ms", kind: str = "rankwise") -> 
     return table
 
 
-def _floor_table(res: dict) -> dict:
+def _floor_table(res: dict, comm_row: str = "all_reduce") -> dict:
     """{model: {order/none|zero: the lowest step-time ratio to torch any DDP could reach}}.
 
     Two processes share two cores, so a step cannot take less wall-clock time than the CPU
     time each process must spend: its own forward, backward and optimizer step (the
     ``independent`` row, no communication) plus all-reducing its gradients (the
     ``all_reduce`` row, the same buckets alone). That sum over torch's step time bounds the
-    ratio of any implementation that sends the same bytes, however well it overlaps.
+    ratio of any implementation that sends the same bytes, however well it overlaps. With
+    ``comm_row="shared_reduce"``: the same for rankwise's shared-memory reduction, which sends
+    nothing but must still copy, sum and gather every bucket (memory-bound CPU work).
     """
     table = {}
     for name, times in res.items():
         keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
-        comm = times["all_reduce"]["cpu_ms"]
+        comm = times[comm_row]["cpu_ms"]
         table[name] = {
             k: round(
                 (times[f"independent/{k}"]["cpu_ms"] + comm) / times[f"torch/{k}"]["wall_ms"], 3
@@ -305,7 +340,15 @@ def main(argv: list[str] | None = None) -> dict:
             res["loop_orders"], kind="rankwise_gloo"
         ),
         "loop_orders_floor_ratio_gloo_ddp_over_torch": _floor_table(res["loop_orders"]),
+        "loop_orders_floor_ratio_shared_ddp_over_torch": _floor_table(
+            res["loop_orders"], "shared_reduce"
+        ),
+        # The no-communication ceiling: every rank training alone, over torch's DDP step.
+        "loop_orders_ceiling_ratio_independent_over_torch": _orders_table(
+            res["loop_orders"], kind="independent"
+        ),
         "loop_orders_ms": res["loop_orders"],
+        "load_avg_after": list(os.getloadavg()),
     }
     if args.part == "orders":
         return emit(orders, args.out)
