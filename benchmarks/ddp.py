@@ -30,6 +30,9 @@ SGD step, zero_grad) of:
   fill the machine's cores, however well it overlaps. Shared memory is below it: it sends
   nothing.
 
+``--pin``: every thread of rank r on core r (mod the cores), for rankwise and torch alike (what
+DeepSpeed's ``--bind_cores_to_rank`` does); by default the kernel places the threads.
+
 On a shared machine, ``chrt -r 10 python benchmarks/ddp.py ...`` (real-time priority, Linux,
 root) keeps other jobs from delaying the ranks' wake-ups, which otherwise dominate wall-clock
 ratios; CPU-time ratios are steadier either way.
@@ -185,6 +188,16 @@ LAST_CPU_FAULTS: list[float] = [0.0, 0.0]
 """Per-rank mean CPU ms and minor page faults per step of the last ``_time`` call."""
 
 
+PIN = False
+"""``--pin``: every thread of rank r on core r (mod the cores), for every implementation."""
+
+
+def _pin(rank: int) -> None:
+    core = sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]
+    for tid in os.listdir("/proc/self/task"):  # Gloo's threads too, made at init
+        os.sched_setaffinity(int(tid), {core})
+
+
 def _compare(
     configs: dict[str, tuple[str, str, dict]],
     batch: int,
@@ -195,6 +208,8 @@ def _compare(
     """Interleave the configurations: every repeat runs each once, rotating the order."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    if PIN:
+        _pin(rank)
     built = {}
     for label, (kind, name, kw) in configs.items():
         loop = {k: kw.pop(k) for k in ("order", "to_none") if k in kw}
@@ -281,8 +296,10 @@ def _floor_table(res: dict, comm_row: str = "all_reduce") -> dict:
 
 
 def _distributed_part(
-    batch: int, steps: int, repeats: int, sweep: list[float], part: str = "all"
+    batch: int, steps: int, repeats: int, sweep: list[float], part: str = "all", pin: bool = False
 ) -> dict:
+    global PIN
+    PIN = pin
     out: dict = {}
     if part in ("all", "orders"):
         out["loop_orders"] = _orders_part(batch, steps, max(2, repeats // 2))
@@ -329,10 +346,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep", default="1,5,25,100", help="bucket_cap_mb values (MiB)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--part", choices=["all", "orders"], default="all")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each rank's threads to one core of its own (all implementations)")
     args = parser.parse_args(argv)
     sweep = [float(v) for v in args.sweep.split(",")]
     run = (args.batch, args.steps, args.repeats, sweep, args.part)
-    res = run_distributed(_distributed_part, args.world_size, args=run, timeout=900)[0]
+    res = run_distributed(_distributed_part, args.world_size, args=(*run, args.pin),
+                          timeout=900)[0]  # fmt: skip
     orders = {
         "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
         "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
@@ -348,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
             res["loop_orders"], kind="independent"
         ),
         "loop_orders_ms": res["loop_orders"],
+        "pinned": args.pin,
         "load_avg_after": list(os.getloadavg()),
     }
     if args.part == "orders":
