@@ -21,7 +21,7 @@ from ...errors import ConfigError
 from .. import deferred
 from ..agreement import broadcast_tensors
 from ..buckets import assign_buckets
-from .comm import hier_comm
+from .comm import hier_comm, shared
 from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
 from .wrap import WrapPolicy, resolve
@@ -67,6 +67,7 @@ def build_units(
     ]  # fmt: skip
     for unit in engine.units:
         unit.lane, unit.gather_lane = lanes
+    engine._shared = shared.attach(engine)  # stage 1 on one machine: shared-memory slots
     engine._unit_modules = modules
     engine._where = [(0, 0)] * len(engine.params)
     for u, unit in enumerate(engine.units):

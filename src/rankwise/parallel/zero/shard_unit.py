@@ -13,10 +13,13 @@ only copy that persists.
 Gradients: each parameter's gradient, divided by N, is copied into its slot of a flat gradient
 buffer laid out like ``full``; one collective per unit then sums it across ranks (stage 1:
 all-reduce, every rank keeps the whole averaged gradient; stages 2 and 3: reduce-scatter, each
-rank keeps only its slice and the full buffer is dropped).
+rank keeps only its slice and the full buffer is dropped). Stage 1's buffer is a slot of
+shared memory where every rank is on one machine (``comm/shared.py``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +59,7 @@ class FlatUnit:
         self._reduce_entry: fingerprints.Entry | None = None
         self._reduce_out: torch.Tensor | None = None
         self.lane = self.gather_lane = None  # hier_comm lanes when the job spans nodes (build)
+        self.shared: tuple[Any, int] | None = None  # stage 1's shared-memory slot (comm/shared)
         self.unfilled = set(range(len(params)))
         """Parameters still on the meta device (``fill`` gives them their values)."""
         if first.is_meta:
@@ -174,7 +178,11 @@ class FlatUnit:
     def grad_slot(self, k: int) -> torch.Tensor:
         """The slot of the ``k``-th parameter in the flat gradient buffer (allocated on use)."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+            if self.shared is not None:  # stage 1 keeps it: made once, zeros at first
+                self.grad_full = self.shared[0].flat(self.shared[1])
+            else:
+                self.grad_full = torch.zeros(self.spec.padded, dtype=self.dtype,
+                                             device=self.device)  # fmt: skip
         off, n = self.spec.offsets[k], self.spec.numels[k]
         return self.grad_full[off : off + n].view(self.params[k].shape)
 
@@ -188,7 +196,11 @@ class FlatUnit:
         timing.bucket_ready()  # the step anatomy's arrival: ready before any wait
         if self.stage == 1:
             op, out = "all_reduce", None
-            work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
+            if self.shared is not None:
+                shared, b = self.shared
+                work = lambda: shared.all_reduce(b)  # noqa: E731
+            else:
+                work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
         else:
             op = "reduce_scatter"
             if shard_comm.in_place(self.group) or self.lane:  # the sum lands in its own chunk

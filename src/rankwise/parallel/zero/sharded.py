@@ -212,8 +212,11 @@ class ShardedDataParallel(nn.Module):
         try:
             if self._syncing:
                 self._fill_unused()
+                fence = self._shared.fence() if self._shared is not None else None  # comm/shared
                 for u in self._order[self._done :]:
                     self.units[u].finish_reduce()
+                if fence is not None:
+                    fence.wait()
         finally:
             if self.stage3 is not None:
                 self.stage3.end_backward()

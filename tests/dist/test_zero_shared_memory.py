@@ -1,0 +1,102 @@
+"""ZeRO stage 1 reduces its units of 1 MiB or more through shared memory on one machine
+(``parallel/zero/comm/shared.py``): with gradient accumulation and clipping, its small units
+still through Gloo, it gives the parameters and full gradients of the same engine through Gloo
+alone (bit for bit at world 2, where a sum of two is the same in any order) and of one process
+on every rank's batch, at world sizes 2 and 3; stages 2 and 3 keep Gloo's reduce-scatter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import rankwise as rw
+from rankwise.testing import run_distributed
+
+STEPS, ACCUM, TOL = 3, 2, 1e-5
+
+
+def _net() -> nn.Module:
+    # Units (bucket_cap_mb=1, last layers first): the last two layers (1.2 MB, over the 1 MiB
+    # threshold: shared memory), then the first (40 kB: Gloo).
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 600), nn.Tanh(), nn.Linear(600, 512), nn.Tanh(),
+                         nn.Linear(512, 8))  # fmt: skip
+
+
+def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, 8, generator=g))
+            for _ in range(STEPS * ACCUM)]  # fmt: skip
+
+
+def _oracle(world: int) -> tuple[dict, list[torch.Tensor]]:
+    """One process on the concatenation of every rank's batches; the first step's gradients."""
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    grads = []
+    for s in range(STEPS):
+        for m in range(ACCUM):
+            x, y = _batches(world)[s * ACCUM + m]
+            (F.mse_loss(net(x), y) / ACCUM).backward()
+        grads = grads or [p.grad.clone() for p in net.parameters()]
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in net.state_dict().items()}, grads
+
+
+def _train(stage: int, gloo_only: bool = False) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if gloo_only:  # the engine as it was: every unit through Gloo's all-reduce
+        from rankwise.parallel.zero.comm import shared
+
+        shared.attach = lambda engine: None
+    engine = rw.ShardedDataParallel(_net(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                    stage=stage, bucket_cap_mb=1)  # fmt: skip
+    held = [u.shared is not None for u in engine.units]
+    grads = []
+    for s in range(STEPS):
+        for m in range(ACCUM):
+            x, y = _batches(world)[s * ACCUM + m]
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            if m < ACCUM - 1:
+                with engine.no_sync():
+                    (F.mse_loss(engine(x), y) / ACCUM).backward()
+            else:
+                (F.mse_loss(engine(x), y) / ACCUM).backward()
+        if stage == 1 and not grads:  # stage 1 keeps the whole averaged .grad
+            grads = [p.grad.clone() for p in engine.module.parameters()]
+        engine.clip_grad_norm_(0.05)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    with engine.full_parameters():
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return {"held": held, "state": state, "grads": grads}
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_1_through_shared_memory_trains_as_one_process(world):
+    want, want_grads = _oracle(world)
+    gloo = run_distributed(_train, world, args=(1, True), timeout=120)
+    for rank, got in enumerate(run_distributed(_train, world, args=(1,), timeout=120)):
+        assert got["held"] == [True, False], got["held"]  # both paths ran
+        exact = world == 2  # (a + b) either way; three ranks may sum in another order
+        assert _diff(gloo[rank]["state"], got["state"]) <= (0.0 if exact else TOL), rank
+        assert _diff(want, got["state"]) <= TOL, (rank, _diff(want, got["state"]))
+        for w, g in zip(want_grads, got["grads"], strict=True):
+            assert (w - g).abs().max().item() <= TOL, rank
+
+
+def test_stages_2_and_3_keep_the_gloo_reduce_scatter():
+    want, _ = _oracle(2)
+    for stage in (2, 3):
+        for got in run_distributed(_train, 2, args=(stage,), timeout=120):
+            assert not any(got["held"]), stage  # their full gradients are freed, never slotted
+            assert _diff(want, got["state"]) <= TOL, stage
