@@ -8,8 +8,9 @@
    by several replicas goes to the least loaded of them, so replicated state is written once
    and the writing is spread.
 2. **Write** (``write``): each rank writes its pieces into ``__<rank>_0.distcp`` in the
-   temporary folder, each item ``torch.save``'d as DCP's ``FileSystemWriter`` does, hashing
-   the bytes as they go (``digests``).
+   temporary folder, each item ``torch.save``'d as DCP's ``FileSystemWriter`` does (without
+   the zip records' CRC-32, which ``torch.load`` never checks), hashing the bytes as they go
+   (``digests``), around the page cache where the filesystem allows (``checkpoint/direct``).
 3. **Publish** (``finish``; one JSON all-gather, one JSON broadcast): rank 0 learns that every
    rank succeeded, writes DCP's ``.metadata`` and ``rankwise.json`` (checksums, step, world
    size, mesh), fsyncs, and renames the folder into place (``files.publish_dir``); then
