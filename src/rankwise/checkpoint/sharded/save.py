@@ -20,7 +20,7 @@
 
 torch's ``dcp.save`` would exchange the plans as pickles (``gather_object``); rankwise's
 messages between ranks are JSON (``wire``), so the plan travels as JSON here. Nothing a rank
-sends is unpickled, and the bytes on disk are DCP's.
+sends is unpickled, and the files are in DCP's format (DCP reads them).
 """
 
 from __future__ import annotations
