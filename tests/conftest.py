@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -39,6 +40,18 @@ def _fresh_runtime():
     rankwise.shutdown()
     yield
     rankwise.shutdown()
+
+
+@pytest.fixture
+def import_benchmark(monkeypatch: pytest.MonkeyPatch):
+    """``import_benchmark("bigmodel")``: a script of benchmarks/ as a module, imported from
+    sys.path (the benchmarks' spawned ranks import it the same way)."""
+
+    def load(name: str):
+        monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        return importlib.import_module(name)
+
+    return load
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -10,27 +10,18 @@ that restored nothing would be counted.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(monkeypatch: pytest.MonkeyPatch):
-    # A plain import from sys.path: the spawned ranks import the module the same way.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("bigmodel")
-
 
 @pytest.mark.slow  # two spawned groups of two ranks: one rankwise variant, one FSDP2 + DCP
 @pytest.mark.timeout(1200)
 def test_smoke_run_has_every_phase_and_loads_what_it_saved(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, import_benchmark
 ) -> None:
-    bench = _load(monkeypatch)
+    bench = import_benchmark("bigmodel")
     out = tmp_path / "bigmodel.json"
     variants = ("rankwise-meta", "fsdp2-meta")  # every variant runs the same phases
     result = bench.main(["--world", "2", "--size", "256", "--layers", "2", "--out", str(out),
@@ -56,9 +47,9 @@ def test_smoke_run_has_every_phase_and_loads_what_it_saved(
 
 
 def test_bad_arguments_are_refused_naming_the_value(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture, import_benchmark
 ) -> None:
-    bench = _load(monkeypatch)
+    bench = import_benchmark("bigmodel")
     with pytest.raises(SystemExit):
         bench.main(["--variants", "rankwise-eager,ddp"])
     assert "['ddp']" in capsys.readouterr().err

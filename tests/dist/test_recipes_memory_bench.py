@@ -5,22 +5,18 @@ communication."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.mark.slow  # three spawned groups of two ranks
 @pytest.mark.timeout(600)
 def test_each_strategy_is_measured_alone_and_none_is_below_the_floor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, import_benchmark
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the spawned ranks import it the same way
-    bench = importlib.import_module("recipes_memory")
+    bench = import_benchmark("recipes_memory")
     out = tmp_path / "mem.json"
     result = bench.main(["--quick", "--repeats", "1", "--steps", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == result

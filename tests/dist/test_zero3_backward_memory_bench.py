@@ -5,22 +5,18 @@ windows and the end are reported."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.mark.slow  # three spawned groups of two ranks
 @pytest.mark.timeout(600)
 def test_the_backward_peaks_no_higher_than_fsdp2_and_every_window_is_reported(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, import_benchmark
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the spawned ranks import it the same way
-    bench = importlib.import_module("zero3_backward_memory")
+    bench = import_benchmark("zero3_backward_memory")
     out = tmp_path / "z3.json"
     result = bench.main(["--size", "1024", "--layers", "4", "--out", str(out)])
     assert json.loads(out.read_text()) == result
@@ -38,10 +34,9 @@ def test_the_backward_peaks_no_higher_than_fsdp2_and_every_window_is_reported(
 
 
 def test_bad_arguments_are_refused_naming_the_value(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture, import_benchmark
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    bench = importlib.import_module("zero3_backward_memory")
+    bench = import_benchmark("zero3_backward_memory")
     with pytest.raises(SystemExit):
         bench.main(["--variants", "rankwise-prefetch1,ddp"])
     assert "['ddp']" in capsys.readouterr().err

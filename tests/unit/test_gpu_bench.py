@@ -6,25 +6,16 @@ has the fields benchmarks/gpu_check.sh and the notes rely on.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(monkeypatch: pytest.MonkeyPatch):
-    # A plain import from sys.path: the spawned ranks import the module the same way.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("gpu_bench")
-
 
 def test_dry_run_measures_every_part_and_writes_the_json(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, import_benchmark
 ) -> None:
-    bench = _load(monkeypatch)
+    bench = import_benchmark("gpu_bench")
     out = tmp_path / "gpu.json"
     result = bench.main(["--dry-run", "--out", str(out), "--tests-rc", "0", "--timeout", "120"])
     assert json.loads(out.read_text()) == result
@@ -42,9 +33,9 @@ def test_dry_run_measures_every_part_and_writes_the_json(
 
 
 def test_bad_arguments_are_refused_with_the_value(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture, import_benchmark
 ) -> None:
-    bench = _load(monkeypatch)
+    bench = import_benchmark("gpu_bench")
     with pytest.raises(SystemExit):
         bench.parse(["--steps", "0"])
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err
