@@ -52,3 +52,12 @@ def test_every_process_strategy_at_world_two_equals_one_process_and_resumes_exac
     for strategy in ("zero2", "zero3"):
         for name in mc.ELEMENTWISE:
             assert isinstance(results[f"{strategy}/{name}/plain/32"], dict)
+    # A bucket on each side of the shared-memory threshold, under every strategy that ran.
+    for strategy in ran:
+        for loop in mc.LOOPS:
+            wide = results[f"{strategy}/adamw-groups@wide/{loop}/32"]
+            small = results[f"{strategy}/adamw-groups/{loop}/32"]
+            assert isinstance(wide, dict) and isinstance(small, dict)
+            # DDP and stage 1 take the shared-memory path for the wide net's large bucket.
+            assert wide["shared_memory"] is (strategy in ("ddp", "zero1")), (strategy, loop)
+            assert small["shared_memory"] is False, (strategy, loop)
