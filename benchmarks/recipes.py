@@ -8,10 +8,11 @@ World 2 on Gloo (CPU), one thread per rank, fp32, AdamW (one parameter group: th
 engine here takes today). In one spawned job, per recipe and per-rank batch, each rank builds
 every strategy fresh, one after another:
 
-- ours: ``ddp`` (``rw.DistributedDataParallel``; ``ddp-gloo`` on request: without its
-  shared-memory averaging, every bucket through Gloo as torch's), ``zero1``, ``zero2``, ``zero3``
-  (``rw.ShardedDataParallel``; stage 3 gathers one transformer or residual block at a time,
-  ``unit_numel`` set to a block's size, as FSDP2 is wrapped below);
+- ours: ``ddp`` (``rw.DistributedDataParallel``), ``zero1``, ``zero2``, ``zero3``
+  (``rw.ShardedDataParallel``; stage 3's unit is one transformer or residual block,
+  ``unit_numel`` set to a block's size, as FSDP2 is wrapped below); on request ``ddp-gloo``,
+  ``zero1-gloo``, ``zero3-gloo``: the same without shared memory between the ranks, every
+  collective through Gloo as torch's (stage 3 then gathers each block before it computes);
 - torch's: ``torch-ddp`` (``DistributedDataParallel``), ``torch-zero1``
   (``ZeroRedundancyOptimizer`` over torch's DDP), ``torch-fsdp2`` (``fully_shard`` on every
   block, then the root).
@@ -66,6 +67,8 @@ from rankwise.models import GPT, GPTConfig, resnet18
 from rankwise.testing import run_distributed
 
 OURS = ("ddp", "zero1", "zero2", "zero3")
+GLOO = ("ddp-gloo", "zero1-gloo", "zero3-gloo")
+"""On request: ours without shared memory between the ranks (every collective through Gloo)."""
 PEERS = ("torch-ddp", "torch-zero1", "torch-fsdp2")
 CEILING = "independent"  # the same step with no communication: every rank trains alone
 TARGETS = {"ddp": ("torch-ddp", 0.85), "zero1": ("torch-zero1", 1.0),
@@ -128,9 +131,11 @@ def _wrap(name: str, model: nn.Module, blocks: list[nn.Module]):
         shared = None if name == "ddp" else False
         wrapped = rw.DistributedDataParallel(model, shared_memory_reduce=shared)
         return wrapped, _adamw(model.parameters())
-    if name.startswith("zero"):
+    if name.startswith("zero"):  # zero1-gloo, zero3-gloo: no shared memory between the ranks
         unit = min(sum(p.numel() for p in b.parameters()) for b in blocks)
-        engine = rw.ShardedDataParallel(model, _adamw, stage=int(name[-1]), unit_numel=unit)
+        shared = False if name.endswith("-gloo") else None
+        engine = rw.ShardedDataParallel(model, _adamw, stage=int(name[4]), unit_numel=unit,
+                                        shared_memory=shared)  # fmt: skip
         return engine, engine.optimizer
     if name == "torch-ddp":
         return torch.nn.parallel.DistributedDataParallel(model), _adamw(model.parameters())
@@ -253,7 +258,7 @@ def _table(merged: dict) -> str:
                      "(worse rank)")  # fmt: skip
         cols = ("step_ms", "cpu_ms", "peak_mb", "pss_mb")
         lines.append(f"  {'strategy':<12}" + "".join(f"{c:>10}" for c in cols))
-        for name in (*OURS, "ddp-gloo", *PEERS, CEILING):
+        for name in (*OURS, *GLOO, *PEERS, CEILING):
             if name in row:
                 lines.append(f"  {name:<12}" + "".join(f"{row[name][c]:>10}" for c in cols))
         for pair, t in row["targets"].items():

@@ -238,11 +238,13 @@ SHARED: dict[str, bool] = {}
 
 
 def _in_shared_memory(model: nn.Module) -> bool:
-    """DDP with a bucket in shared memory, or ZeRO stage 1 with a unit there."""
+    """DDP with a bucket in shared memory, ZeRO stage 1 with a unit there, or stage 3 with
+    its units there (``comm/node_shared``)."""
     reducer = getattr(model, "reducer", None)
     if reducer is not None:
         return reducer.shared is not None
-    return any(getattr(u, "shared", None) is not None for u in getattr(model, "units", ()))
+    units = getattr(model, "units", ())
+    return any(u.shared is not None or u.node is not None for u in units)
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

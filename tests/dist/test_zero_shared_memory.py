@@ -50,13 +50,18 @@ def _oracle(world: int) -> tuple[dict, list[torch.Tensor]]:
 
 def _train(stage: int, gloo_only: bool = False) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    if gloo_only:  # the engine as it was: every unit through Gloo's all-reduce
-        from rankwise.parallel.zero.comm import shared
-
-        shared.attach = lambda engine: None
-    engine = rw.ShardedDataParallel(_net(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                    stage=stage, bucket_cap_mb=1)  # fmt: skip
-    held = [u.shared is not None for u in engine.units]
+    # gloo_only: every unit through Gloo's collectives. Stage 3: each Linear its own unit
+    # (unit_numel), so the two gradient slots rotate.
+    load = stage == 3 and not gloo_only  # built from zeros, then the full state loaded:
+    net = _net()  # each rank keeps its own chunk of it
+    if load:
+        torch.nn.init.zeros_(net[0].weight)
+    engine = rw.ShardedDataParallel(net, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                    stage=stage, bucket_cap_mb=1, unit_numel=1000,
+                                    shared_memory=False if gloo_only else None)  # fmt: skip
+    if load:
+        engine.load_state_dict(_net().state_dict())
+    held = [u.shared is not None or u.node is not None for u in engine.units]
     grads = []
     for s in range(STEPS):
         for m in range(ACCUM):
@@ -94,9 +99,34 @@ def test_stage_1_through_shared_memory_trains_as_one_process(world):
             assert (w - g).abs().max().item() <= TOL, rank
 
 
-def test_stages_2_and_3_keep_the_gloo_reduce_scatter():
+def test_stage_2_keeps_the_gloo_reduce_scatter():
     want, _ = _oracle(2)
-    for stage in (2, 3):
-        for got in run_distributed(_train, 2, args=(stage,), timeout=120):
-            assert not any(got["held"]), stage  # their full gradients are freed, never slotted
-            assert _diff(want, got["state"]) <= TOL, stage
+    for got in run_distributed(_train, 2, args=(2,), timeout=120):
+        assert not any(got["held"])  # its full gradients are freed, never slotted
+        assert _diff(want, got["state"]) <= TOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_3_with_its_units_in_shared_memory_trains_as_one_process(world):
+    want, _ = _oracle(world)
+    gloo = run_distributed(_train, world, args=(3, True), timeout=120)
+    for rank, got in enumerate(run_distributed(_train, world, args=(3,), timeout=120)):
+        assert got["held"] and all(got["held"]), got["held"]  # every unit shared
+        assert not any(gloo[rank]["held"])
+        exact = world == 2
+        assert _diff(gloo[rank]["state"], got["state"]) <= (0.0 if exact else TOL), rank
+        assert _diff(want, got["state"]) <= TOL, (rank, _diff(want, got["state"]))
+
+
+def _refused(stage: int) -> str:
+    try:
+        rw.ShardedDataParallel(_net(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=stage,
+                               shared_memory=True)  # fmt: skip
+    except rw.ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_shared_memory_true_where_it_cannot_be_names_why():
+    for message in run_distributed(_refused, 2, args=(2,), timeout=60):
+        assert "shared_memory=True" in message and "stage 2" in message, message

@@ -152,7 +152,7 @@ def _whole(target: Target, read: Any) -> int:
 
 def needs_read(target: Target) -> bool:
     """False for a ZeRO-3 parameter none of whose elements fall in this rank's shard."""
-    if not target.sharded or target.unit.gathered:
+    if not target.sharded or target.unit.gathered_copy:
         return True
     a, b = target.shard_range()
     return a < b
@@ -171,6 +171,6 @@ def fill(target: Target, read: Any) -> int:
         start = unit.spec.offsets[target.index] - unit.lo
         out = unit.shard.data[start + a : start + b]
         count = copy_range(read, target.full_shape, target.split, a, b, out)
-    if unit.gathered:  # gathered right now (inside full_parameters): its full view too
+    if unit.gathered_copy:  # gathered right now (inside full_parameters): its full view too
         count += _whole(target, read)
     return count

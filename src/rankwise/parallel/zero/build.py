@@ -21,7 +21,7 @@ from ...errors import ConfigError
 from .. import deferred
 from ..agreement import broadcast_tensors
 from ..buckets import assign_buckets
-from .comm import hier_comm, shared
+from .comm import hier_comm, node_shared, shared
 from .layout import layout, module_units, split_by_group
 from .shard_unit import FlatUnit
 from .wrap import WrapPolicy, resolve
@@ -79,6 +79,17 @@ def build_units(
     roots = [u for u in range(n) if modules[u] is engine._root]
     inner = [u for u in range(n - 1, -1, -1) if modules[u] is not engine._root]
     engine._order = list(range(n)) if engine.stage < 3 else inner + roots
+
+
+def fill(engine: ShardedDataParallel, how: deferred.DeferredInit | None, device: Any) -> None:
+    """Every unit's values: rank 0's (eager build) or initialised here (meta); then stage 3's
+    units move into shared memory where every rank is on this machine (``node_shared``).
+    Sync point: the ranks of the engine's group."""
+    if how is None:
+        broadcast_the_rest(engine)
+    else:
+        fill_from_meta(engine, how, device)
+    node_shared.attach(engine)
 
 
 def gather_group(engine: ShardedDataParallel) -> Any:

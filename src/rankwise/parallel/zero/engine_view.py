@@ -31,6 +31,8 @@ class ShardedEngine(Protocol):
     units: list[FlatUnit]
     stage3: Any
     hierarchical_reduce: bool | None
+    shared_memory: bool | None
+    """Shared memory between the ranks of one machine (``comm/shared``, ``comm/node_shared``)."""
     """Node-first collectives across nodes: None when the job spans nodes (``hier_comm``)."""
     """The stage-3 hooks, or None under stages 1 and 2."""
     _active: bool

@@ -60,6 +60,8 @@ class FlatUnit:
         self._reduce_out: torch.Tensor | None = None
         self.lane = self.gather_lane = None  # hier_comm lanes when the job spans nodes (build)
         self.shared: tuple[Any, int] | None = None  # stage 1's shared-memory slot (comm/shared)
+        self.node: Any = None  # stage 3 on one machine: comm/node_shared (``share``)
+        self.position = 0  # this unit's place in the reduction order (node_shared's slots)
         self.unfilled = set(range(len(params)))
         """Parameters still on the meta device (``fill`` gives them their values)."""
         if first.is_meta:
@@ -128,11 +130,33 @@ class FlatUnit:
         if not self.unfilled:
             del self._views
 
+    def share(self, full: torch.Tensor) -> None:
+        """Stage 3 on one machine (``comm/node_shared``): ``full`` is this unit's buffer in
+        memory every rank maps. This rank's shard moves into its chunk of it and becomes a view
+        of it; the parameters view it for good (never freed, never gathered)."""
+        with torch.no_grad():
+            full[self.lo : self.hi].copy_(self.shard.detach())
+        self.full, self.shard = full, nn.Parameter(full[self.lo : self.hi])
+        self.view_params(full)
+        self.gathered = True
+
+    def view_params(self, full: torch.Tensor) -> None:
+        """Point the unit's parameters at ``full`` (a flat buffer laid out as the unit)."""
+        spec = self.spec
+        for p, off, n in zip(self.params, spec.offsets, spec.numels, strict=True):
+            p.data = full[off : off + n].view(p.shape)
+
+    @property
+    def gathered_copy(self) -> bool:
+        """The full parameters are here as a copy of every rank's shard (not so for a unit
+        whose full buffer is the shards themselves, ``share``)."""
+        return self.gathered and self.node is None
+
     # -- parameters (stage 3 frees and re-gathers them) ---------------------------------------
 
     def free(self) -> None:
         """Release the full parameters' memory; the views stay, pointing at empty storage."""
-        if self.gathered and self.stage == 3:
+        if self.gathered and self.stage == 3 and self.node is None:
             self.wait_gathered()
             self.full.untyped_storage().resize_(0)
             self.gathered = False
@@ -180,6 +204,8 @@ class FlatUnit:
         if self.grad_full is None:
             if self.shared is not None:  # stage 1 keeps it: made once, zeros at first
                 self.grad_full = self.shared[0].flat(self.shared[1])
+            elif self.node is not None:  # stage 3 on one machine: a rotating shared slot
+                self.grad_full = self.node.grads.buffer(self)
             else:
                 self.grad_full = torch.zeros(self.spec.padded, dtype=self.dtype,
                                              device=self.device)  # fmt: skip
@@ -208,6 +234,8 @@ class FlatUnit:
             else:
                 out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
             work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group, self.lane)  # noqa: E731
+            if self.node is not None:  # the sum lands in this rank's chunk of the slot
+                out, work = None, lambda: self.node.grads.reduce_scatter(self)
         entry = fingerprints.record(
             op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
             extra="sum",

@@ -94,6 +94,8 @@ class ShardedDataParallel(nn.Module):
     engine: they run on the wrapped module, whose hooks gather what they need.
     ``hierarchical_reduce``: a job over several nodes reduces and gathers node first
     (``hier_comm``); None whenever the job spans nodes, False never, True insists.
+    ``shared_memory``, likewise, for ranks on one machine: stage 1's all-reduce (``comm/shared``),
+    stage 3's parameters and reduce-scatter (``comm/node_shared``); stage 2 keeps Gloo's.
     ``prefetch``: stage 3 starts the gathers of this many unit modules ahead of the one
     computing, in the order the last pass ran them (0: gather each on demand); at most
     ``prefetch + 1`` unit modules are then gathered at once besides the root's. The
@@ -122,6 +124,7 @@ class ShardedDataParallel(nn.Module):
         exact_init: bool = False,
         device: torch.device | str | None = None,
         hierarchical_reduce: bool | None = None,
+        shared_memory: bool | None = None,
         prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         super().__init__()
@@ -131,7 +134,7 @@ class ShardedDataParallel(nn.Module):
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
-        self.hierarchical_reduce = hierarchical_reduce  # read by build (hier_comm.lanes)
+        self.hierarchical_reduce, self.shared_memory = hierarchical_reduce, shared_memory  # build
         self.require_backward_grad_sync = True
         self._forward_sync = True
         refuse_sparse(module, self.rank, "ShardedDataParallel (ZeRO)")
@@ -144,10 +147,7 @@ class ShardedDataParallel(nn.Module):
         build.check_one_dtype(self.names, self.params, self.rank)
         self.group_params, group_of = sharded_optim.optimizer_groups(self, optimizer)
         build.build_units(self, bucket_cap_mb, unit_numel, wrap, group_of, target, how is None)
-        if how is None:
-            build.broadcast_the_rest(self)
-        else:
-            build.fill_from_meta(self, how, target)
+        build.fill(self, how, target)  # values in the shards (stage 3: on one machine, shared)
         self.optimizer = sharded_optim.ShardedOptimizer(self, optimizer)
         hook = self._make_hook
         self._handles = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(self.params)]

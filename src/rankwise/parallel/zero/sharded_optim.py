@@ -206,6 +206,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        node_barrier(self.engine)  # every rank has read the shards it is about to update
         self._stepping = True
         try:
             self.inner.step()
@@ -349,13 +350,27 @@ def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> An
     """Every rank loads the full state, then keeps its slices (no communication)."""
     from ...checkpoint import load_model_state
 
+    node_barrier(engine)  # stage 3 on one machine: nobody reads the shared units meanwhile
+    loaded = {}
     for unit in engine.units:  # stage 3: storage for the full values, filled by the load
-        if not unit.gathered:
+        if unit.node is not None:  # a private copy: each rank keeps only its own chunk
+            loaded[unit.number] = unit.full.clone()
+            unit.view_params(loaded[unit.number])
+        elif not unit.gathered:
             unit.full.untyped_storage().resize_(unit._nbytes)
             unit.gathered = True
     load_model_state(engine._root, state, strict=strict)
     if engine.stage3 is not None:  # stages 1/2: the shards are views of what was just loaded
         with torch.no_grad():
             for unit in engine.units:
-                unit.shard.copy_(unit.full[unit.lo : unit.hi])
+                unit.shard.copy_(loaded.get(unit.number, unit.full)[unit.lo : unit.hi])
+                if unit.node is not None:
+                    unit.view_params(unit.full)
         engine.stage3.free_all()
+
+
+def node_barrier(engine: ShardedEngine) -> None:
+    """Stage 3 on one machine (``comm/node_shared``): a barrier between the ranks' reads of
+    the shared units and a rank's writes to its shard. Sync point: the engine's ranks."""
+    if engine.units and engine.units[0].node is not None:
+        engine.units[0].node.barrier()

@@ -72,7 +72,10 @@ class Stage3Hooks:
         # The hooks change storage sizes (gather, free): under torch.compile they run eagerly,
         # between graphs, instead of being traced into one.
         pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
-        for s, (mod, _) in enumerate(by_module.values()):
+        self.node = self.units[0].node if self.units else None
+        """Stage 3 on one machine (``comm/node_shared``): every unit is always whole, in
+        shared memory; the modules need no hooks, only barriers between writes and reads."""
+        for s, (mod, _) in enumerate(by_module.values() if self.node is None else ()):
             mod.register_forward_pre_hook(functools.partial(pre, s))
             mod.register_forward_hook(functools.partial(post, s))
         # The root's hooks too, so that the user's own methods calling the model (generate,
@@ -88,6 +91,8 @@ class Stage3Hooks:
         engine = self.engine
         # A recomputation during backward, or a full_parameters block, predicts nothing.
         busy = engine._full or engine._active
+        if self.node is not None and not busy:
+            self.node.barrier()  # what a step or a load wrote is written on every rank
         self._fwd = None if busy else self.orders.start_forward(torch.is_grad_enabled())
         if not busy:
             self._bwd = None  # a backward pass that died half-way predicts nothing now
@@ -106,6 +111,8 @@ class Stage3Hooks:
         """The root's ``state_dict()`` holds full values on every rank, as one process's:
         each unit gathered in turn, its parameters copied (a tied one copied once, so its
         keys still share a tensor), freed again. Sync point: all ranks."""
+        if self.node is not None and not self.engine._full:
+            self.node.barrier()  # a state right after a step: every rank's update is in
         keys: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if prefix + name in state:
@@ -232,12 +239,14 @@ class Stage3Hooks:
         values are copied back into this rank's shards on exit. Sync point: all ranks."""
         engine = self.engine
         self._gather(list(range(len(self.units))))
+        if self.node is not None:
+            self.node.barrier()  # the shared units: every rank's latest update is in
         engine._full = True
         try:
             yield
         finally:
             engine._full = False
-            if writeback:
+            if writeback and self.node is None:  # shared units were written in place
                 with torch.no_grad():
                     for unit in self.units:
                         unit.shard.copy_(unit.full[unit.lo : unit.hi])

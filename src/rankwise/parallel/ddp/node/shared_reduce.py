@@ -98,11 +98,13 @@ class _Channel:
         self.pending: tuple[Callable[[], None], Work] | None = None  # a summed, ungathered bucket
         threading.Thread(target=self._serve, name="rankwise-shared-reduce", daemon=True).start()
 
-    def submit(self, reduce: Callable[[], Callable[[], None]] | None) -> Work:
+    def submit(self, reduce: Callable[[], Callable[[], None]] | None, early: bool = False) -> Work:
         """Queue a bucket (``reduce`` sums this rank's chunk and returns the gather), or with
-        None the fence."""
+        None the fence. ``early``: the work completes once this rank's chunk is summed (a
+        reduce-scatter: ZeRO-3's ``comm/node_shared``); what ``reduce`` returns still runs at
+        the next job's barrier, when no rank reads the slot any more."""
         work = Work()
-        self.jobs.put((reduce, work))
+        self.jobs.put((reduce, work, early))
         return work
 
     def barrier(self) -> None:
@@ -110,25 +112,29 @@ class _Channel:
 
     def _serve(self) -> None:
         while True:
-            reduce, work = self.jobs.get()
+            reduce, work, early = self.jobs.get()
             try:
-                self._run(reduce, work)
+                self._run(reduce, work, early)
             except BaseException as exc:  # handed to whoever waits on the work(s)
                 if self.pending is not None:
                     self.pending[1]._finish(exc)
                     self.pending = None
                 work._finish(exc)
 
-    def _run(self, reduce: Callable[[], Callable[[], None]] | None, work: Work) -> None:
+    def _run(
+        self, reduce: Callable[[], Callable[[], None]] | None, work: Work, early: bool
+    ) -> None:
         if reduce is not None or self.pending is not None:
             self.barrier()  # this bucket is in every slot; the pending one is summed
         if self.pending is not None:
             gather, done = self.pending
             self.pending = None
             gather()
-            done._finish()
+            done._finish()  # a no-op for an early work, already finished
         if reduce is not None:
             self.pending = (reduce(), work)
+            if early:
+                work._finish()
         else:
             self.barrier()  # the fence: every rank has gathered, no one reads a slot any more
             work._finish()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ....errors import ConfigError
 from ...buckets import Bucket
 from ...ddp.node import shared_reduce
 
@@ -29,12 +30,22 @@ def attach(engine: Any) -> Any:
     index)``. Sync point: the engine's group (stage 1)."""
     units = engine.units
     if engine.stage != 1 or not units or not units[0].communicates or units[0].lane is not None:
+        if engine.shared_memory and engine.stage == 2:
+            insisted("stage 2 frees each unit's full gradient once reduced: it keeps Gloo's "
+                     "reduce-scatter", "use stage=1 or 3 with shared_memory=True")  # fmt: skip
+        elif engine.shared_memory and engine.stage == 1 and units and units[0].lane is not None:
+            insisted("the job spans several nodes", "leave shared_memory unset")
         return None
     buckets = [Bucket(indices=(), offsets=(), numel=u.spec.padded, dtype=u.dtype, device=u.device)
                for u in units]  # fmt: skip
-    shared = shared_reduce.attach(buckets, engine.process_group, None)
+    shared = shared_reduce.attach(buckets, engine.process_group, engine.shared_memory)
     if shared is not None:
         for b, unit in enumerate(units):
             if shared.holds(b):
                 unit.shared = (shared, b)
     return shared
+
+
+def insisted(why: str, fix: str) -> None:
+    """``ShardedDataParallel(shared_memory=True)`` where it cannot be: say why."""
+    raise ConfigError(f"shared_memory=True, but {why}", fix=f"{fix}.")
