@@ -164,7 +164,7 @@ def batch_sentence(records: dict[int, Record]) -> str | None:
 
 
 _RANK_GUARD = re.compile(r"\b(rank|local_rank|is_master|is_main\w*|is_rank_zero|global_rank)\b")
-_UNIT = re.compile(r"^(?:updated )?parameters of unit \d+$")
+_UNIT = re.compile(r"^(?:updated )?parameters of (?:unit \d+|every unit \(shared memory\))$")
 _OPT_STATE = re.compile(r"^optimizer state of unit \d+$")
 _GRADS = re.compile(r"^gradients of unit \d+$")
 
@@ -254,11 +254,12 @@ def guarded_cause(views: Iterable[RankView]) -> Cause | None:
         at = f"{rec.op} #{rec.seq} from {rec.site.short()}, {where}"
         label = rec.label or ""
         if _UNIT.match(label) or _GRADS.match(label):
-            what = "a forward (or backward, or state_dict()) of the ZeRO-3 model"
+            what = "a forward (or backward, state_dict() or full_parameters()) of the ZeRO-3 model"
             return Cause(
                 "mismatch",
                 f"Rank {v.rank} runs {what} on some ranks only ({at}): "
-                "under ZeRO-3 it gathers each unit's parameters from every rank, and "
+                "under ZeRO-3 it gathers each unit's parameters from every rank (where the "
+                "ranks of a machine share them in memory, it waits for every rank), and "
                 "the other ranks never call it.",
                 FIX_SHARDED_FORWARD,
                 [v.rank],

@@ -69,8 +69,9 @@ class NodeShared:
     def barrier(self) -> None:
         """Every rank is here: writes before it are seen by reads after it. Sync point: the
         ranks of the engine's group."""
-        entry = fingerprints.record("barrier", label="stage 3's shared parameters (writes "
-                                    "apart from reads)", group=self.group)  # fmt: skip
+        # The label says what the diagnosis names (``diagnose/causes``: a ZeRO-3 forward).
+        label = "parameters of every unit (shared memory)"
+        entry = fingerprints.record("barrier", label=label, group=self.group)
         entry.watch(dist.barrier(group=self.group, async_op=True))
         entry.wait()
 
