@@ -30,7 +30,11 @@ build (``VmHWM`` reset through ``/proc/self/clear_refs``; allocations over 1 MiB
 mmap, so freed memory leaves the count at once; a tiny model goes through every phase first,
 so one-time set-up is not counted), what is still resident when it ends (``after_P``), and
 the phase's wall time. Max over ranks, in MiB and in units of P (``peak_P``), and the
-checkpoints' size on disk; ``worst_phase_P``: the highest peak of the five phases. Prints
+checkpoints' size on disk; ``worst_phase_P``: the highest peak of the five phases. Pages of
+shared memory (zero3 keeps its units there when every rank is on one machine) count whole in
+every rank's resident set: ``shared_mb`` is how many the rank held at the phase's end (they are
+never freed, so they were there at its peak), and ``proportional_peak_P`` counts 1/N of them,
+as the proportional set size does (``worst_phase_proportional_P``: its highest phase). Prints
 JSON and writes ``benchmarks/results/bigmodel.json`` (or ``--out``).
 ``benchmarks/bigmodel_build.py`` is the build and prepare phases alone.
 """
@@ -94,7 +98,8 @@ class _Meter:
         gc.collect()
         self.runs.setdefault(phase, []).append({
             "peak_mb": (_status_kb("VmHWM") - self.base) / 1024, "s": took,
-            "after_mb": (_status_kb("VmRSS") - self.base) / 1024})  # fmt: skip
+            "after_mb": (_status_kb("VmRSS") - self.base) / 1024,
+            "shared_mb": _status_kb("RssShmem") / 1024})  # fmt: skip
         dist.barrier()
 
     @property
@@ -102,7 +107,8 @@ class _Meter:
         """Per phase over its repeats: the highest peak, the median time, what the last left."""
         return {phase: {"peak_mb": max(r["peak_mb"] for r in runs),
                         "s": statistics.median(r["s"] for r in runs),
-                        "after_mb": runs[-1]["after_mb"]}
+                        "after_mb": runs[-1]["after_mb"],
+                        "shared_mb": max(r["shared_mb"] for r in runs)}
                 for phase, runs in self.runs.items()}  # fmt: skip
 
 
@@ -234,11 +240,18 @@ def _one(variant: str, size: int, layers: int, folder: str, repeats: int = 1) ->
 def _merge(ranks: list[dict], p_mb: float) -> dict:
     """Max over ranks (the fullest rank, the slowest); check counts summed over ranks."""
     row: dict = {}
+    n = len(ranks)
     for phase in ranks[0]["phases"]:
         peak = max(r["phases"][phase]["peak_mb"] for r in ranks)
         after = max(r["phases"][phase]["after_mb"] for r in ranks)
+        # Shared-memory pages (zero3's units on one machine) count whole in every rank's
+        # resident set; the proportional peak counts each rank's 1/N of them.
+        own = max(r["phases"][phase]["peak_mb"] - r["phases"][phase]["shared_mb"] * (n - 1) / n
+                  for r in ranks)  # fmt: skip
+        shared = max(r["phases"][phase]["shared_mb"] for r in ranks)
         row[phase] = {"peak_mb": round(peak, 1), "peak_P": round(peak / p_mb, 2),
-                      "after_P": round(after / p_mb, 2),
+                      "after_P": round(after / p_mb, 2), "shared_mb": round(shared, 1),
+                      "proportional_peak_P": round(own / p_mb, 2),
                       "s": round(max(r["phases"][phase]["s"] for r in ranks), 3)}  # fmt: skip
     for name, check in ranks[0]["checks"].items():
         row[f"checkpoint_{name}"] = {
@@ -248,6 +261,7 @@ def _merge(ranks: list[dict], p_mb: float) -> dict:
         }  # fmt: skip
     main = [row[p]["peak_P"] for p in PHASES]
     row["worst_phase_P"] = max(main)
+    row["worst_phase_proportional_P"] = max(row[p]["proportional_peak_P"] for p in PHASES)
     return row
 
 

@@ -55,13 +55,14 @@ from .wrap import WrapPolicy
 
 _IN_FLIGHT = {"cpu": 0}
 """Stages 2/3: gradient reductions (each with its unit's full-size gradient buffer) left in
-flight while the next unit's gradients are computed, by the parameters' device type (others:
-1). On a GPU a reduction runs beside the backward's kernels, as FSDP2's reduce-scatter on its
-own stream: one in flight. On the CPU the backward and Gloo share the cores: each reduction is
-waited for at once, as FSDP2's is there, which holds one unit's full gradient less at the
-backward's peak (benchmarks/results/zero3_backward_memory_inflight0.json) for about 2.5% of a
-GPT-2 zero3 step (1140 against 1112 ms, two runs each). Two in flight cost a unit more and
-gained no time (1096 against 1031 ms)."""
+flight while the next unit's gradients are computed, by device type (others: 1). On a GPU a
+reduction runs beside the backward's kernels, as FSDP2's reduce-scatter on its own stream. On
+the CPU the backward and Gloo share the cores: each reduction is waited for at once, as FSDP2's
+is there, one unit's full gradient less at the backward's peak
+(benchmarks/results/zero3_backward_memory_inflight0.json) for about 2.5% of a GPT-2 zero3 step
+(1140 against 1112 ms); two in flight cost a unit more and gained no time (1096 against 1031).
+Stage 3 through shared memory (``comm/node_shared``) waits for none: its two gradient slots
+bound the memory, and a rank waits only to reuse one (``GradSlots._take``)."""
 
 DEFAULT_PREFETCH = 1
 """Stage 3: unit modules gathered ahead of the one computing (docs/zero.md, "Prefetch")."""
@@ -92,10 +93,9 @@ class ShardedDataParallel(nn.Module):
     same seed; ``device``: where it is built (default the CPU). The user's own methods and
     public attributes (``generate``, ``config``, ``save_pretrained``) are reachable on the
     engine: they run on the wrapped module, whose hooks gather what they need.
-    ``hierarchical_reduce``: a job over several nodes reduces and gathers node first
-    (``hier_comm``); None whenever the job spans nodes, False never, True insists.
-    ``shared_memory``, likewise, for ranks on one machine: stage 1's all-reduce (``comm/shared``),
-    stage 3's parameters and reduce-scatter (``comm/node_shared``); stage 2 keeps Gloo's.
+    ``hierarchical_reduce``: node-first collectives across nodes (``hier_comm``); None whenever
+    the job spans nodes, False never, True insists. ``shared_memory``, likewise, on one machine:
+    stage 1's all-reduce (``comm/shared``), stage 3's units (``comm/node_shared``).
     ``prefetch``: stage 3 starts the gathers of this many unit modules ahead of the one
     computing, in the order the last pass ran them (0: gather each on demand); at most
     ``prefetch + 1`` unit modules are then gathered at once besides the root's. The
@@ -153,7 +153,7 @@ class ShardedDataParallel(nn.Module):
         self._handles = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(self.params)]
         self._prefetch = prefetch
         kind = self.params[0].device.type if self.params else target.type
-        self._in_flight = _IN_FLIGHT.get(kind, 1)  # see _IN_FLIGHT
+        self._in_flight = 1 << 30 if self._shared else _IN_FLIGHT.get(kind, 1)  # _IN_FLIGHT
         self.stage3 = Stage3Hooks(self, self._unit_modules, prefetch) if stage == 3 else None
         self._reset()
 

@@ -370,7 +370,8 @@ def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> An
 
 
 def node_barrier(engine: ShardedEngine) -> None:
-    """Stage 3 on one machine (``comm/node_shared``): a barrier between the ranks' reads of
-    the shared units and a rank's writes to its shard. Sync point: the engine's ranks."""
+    """Stage 3 on one machine (``comm/node_shared``): the ranks' reads of the shared units
+    over before a rank writes its shard. Sync point: the engine's ranks (unless a synchronised
+    backward's fence said so already)."""
     if engine.units and engine.units[0].node is not None:
-        engine.units[0].node.barrier()
+        engine.units[0].node.before_write()

@@ -92,7 +92,7 @@ class Stage3Hooks:
         # A recomputation during backward, or a full_parameters block, predicts nothing.
         busy = engine._full or engine._active
         if self.node is not None and not busy:
-            self.node.barrier()  # what a step or a load wrote is written on every rank
+            self.node.before_read()  # what a step or a load wrote is written on every rank
         self._fwd = None if busy else self.orders.start_forward(torch.is_grad_enabled())
         if not busy:
             self._bwd = None  # a backward pass that died half-way predicts nothing now
@@ -112,7 +112,7 @@ class Stage3Hooks:
         each unit gathered in turn, its parameters copied (a tied one copied once, so its
         keys still share a tensor), freed again. Sync point: all ranks."""
         if self.node is not None and not self.engine._full:
-            self.node.barrier()  # a state right after a step: every rank's update is in
+            self.node.before_read()  # a state right after a step: every rank's update is in
         keys: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if prefix + name in state:
@@ -240,7 +240,7 @@ class Stage3Hooks:
         engine = self.engine
         self._gather(list(range(len(self.units))))
         if self.node is not None:
-            self.node.barrier()  # the shared units: every rank's latest update is in
+            self.node.before_read()  # the shared units: every rank's latest update is in
         engine._full = True
         try:
             yield

@@ -60,11 +60,26 @@ class NodeShared:
 
     def __init__(self, group: dist.ProcessGroup, grads: GradSlots) -> None:
         self.group, self.grads = group, grads
+        self.quiet = True
+        """No rank has read the units since a barrier every rank passed after its reads (the
+        fence of a synchronised backward pass): a write needs no barrier of its own."""
 
-    def fence(self) -> shared_reduce.Work:
+    def fence(self) -> _Fence:
         """End of a synchronised backward pass: the last unit's slot released on every rank
         (``ShardedDataParallel._finalize``). Sync point: all ranks."""
-        return self.grads._channel.submit(None)
+        return _Fence(self.grads._channel.submit(None), self)
+
+    def before_read(self) -> None:
+        """A forward, ``state_dict()`` or ``full_parameters()`` starts. Sync point: all ranks."""
+        self.barrier()  # what a step or a load wrote is written on every rank
+        self.quiet = False
+
+    def before_write(self) -> None:
+        """A step or a load is about to change this rank's chunk. Sync point: all ranks, unless
+        every rank's reads ended at the last fence (a step after a synchronised backward)."""
+        if not self.quiet:
+            self.barrier()
+        self.quiet = True
 
     def barrier(self) -> None:
         """Every rank is here: writes before it are seen by reads after it. Sync point: the
@@ -74,6 +89,18 @@ class NodeShared:
         entry = fingerprints.record("barrier", label=label, group=self.group)
         entry.watch(dist.barrier(group=self.group, async_op=True))
         entry.wait()
+
+
+class _Fence:
+    """The fence's work; done, no rank reads the units until the next ``before_read``."""
+
+    def __init__(self, work: shared_reduce.Work, node: NodeShared) -> None:
+        self.work, self.node = work, node
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = self.work.wait(timeout)
+        self.node.quiet = self.node.quiet or done
+        return done
 
 
 class GradSlots:
@@ -92,6 +119,7 @@ class GradSlots:
             self._views.append([arena[a : a + nbytes].view(dtype) for a in starts])
             start += world * _aligned(nbytes)
         self._free = [threading.Event() for _ in range(SLOTS)]
+        self._occupant: list[FlatUnit | None] = [None] * SLOTS  # reduced there, maybe unfinished
         for event in self._free:
             event.set()
         self._engine: Any = None
@@ -103,7 +131,7 @@ class GradSlots:
         the slot at launch (a unit whose gradients start before the previous one's end)."""
         s = unit.position % SLOTS
         if self._engine._next + SLOTS - 2 >= unit.position:
-            self._wait_free(s)
+            self._take(s)
             flat = self._views[s][self.rank][: unit.spec.padded]
             flat[sum(unit.spec.numels) :].zero_()  # the padding: a previous unit's values
             return flat
@@ -115,10 +143,11 @@ class GradSlots:
         s, me = unit.position % SLOTS, self.rank
         mine = self._views[s][me][: unit.spec.padded]
         if unit.grad_full.data_ptr() != mine.data_ptr():
-            self._wait_free(s)
+            self._take(s)
             mine.copy_(unit.grad_full)
             unit.grad_full = mine
         self._free[s].clear()
+        self._occupant[s] = unit
         lo, hi = unit.lo, unit.hi
         views = [v[lo:hi] for v in self._views[s]]
 
@@ -130,6 +159,15 @@ class GradSlots:
             return self._free[s].set  # at the next barrier: every rank has summed from it
 
         return self._channel.submit(reduce, early=True)
+
+    def _take(self, s: int) -> None:
+        """Slot ``s`` for a new unit: its last one's sum moved out (``finish_reduce``: the
+        engine waits for no reduction during backward, so it may not have), and every rank
+        done reading it."""
+        last, self._occupant[s] = self._occupant[s], None
+        if last is not None and last.grad_full is not None:
+            last.finish_reduce()
+        self._wait_free(s)
 
     def _wait_free(self, s: int) -> None:
         if not self._free[s].wait(self.timeout.total_seconds()):
