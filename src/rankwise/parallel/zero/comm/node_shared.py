@@ -14,14 +14,17 @@ Who writes what: rank r writes only its chunk, and only in ``optimizer.step()`` 
 state is loaded; every rank reads every chunk in forward, backward, ``state_dict()`` and
 ``full_parameters()``. Barriers on the gather group keep the two apart: one at the start of
 every forward pass and of ``state_dict()``/``full_parameters()`` (whatever was written is
-written), one at the start of ``step()`` and of a load (nobody reads any more).
+written), one at the start of ``step()`` and of a load (nobody reads any more), unless the
+fence that ends a synchronised backward pass already said so.
 
 Gradients: each unit's reduce-scatter goes through two rotating shared slots per rank
 (``GradSlots``): the gradient is written straight into a slot, each rank sums its own chunk
 over every rank's slot, and the slot is reused two units later, once a barrier says every
 rank has summed from it. Each slot is sized for the largest unit it serves, so the full
 gradient never exists at once: a rank holds two units' gradients where Gloo's reduce-scatter
-holds one at a time (while it is reduced).
+holds one at a time (while it is reduced). The slots stay resident between steps: giving their
+pages back after each pass (``madvise(MADV_REMOVE)``) and faulting them in again cost about
+45 ms of a 600 ms GPT-2 step, measured interleaved.
 
 Used for CPU units on a Gloo group whose ranks all map the same /dev/shm file, when some unit
 is at least ``shared_reduce.MIN_BYTES``; otherwise (NCCL, several nodes, no room in /dev/shm,
