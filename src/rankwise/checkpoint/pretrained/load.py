@@ -32,7 +32,7 @@ from ...output.log import get_logger
 from ..state_dict import registered_inner
 from .keys import KeyMap, resolve
 from .source import DTYPES, Entry, Source
-from .targets import Target, fill, is_split, model_targets, needs_read, wrappers
+from .targets import Target, fill, is_split, model_targets, needs_read, wrappers, zero_engine
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ def load_pretrained(
     part; they agree on the outcome, so a rank that fails fails them all); none for a bare model.
     """
     together = comm.world_size() > 1 and _spans_ranks(model)
+    if together:  # zero3's shared units (one machine): nobody reads them while they change
+        from ...parallel.zero.comm import node_shared
+
+        node_shared.before_write(zero_engine(model))
     try:
         result = _load(model, Path(path), key_map, strict)
     except Exception as exc:

@@ -22,8 +22,8 @@ from ...errors import ConfigError
 from .. import rng
 from . import dcp_meta
 from .optim_pieces import load_optimizer
+from .pieces import find_engine, model_shapes, param_names, root_module
 from .pieces import model_pieces as _model_pieces
-from .pieces import model_shapes, param_names, root_module
 from .read import Reader
 
 _OWN = dcp_meta.OWN + "."
@@ -115,6 +115,9 @@ def _load_model(model: nn.Module, reader: Reader, strict: bool) -> None:
             "the keys that match.",
         )
     _check_shapes(reader, prefix, {k: v for k, v in shapes.items() if k in saved}, model)
+    from ...parallel.zero.comm import node_shared
+
+    node_shared.before_write(find_engine(model))  # zero3's shared units: nobody reads them
     pieces, blobs = _model_pieces(model, loading=True)
     head = len(dcp_meta.MODEL) + 1
     wanted = [p for p in pieces if p.key[head:] in saved]

@@ -26,6 +26,7 @@ from ...checkpoint.state_dict import strip_prefixes
 from ...diagnose import fingerprints
 from ...errors import ConfigError
 from ..optimizers import group_settings, rebuild_optimizer
+from .comm import node_shared
 
 if TYPE_CHECKING:
     from .engine_view import OptimizerFactory, ShardedEngine
@@ -206,7 +207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        node_barrier(self.engine)  # every rank has read the shards it is about to update
+        node_shared.before_write(self.engine)  # every rank has read what it is about to update
         self._stepping = True
         try:
             self.inner.step()
@@ -350,7 +351,7 @@ def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> An
     """Every rank loads the full state, then keeps its slices (no communication)."""
     from ...checkpoint import load_model_state
 
-    node_barrier(engine)  # stage 3 on one machine: nobody reads the shared units meanwhile
+    node_shared.before_write(engine)  # stage 3 on one machine: nobody reads them meanwhile
     loaded = {}
     for unit in engine.units:  # stage 3: storage for the full values, filled by the load
         if unit.node is not None:  # a private copy: each rank keeps only its own chunk
@@ -368,10 +369,3 @@ def load_full_model_state(engine: ShardedEngine, state: Any, strict: bool) -> An
                     unit.view_params(unit.full)
         engine.stage3.free_all()
 
-
-def node_barrier(engine: ShardedEngine) -> None:
-    """Stage 3 on one machine (``comm/node_shared``): the ranks' reads of the shared units
-    over before a rank writes its shard. Sync point: the engine's ranks (unless a synchronised
-    backward's fence said so already)."""
-    if engine.units and engine.units[0].node is not None:
-        engine.units[0].node.before_write()

@@ -182,6 +182,15 @@ class GradSlots:
             )
 
 
+def before_write(engine: Any) -> None:
+    """A step or a load is about to write this rank's shards of ``engine`` (a ZeRO engine, or
+    None): under stage 3 on one machine, wait until no rank reads them. Sync point: the
+    engine's ranks (for such an engine)."""
+    units = getattr(engine, "units", None)
+    if units and units[0].node is not None:
+        units[0].node.before_write()
+
+
 def attach(engine: Any) -> NodeShared | None:
     """Move a stage-3 engine's units into shared memory, or None to gather through the group.
     Call once the shards hold their values. Sync point: the ranks of the engine's group."""
