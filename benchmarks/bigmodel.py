@@ -21,8 +21,9 @@ one file, ``sharded=False`` (the shards gathered, rank 0 writes): **save_single*
 **load_single**. FSDP2 saves and loads with ``torch.distributed.checkpoint`` over
 ``get_state_dict`` (torch's recipe). Each format is saved and loaded ``--repeats`` times (a
 new folder each time): the median time, the highest peak. Between save and load every
-tensor the optimizer holds (its parameters and its state) is overwritten with NaN; after
-the load each is compared byte for byte with what was saved: ``load_mismatched`` counts the tensors that differ (0 when
+tensor the optimizer holds (its parameters and its state) is overwritten with NaN and the
+saved files are dropped from the page cache (every load reads the disk, as a restart does);
+after the load each is compared byte for byte with what was saved: ``load_mismatched`` counts the tensors that differ (0 when
 the load restores the saved state), ``scrambled`` those the NaN fill changed (all of them).
 
 Per phase and rank: the resident-set high-water mark above what the process held before the
@@ -45,6 +46,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import os
 import shutil
 import statistics
 import sys
@@ -218,11 +220,26 @@ def _round_trip(model, opt, meter: _Meter, save_phase: str, load_phase: str, whe
     with meter(save_phase):
         save(model, opt)
     scrambled = _scramble(opt, saved)
+    _evict(where)
     with meter(load_phase):
         load(model, opt)
     mismatched = sum(a != b for a, b in zip(saved, _digests(opt), strict=True))
     return {"size_mb": _size_mb(where), "tensors": len(saved), "scrambled": scrambled,
             "load_mismatched": mismatched}  # fmt: skip
+
+
+def _evict(path: Path) -> None:
+    """Drop the saved files from the page cache, so every load reads from the disk as a
+    restart does: rankwise writes its shard files around the cache, DCP's stay in it, and a
+    load of cached files against one from the disk compares nothing but the cache."""
+    found = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    for p in found:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _one(variant: str, size: int, layers: int, folder: str, repeats: int = 1) -> dict:
