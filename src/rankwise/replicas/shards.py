@@ -90,6 +90,9 @@ class MemoryReader(Reader):
     def _position(self, item: Any) -> Any:
         return item[0]
 
+    def _read_ahead(self, index: Any) -> None:
+        pass  # in memory already
+
     def _load(self, index: Any, key: str, saved: Any) -> Any:
         if saved is None:
             if key not in self._values:

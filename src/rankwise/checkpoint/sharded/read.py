@@ -274,9 +274,7 @@ class Reader:
         order = sorted(work.items(), key=self._position)
         for k, ((key, offsets), wanted) in enumerate(order):
             if k + 1 < len(order):  # the next item's reads start while this one is copied
-                info = self.md.storage_data.get(dcp_md.MetadataIndex(*order[k + 1][0]))
-                if info is not None:
-                    _will_need(self._fd(info.relative_path), info.offset, info.length)
+                self._read_ahead(dcp_md.MetadataIndex(*order[k + 1][0]))
             chunk = self._load(dcp_md.MetadataIndex(key, offsets), key, wanted[0][2])
             for piece, both, saved in wanted:
                 src = chunk[_slices(both, saved)]
@@ -286,6 +284,12 @@ class Reader:
     def _position(self, item: tuple[tuple[str, tuple[int, ...]], Any]) -> tuple[str, int]:
         info = self.md.storage_data[dcp_md.MetadataIndex(*item[0])]
         return info.relative_path, info.offset
+
+    def _read_ahead(self, index: dcp_md.MetadataIndex) -> None:
+        """Start reading the item at ``index`` from the disk (``_will_need``)."""
+        info = self.md.storage_data.get(index)
+        if info is not None:
+            _will_need(self._fd(info.relative_path), info.offset, info.length)
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
