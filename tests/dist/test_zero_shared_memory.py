@@ -173,3 +173,61 @@ def test_stage_3_in_shared_memory_saves_sharded_and_resumes_bit_for_bit(tmp_path
     folder = str(tmp_path / "ckpt")
     for got in run_distributed(_save_then_resume, 2, args=(folder,), init=False, timeout=180):
         assert got["shared"] and got["diff"] == 0.0, got
+
+
+def _hf_gpt2() -> nn.Module:
+    # The embedding (2048 x 128 = 1 MiB) puts the root's unit over the threshold.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=2048, n_positions=16, n_embd=128, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def _tokens(world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 2048, (2 * world, 16), generator=g) for _ in range(STEPS)]
+
+
+def _hf_state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "attn.bias" not in k}
+
+
+def _hf_zero3(gloo: bool = False) -> dict:
+    """HF GPT-2 under zero3 through rt.prepare, its own activation checkpointing on, a
+    block per unit and the root's unit in shared memory (``gloo``: through Gloo instead)."""
+    if gloo:
+        from rankwise.parallel.zero.comm import node_shared
+
+        node_shared.attach = lambda engine: None
+    rt = rw.init(strategy="zero3")
+    model = _hf_gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = rt.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    shared = model.units[0].node is not None
+    for ids in _tokens(rt.world_size):
+        ids = ids.chunk(rt.world_size)[rt.rank]
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    state = _hf_state(model)
+    rw.shutdown()
+    return {"shared": shared, "state": state}
+
+
+def test_hf_gpt2_with_activation_checkpointing_under_zero3_in_shared_memory():
+    pytest.importorskip("transformers")
+    net = _hf_gpt2()  # the oracle: one process, every rank's tokens, the same clipping
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for ids in _tokens(2):
+        per = [net(input_ids=half, labels=half).loss / 2 for half in ids.chunk(2)]
+        sum(per).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    want = _hf_state(net)
+    for got in run_distributed(_hf_zero3, 2, init=False, timeout=180):
+        assert got["shared"]
+        assert _diff(want, got["state"]) <= TOL, _diff(want, got["state"])

@@ -168,7 +168,9 @@ class GradSlots:
         engine waits for no reduction during backward, so it may not have), and every rank
         done reading it."""
         last, self._occupant[s] = self._occupant[s], None
-        if last is not None and last.grad_full is not None:
+        # Launched and not finished yet: its sum is still in the slot. (A unit of an earlier
+        # pass, finished, may hold a new buffer already: its first gradients of this pass.)
+        if last is not None and last._reduce_entry is not None:
             last.finish_reduce()
         self._wait_free(s)
 
