@@ -106,11 +106,12 @@ def _net(wide: bool = False) -> nn.Module:
                          nn.Linear(width, 3))  # fmt: skip
 
 
-WIDE = 20_000
-"""The wide net's last two layers: 16 x 20k parameters, 1.28 MB, the first bucket (its cap is
-1 MiB) and over the 1 MiB shared-memory threshold; the first layer is a small bucket."""
+WIDE = 22_000
+"""The wide net's last two layers: 16 x 22k parameters, 1.41 MB, the first bucket (its cap is
+1 MiB) and over the 1 MiB shared-memory threshold; the first layer is a small bucket. Under
+zero3 the middle layer alone (264k parameters, 1.06 MB) is a unit over the threshold."""
 WIDE_SLACK = 10
-"""The wide net's tolerance over the fp32 one: its last layer sums 20k products, in another
+"""The wide net's tolerance over the fp32 one: its last layer sums 22k products, in another
 order when the batch is split (measured: 1.8e-5 under every strategy, zero2/zero3's Gloo path
 included, with the accumulating loop)."""
 
