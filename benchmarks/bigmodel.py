@@ -184,9 +184,13 @@ def _formats(variant: str, rt, folder: Path, repeat: int) -> dict[str, tuple]:
     return out
 
 
+def _files(path: Path) -> list[Path]:
+    """The files of a checkpoint: a folder's, or the one file."""
+    return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+
+
 def _size_mb(path: Path) -> float:
-    found = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
-    return sum(p.stat().st_size for p in found if p.exists()) / 2**20
+    return sum(p.stat().st_size for p in _files(path) if p.exists()) / 2**20
 
 
 def _run(variant: str, rt, size: int, layers: int, folder: Path, meter: _Meter,
@@ -232,8 +236,7 @@ def _evict(path: Path) -> None:
     """Drop the saved files from the page cache, so every load reads from the disk as a
     restart does: rankwise writes its shard files around the cache, DCP's stay in it, and a
     load of cached files against one from the disk compares nothing but the cache."""
-    found = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
-    for p in found:
+    for p in _files(path):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)  # dirty pages are not dropped

@@ -272,10 +272,13 @@ class Reader:
                     fix="the save was incomplete; load an earlier checkpoint.",
                 )
         order = sorted(work.items(), key=self._position)
-        for k, ((key, offsets), wanted) in enumerate(order):
-            if k + 1 < len(order):  # the next item's reads start while this one is copied
-                self._read_ahead(dcp_md.MetadataIndex(*order[k + 1][0]))
-            chunk = self._load(dcp_md.MetadataIndex(key, offsets), key, wanted[0][2])
+        indices = [dcp_md.MetadataIndex(key, offsets) for (key, offsets), _ in order]
+        if indices:
+            self._read_ahead(indices[0])
+        for k, ((key, _), wanted) in enumerate(order):
+            if k + 1 < len(indices):  # the next item's reads start while this one is copied
+                self._read_ahead(indices[k + 1])
+            chunk = self._load(indices[k], key, wanted[0][2])
             for piece, both, saved in wanted:
                 src = chunk[_slices(both, saved)]
                 piece.tensor[_slices(both, piece.box)].copy_(src)
@@ -305,7 +308,6 @@ class Reader:
                               fix="load an earlier checkpoint.")  # fmt: skip
         path = self.folder / info.relative_path
         fd = self._fd(info.relative_path)
-        _will_need(fd, info.offset, info.length)
         if self.items is not None:
             name = item_id(key, None if saved is None else saved.offsets)
             got = digests.range_digest(fd, info.offset, info.length)

@@ -227,6 +227,9 @@ class FlatUnit:
                 work = lambda: shared.all_reduce(b)  # noqa: E731
             else:
                 work = lambda: shard_comm.all_reduce(self.grad_full, self.group, self.lane)  # noqa: E731
+        elif self.node is not None:  # the sum lands in this rank's chunk of its shared slot
+            op, out = "reduce_scatter", None
+            work = lambda: self.node.grads.reduce_scatter(self)  # noqa: E731
         else:
             op = "reduce_scatter"
             if shard_comm.in_place(self.group) or self.lane:  # the sum lands in its own chunk
@@ -234,8 +237,6 @@ class FlatUnit:
             else:
                 out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
             work = lambda: shard_comm.reduce_scatter(self.grad_full, out, self.group, self.lane)  # noqa: E731
-            if self.node is not None:  # the sum lands in this rank's chunk of the slot
-                out, work = None, lambda: self.node.grads.reduce_scatter(self)
         entry = fingerprints.record(
             op, self.grad_full, label=f"gradients of unit {self.number}", group=self.group,
             extra="sum",

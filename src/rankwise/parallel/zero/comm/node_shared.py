@@ -102,17 +102,21 @@ class _Fence:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         done = self.work.wait(timeout)
-        self.node.quiet = self.node.quiet or done
+        if done:
+            self.node.quiet = True
         return done
 
 
 class GradSlots:
     """``SLOTS`` gradient buffers per rank in shared memory, reduced by the group's channel."""
 
-    def __init__(self, arena: torch.Tensor, numels: list[int], dtype: torch.dtype,
-                 rank: int, group: dist.ProcessGroup, timeout: timedelta) -> None:  # fmt: skip
+    def __init__(self, engine: Any, arena: torch.Tensor, numels: list[int],
+                 dtype: torch.dtype, group: dist.ProcessGroup) -> None:  # fmt: skip
         world = group.size()
-        self.rank, self.timeout = rank, timeout
+        self.rank = group.rank()
+        self.timeout = group._get_backend(torch.device("cpu")).options._timeout
+        self._engine = engine
+        """The engine: ``_next`` is how many units this backward pass has launched."""
         self._channel = shared_reduce._channel(group)
         self._views: list[list[torch.Tensor]] = []  # [s][r]: slot s of rank r
         start = 0
@@ -125,8 +129,6 @@ class GradSlots:
         self._occupant: list[FlatUnit | None] = [None] * SLOTS  # reduced there, maybe unfinished
         for event in self._free:
             event.set()
-        self._engine: Any = None
-        """The engine: ``_next`` is how many units this backward pass has launched."""
 
     def buffer(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's gradient buffer: its slot when the slot can be waited for now (the unit
@@ -230,9 +232,7 @@ def attach(engine: Any) -> NodeShared | None:
         unit.share(arena[start : start + b.nbytes].view(b.dtype))
     for position, u in enumerate(engine._order):
         units[u].position = position
-    timeout = group._get_backend(torch.device("cpu")).options._timeout
-    grads = GradSlots(arena[end:], slot_numels, units[0].dtype, group.rank(), group, timeout)
-    grads._engine = engine
+    grads = GradSlots(engine, arena[end:], slot_numels, units[0].dtype, group)
     node = NodeShared(units[0].gather_group, grads)
     for unit in units:
         unit.node = node
