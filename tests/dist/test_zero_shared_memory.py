@@ -16,6 +16,8 @@ import rankwise as rw
 from rankwise.testing import run_distributed
 
 STEPS, ACCUM, TOL = 3, 2, 1e-5
+CLIP = 0.05
+"""Below every step's gradient norm: the clip scales every step (asserted from the norms)."""
 
 
 def _net() -> nn.Module:
@@ -42,7 +44,7 @@ def _oracle(world: int) -> tuple[dict, list[torch.Tensor]]:
             x, y = _batches(world)[s * ACCUM + m]
             (F.mse_loss(net(x), y) / ACCUM).backward()
         grads = grads or [p.grad.clone() for p in net.parameters()]
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in net.state_dict().items()}, grads
@@ -62,7 +64,7 @@ def _train(stage: int, gloo_only: bool = False) -> dict:
     if load:
         engine.load_state_dict(_net().state_dict())
     held = [u.shared is not None or u.node is not None for u in engine.units]
-    grads = []
+    grads, norms = [], []
     for s in range(STEPS):
         for m in range(ACCUM):
             x, y = _batches(world)[s * ACCUM + m]
@@ -74,12 +76,12 @@ def _train(stage: int, gloo_only: bool = False) -> dict:
                 (F.mse_loss(engine(x), y) / ACCUM).backward()
         if stage == 1 and not grads:  # stage 1 keeps the whole averaged .grad
             grads = [p.grad.clone() for p in engine.module.parameters()]
-        engine.clip_grad_norm_(0.05)
+        norms.append(engine.clip_grad_norm_(CLIP).item())
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     with engine.full_parameters():
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return {"held": held, "state": state, "grads": grads}
+    return {"held": held, "state": state, "grads": grads, "norms": norms}
 
 
 def _diff(a: dict, b: dict) -> float:
@@ -92,6 +94,7 @@ def test_stage_1_through_shared_memory_trains_as_one_process(world):
     gloo = run_distributed(_train, world, args=(1, True), timeout=120)
     for rank, got in enumerate(run_distributed(_train, world, args=(1,), timeout=120)):
         assert got["held"] == [True, False], got["held"]  # both paths ran
+        assert min(got["norms"]) > CLIP, got["norms"]  # the clip clips on every step
         exact = world == 2  # (a + b) either way; three ranks may sum in another order
         assert _diff(gloo[rank]["state"], got["state"]) <= (0.0 if exact else TOL), rank
         assert _diff(want, got["state"]) <= TOL, (rank, _diff(want, got["state"]))
@@ -112,6 +115,7 @@ def test_stage_3_with_its_units_in_shared_memory_trains_as_one_process(world):
     gloo = run_distributed(_train, world, args=(3, True), timeout=120)
     for rank, got in enumerate(run_distributed(_train, world, args=(3,), timeout=120)):
         assert got["held"] and all(got["held"]), got["held"]  # every unit shared
+        assert min(got["norms"]) > CLIP, got["norms"]  # the clip clips on every step
         assert not any(gloo[rank]["held"])
         exact = world == 2
         assert _diff(gloo[rank]["state"], got["state"]) <= (0.0 if exact else TOL), rank
