@@ -227,7 +227,23 @@ def _zero_two_nodes() -> dict:
         flat, flat_used = _zero(stage, rank, False)
         out[stage] = {"ours": ours, "flat": flat, "hier": used, "flat_hier": flat_used}
     out["gan"] = {hier: _zero_gan(rank, hier) for hier in (None, False)}
+    out["wide"] = {hier: _zero_wide(rank, hier) for hier in (None, False)}
     return out
+
+
+def _zero_wide(rank: int, hier: bool | None) -> dict:
+    """Stage 3 with a unit over the 1 MiB shared-memory threshold (273k parameters)."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(64, 4200), nn.ReLU(), nn.Linear(4200, 4))
+    model = rw.ShardedDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3,
+                                   unit_numel=2000, hierarchical_reduce=hier)  # fmt: skip
+    for x, y in _batches(rank, 3, features=64):
+        F.cross_entropy(model(x), y).backward()
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+    state = [v.numpy().copy() for v in model.state_dict().values()]
+    unit = model.units[0]
+    return {"state": state, "hier": unit.lane is not None, "shared": unit.node is not None}
 
 
 def _zero_gan(rank: int, hier: bool | None) -> list:
@@ -253,6 +269,13 @@ def test_zero_stages_across_two_nodes_are_node_first_and_train_as_flat():
             assert _close(case["ours"], case["flat"]), stage
             assert _same(case["ours"], res[0][stage]["ours"]), stage
         assert _close(r["gan"][None], r["gan"][False]) and _same(r["gan"][None], res[0]["gan"][None])
+        # A unit over the shared-memory threshold: across nodes, node-first collectives and no
+        # shared units; told flat, the ranks (here on one machine) share the units instead.
+        wide = r["wide"]
+        assert wide[None]["hier"] and not wide[None]["shared"]
+        assert not wide[False]["hier"] and wide[False]["shared"]
+        assert _close(wide[None]["state"], wide[False]["state"])
+        assert _same(wide[None]["state"], res[0]["wide"][None]["state"])
 
 
 def _uneven() -> dict:
