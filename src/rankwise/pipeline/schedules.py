@@ -121,6 +121,22 @@ class Schedule:
                 out.append(msg)
         return out
 
+    def acks(self, src: int, dst: int) -> list[int]:
+        """For each message of ``sends(src, dst)``: how many of the messages ``dst`` sends
+        ``src`` (``sends(dst, src)``) ``src`` has read before sending it. A rank reads a
+        channel in order, at the latest when an action needs a message: so a rank that reads
+        ``src``'s message knows that many of its own were read (their sends are complete)."""
+        index = {m: i for i, m in enumerate(self.sends(dst, src))}
+        read, out = 0, []
+        for action in self.actions[src]:
+            need = self.needs(action)
+            if need in index:
+                read = max(read, index[need] + 1)
+            msg = self.produces(action)
+            if msg is not None and self.rank_of(msg.dst_stage) == dst:
+                out.append(read)
+        return out
+
     def forward_only(self, rank: int) -> list[Action]:
         """The ``F`` actions of ``rank`` in schedule order: an evaluation forward."""
         return [a for a in self.actions[rank] if a.kind == "F"]

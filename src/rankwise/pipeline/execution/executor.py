@@ -72,6 +72,9 @@ class Transport(Protocol):
     def progress(self) -> None:
         """Move receives posted ahead along (between actions)."""
 
+    def acked(self, dst: int, count: int) -> None:
+        """Position ``dst`` has read the first ``count`` messages sent to it this step."""
+
     def flush(self) -> None:
         """Wait until every send has been received."""
 
@@ -125,6 +128,10 @@ class Executor:
                          if src != position}  # fmt: skip
         for msg in self.stash:
             self.read[schedule.rank_of(msg.src_stage)] += 1
+        # per peer: how many of this rank's messages it had read before sending each of its
+        # own, so that reading one frees the sends it acknowledges
+        self.acks = {src: schedule.acks(src, position) for src in self.channels}
+        self.freed = dict.fromkeys(self.channels, 0)
         self.saved: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
         self.result = StepResult()
 
@@ -133,9 +140,10 @@ class Executor:
         for the sends. Sync point: the pipeline's ranks."""
         todo = (self.schedule.forward_only(self.position) if forward_only
                 else self.schedule.actions[self.position])  # fmt: skip
-        if forward_only:  # only activations are sent
+        if forward_only:  # only activations are sent, none back: held until the flush
             self.channels = {src: [m for m in ch if m.kind == "act"]
                              for src, ch in self.channels.items()}  # fmt: skip
+            self.acks = {}
         for src in self.channels:
             self._expect(src)
         for action in todo:
@@ -235,9 +243,17 @@ class Executor:
                 nxt = channel[self.read[src]]
                 self.read[src] += 1
                 self.stash[nxt] = self.transport.receive(src, nxt, self._like(nxt))
+            self._release(src)
             self._expect(src)
             self.result.recv_wait_s += time.perf_counter() - start
         return self.stash.pop(msg)
+
+    def _release(self, src: int) -> None:
+        """Free the sends ``src`` has acknowledged by the messages read from it so far."""
+        acks, read = self.acks.get(src), self.read[src]
+        if acks and read and acks[read - 1] > self.freed[src]:
+            self.freed[src] = acks[read - 1]
+            self.transport.acked(src, acks[read - 1])
 
     def _expect(self, src: int) -> None:
         """Let the transport receive ``src``'s next message ahead, when its shape is known."""

@@ -175,10 +175,10 @@ class Link:
     Sends are queued and posted at the start of the next action, together with its receive
     when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
     two ranks must be posted as one group, or each can wait for the other), so a stage
-    computes its next micro-batch while the last one is on the wire. Each tensor is freed as
-    soon as its send completes: over Gloo a waiter thread per peer waits on the sends
-    (``sends.SendQueue``: a Gloo send reports complete only once waited on), on NCCL completed
-    sends are dropped at the next post; ``flush()`` waits for the rest.
+    computes its next micro-batch while the last one is on the wire. Each tensor is freed once
+    its send is known complete: over Gloo when the executor says the peer has read it
+    (``acked``; ``sends.SendQueue``: a Gloo send reports complete only once waited on), on
+    NCCL at the next post after it completed; ``flush()`` waits for the rest.
 
     Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
     tensor of an activation whose header is in is received as soon as it is (``progress``),
@@ -191,7 +191,7 @@ class Link:
         self.timeout = timeout
         self.rank = rank
         self.ahead = comm_device.type == "cpu"
-        self._queued: list[tuple[torch.Tensor, int, str]] = []  # (tensor, dst, what)
+        self._queued: list[tuple[torch.Tensor, int, str, bool]] = []  # (.., ends a message)
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []  # NCCL
         self._sends = SendQueue(timeout) if self.ahead else None  # Gloo
         self._early: dict[int, _Early] = {}
@@ -218,12 +218,21 @@ class Link:
                 parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
         if tensor is not None:
             parts.append(tensor.contiguous())
-        for part in parts:
-            self._queued.append((part, dst, f"{what} to rank {dst}"))
+        for k, part in enumerate(parts):
+            self._queued.append((part, dst, f"{what} to rank {dst}", k == len(parts) - 1))
 
     def post(self) -> None:
         """Post the queued sends now (before a computation that receives nothing)."""
         self._start([])
+
+    def acked(self, dst: int, count: int) -> None:
+        """Rank ``dst`` has read the first ``count`` messages sent to it since the last
+        ``flush``: their sends are complete, their tensors are dropped (Gloo; on NCCL
+        completed sends are dropped as they complete)."""
+        if self._sends is not None:
+            failed = self._sends.release(dst, count)
+            if failed is not None:
+                raise self._error(*failed)
 
     def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None) -> None:
         """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
@@ -314,7 +323,8 @@ class Link:
         return buf
 
     def flush(self) -> None:
-        """Wait for every send. Sync point: the receiving stages."""
+        """Wait for every send (and count messages from 0 again). Sync point: the receiving
+        stages."""
         self.post()
         if self._sends is not None:
             failed = self._sends.drain()
@@ -337,32 +347,24 @@ class Link:
         if self._sends is not None:
             self._sends.reset_peak()
 
-    def __del__(self) -> None:  # the waiter threads end with the link
-        sends = getattr(self, "_sends", None)
-        if sends is not None:
-            sends.close()
-
     def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> list[dist.Work]:
         """Post the queued sends and the receives into ``recv_bufs`` (from ``src``), in that
         order (one ``batch_isend_irecv`` on NCCL); return the receives' works."""
-        failed = self._sends.failure() if self._sends is not None else None
-        if failed is not None:
-            raise self._error(*failed)
         if len(self._pending) > 8:
             self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
         if not self._queued and not recv_bufs:
             return []
         if self.ahead:  # Gloo: posted one by one, in order (what batch_isend_irecv does on
             # Gloo, less its checks and P2POp objects: a round trip took 165 us, not 214)
-            works = [dist.isend(t, dst) for t, dst, _ in self._queued]
+            works = [dist.isend(t, dst) for t, dst, _, _ in self._queued]
             works += [dist.irecv(b, src) for b in recv_bufs]
         else:  # NCCL: a send and a receive between two ranks must be one group
-            ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _ in self._queued]
+            ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _, _ in self._queued]
             ops += [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
             works = dist.batch_isend_irecv(ops)
-        for (t, dst, what), work in zip(self._queued, works, strict=False):
+        for (t, dst, what, last), work in zip(self._queued, works, strict=False):
             if self._sends is not None:
-                self._sends.add(work, t, dst, what)
+                self._sends.add(work, t, dst, what, last)
             else:
                 self._pending.append((work, t, what))
         self._queued = []

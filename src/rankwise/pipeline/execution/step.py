@@ -44,6 +44,9 @@ class ProcessTransport:
         expected = self._expected(src, msg)
         return self.link.receive_activation(self.peers[src], _what(msg), expected)[1]
 
+    def acked(self, dst: int, count: int) -> None:
+        self.link.acked(self.peers[dst], count)
+
     def flush(self) -> None:
         self.link.flush()
 
