@@ -117,6 +117,15 @@ def choice(
     fail(name, value, f"one of {listed}", where=where, fix=f"pass {name}={options[0]!r}.")
 
 
+def switch(name: str, value: Any, *, where: str = "") -> None:
+    """None (decide for me), True (insist) or False (never): a string such as "false" is
+    truthy, and would insist."""
+    if value is None or isinstance(value, bool):
+        return
+    fail(name, value, "True, False or None", where=where,
+         fix=f"pass {name}=False to turn it off, True to insist, or leave it out (None).")  # fmt: skip
+
+
 def text(name: str, value: Any, *, where: str = "", optional: bool = False) -> None:
     """A string (None too when ``optional``)."""
     if (value is None and optional) or isinstance(value, str):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from ... import validate
 from ...checkpoint.state_dict import add_module_prefix, strip_module_prefix
 from ...errors import ConfigError, ModelError
 from .. import buckets as bucketing
@@ -193,6 +194,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         one rank unpickles)."""
         for name, value in (("shared_memory_reduce", shared_memory_reduce),
                             ("hierarchical_reduce", hierarchical_reduce)):  # fmt: skip
+            validate.switch(name, value, where="DistributedDataParallel()")  # "false" is truthy
             if self.compression is not None and value:
                 raise ConfigError(
                     f"{name}=True with compression={self.compression!r}: compressed buckets "

@@ -23,6 +23,7 @@ def check_arguments(
     unit_numel: Any,
     wrap: Any,
     prefetch: Any = 1,
+    **switches: Any,
 ) -> None:
     """Every rank checks the same arguments, so a wrong one fails every rank at once."""
     validate.module("module", module, where=_WHERE)
@@ -41,6 +42,8 @@ def check_arguments(
     validate.number("bucket_cap_mb", bucket_cap_mb, positive=True, where=_WHERE, example=25)
     validate.integer("unit_numel", unit_numel, minimum=1, where=_WHERE, example=2**20)
     validate.integer("prefetch", prefetch, minimum=0, where=_WHERE, example=1)
+    for name, value in switches.items():  # shared_memory, hierarchical_reduce
+        validate.switch(name, value, where=_WHERE)
     policy = isinstance(wrap, (type, tuple, list, set, frozenset)) or callable(wrap)
     if wrap is not None and not policy:
         validate.fail("wrap", wrap, "a module class, a set of classes, a function module -> bool "

@@ -128,9 +128,9 @@ class ShardedDataParallel(nn.Module):
         prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         super().__init__()
-        check_arguments(module, optimizer, stage, process_group=process_group,
-                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, wrap=wrap,
-                        prefetch=prefetch)  # fmt: skip
+        check_arguments(module, optimizer, stage, process_group=process_group, wrap=wrap,
+                        bucket_cap_mb=bucket_cap_mb, unit_numel=unit_numel, prefetch=prefetch,
+                        shared_memory=shared_memory, hierarchical_reduce=hierarchical_reduce)  # fmt: skip
         self.module, self.stage, self.process_group = module, stage, process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.broadcast_buffers = broadcast_buffers

@@ -227,8 +227,7 @@ class Link:
 
     def acked(self, dst: int, count: int) -> None:
         """Rank ``dst`` has read the first ``count`` messages sent to it since the last
-        ``flush``: their sends are complete, their tensors are dropped (Gloo; on NCCL
-        completed sends are dropped as they complete)."""
+        ``flush``: drop their tensors (Gloo; NCCL's are dropped as they complete)."""
         if self._sends is not None:
             failed = self._sends.release(dst, count)
             if failed is not None:
