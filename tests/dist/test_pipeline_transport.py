@@ -173,3 +173,65 @@ def test_a_small_activation_of_the_last_shape_is_one_message_with_its_header():
     # change of shape: the filler of the receive posted for the old shape, then the tensor
     counts = run_distributed(_messages_per_activation, 2, timeout=120)[0]
     assert counts == [2, 1, 1, 1, 2, 2, 2, 3, 1], counts
+
+
+def _release_logs(stages: int) -> list:
+    """Every schedule, one step each: when this rank finished receiving each message, and
+    when the executor freed each message it sent because its receiver had read it (not the
+    rest, freed by the wait at the end of the step), by name, on the machine's monotonic
+    clock (one clock for every process here)."""
+    from rankwise.pipeline.execution import sends
+
+    received: dict[str, float] = {}
+    released: list[tuple[str, float]] = []
+    wait, release = p2p.Link._wait, sends.SendQueue.release
+
+    def timed_wait(self, work, what):
+        wait(self, work, what)
+        received[_message(what)] = time.monotonic()  # a header's wait, then its tensor's
+
+    def logged_release(self, dst, count):
+        before = {id(e): e[3] for e in self._held.get(dst, ())}
+        failed = release(self, dst, count)
+        left = {id(e) for e in self._held.get(dst, ())}
+        if count < 1 << 62:  # not the end of the step's wait for everything
+            now = time.monotonic()
+            released.extend((_message(w), now) for k, w in before.items() if k not in left)
+        return failed
+
+    p2p.Link._wait, sends.SendQueue.release = timed_wait, logged_release
+    logs = []
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+                    ("zero_bubble", 2)):  # fmt: skip
+        pipe = rw.DistributedPipeline(_model(stages * v), chunks=8, schedule=name,
+                                      stages_per_rank=v, balance=[2] * stages * v)  # fmt: skip
+        received.clear()
+        released.clear()
+        x = torch.randn(ROWS * 8, WIDTH)
+        pipe.train_step(x, torch.zeros(ROWS * 8, WIDTH), nn.functional.mse_loss)
+        logs.append((name, v, dict(received), list(released)))
+    return logs
+
+
+def _message(what: str) -> str:
+    """'activation of micro-batch 3 from stage 0' from either end's wording of it."""
+    for tail in (" to rank ", " from rank "):
+        what = what.split(tail)[0]
+    return what.removesuffix(" header")
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_send_is_freed_only_after_its_receiver_has_it(stages):
+    # the executor frees a send when the schedule says its receiver has read it (a message
+    # the receiver sends only after reading ours): freed earlier, the wait on it would block
+    # until the receiver asks for it. Every schedule, virtual stages too: sends are freed
+    # during the step (not all at its end), each after its receiver had it
+    logs = run_distributed(_release_logs, stages, args=(stages,), timeout=180)
+    for k, (name, v, _, _) in enumerate(logs[0]):
+        received: dict[str, float] = {}
+        for rank_logs in logs:
+            received.update(rank_logs[k][2])
+        released = [r for rank_logs in logs for r in rank_logs[k][3]]
+        assert len(released) >= 8, (name, v, released)
+        for what, at in released:
+            assert what in received and received[what] <= at, (name, v, what)
