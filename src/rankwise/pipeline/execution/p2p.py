@@ -172,10 +172,11 @@ class _Early:
 class Link:
     """Point-to-point traffic of one stage with the other stages, with timeouts on receives.
 
-    Sends are queued and posted at the start of the next action, together with its receive
-    when it has one (one ``batch_isend_irecv``: on NCCL a send and a receive between the same
-    two ranks must be posted as one group, or each can wait for the other), so a stage
-    computes its next micro-batch while the last one is on the wire. Each tensor is freed once
+    Over Gloo a send is posted at once. On NCCL sends are queued and posted at the start of
+    the next action, together with its receive when it has one (one ``batch_isend_irecv``: a
+    send and a receive between the same two ranks must be posted as one group, or each can
+    wait for the other). Either way a stage computes its next micro-batch while the last one
+    is on the wire. Each tensor is freed once
     its send is known complete: over Gloo when the executor says the peer has read it
     (``acked``; ``sends.SendQueue``: a Gloo send reports complete only once waited on), on
     NCCL at the next post after it completed; ``flush()`` waits for the rest.
@@ -201,7 +202,7 @@ class Link:
         self._orphans: list[_Early] = []  # receives left posted by a refused header
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
-        """Queue ``tensor`` (preceded by ``header`` if given) for rank ``dst``."""
+        """Send ``tensor`` (preceded by ``header`` if given) to rank ``dst`` (on NCCL: queue)."""
         tensor = tensor.detach().to(self.comm_device)
         parts = [] if header is None else [encode(header, self.comm_device)]
         if header is not None and self.ahead:
@@ -220,6 +221,8 @@ class Link:
             parts.append(tensor.contiguous())
         for k, part in enumerate(parts):
             self._queued.append((part, dst, f"{what} to rank {dst}", k == len(parts) - 1))
+        if self.ahead:  # Gloo posts one by one: out at once, not at the next action
+            self._start([])
 
     def post(self) -> None:
         """Post the queued sends now (before a computation that receives nothing)."""
@@ -310,8 +313,7 @@ class Link:
                       count=expected.count, rank=self.rank)  # fmt: skip
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
-        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient: the shape of
-        the activation this rank sent)."""
+        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient)."""
         early = self._early.pop(src, None)
         if early is not None:
             self.post()
@@ -322,8 +324,7 @@ class Link:
         return buf
 
     def flush(self) -> None:
-        """Wait for every send (and count messages from 0 again). Sync point: the receiving
-        stages."""
+        """Wait for every send; messages count from 0 again. Sync point: the receivers."""
         self.post()
         if self._sends is not None:
             failed = self._sends.drain()
@@ -334,8 +335,7 @@ class Link:
             self._wait(work, what)
 
     def held(self) -> Held:
-        """The sends posted and not yet complete, and the most at once since ``reset_peak``
-        (on NCCL: those not complete now, without a peak)."""
+        """The sends held, and the most at once since ``reset_peak`` (NCCL: no peak)."""
         if self._sends is not None:
             return self._sends.held()
         live = [t for w, t, _ in self._pending if not w.is_completed()]
