@@ -146,17 +146,20 @@ class Executor:
             self.acks = {}
         for src in self.channels:
             self._expect(src)
-        for action in todo:
-            self._act(action, forward_only)
+        for k, action in enumerate(todo):
+            after = self.schedule.needs(todo[k + 1]) if k + 1 < len(todo) else None
+            soon = None if after is None else self.schedule.rank_of(after.src_stage)
+            self._act(action, forward_only, soon)
         with timing.span("blocked"):  # the sends' last bytes: the pipeline's drain
             self.transport.flush()
         return self.result
 
-    def _act(self, action: Action, forward_only: bool) -> None:
+    def _act(self, action: Action, forward_only: bool, soon: int | None) -> None:
+        """Run ``action``; ``soon``: the rank the next action reads from, if any."""
         self.transport.progress()
         needed = self.schedule.needs(action)
         with timing.span("blocked"):  # waiting for a neighbour stage: this rank's bubble
-            received = self._take(needed) if needed is not None else None
+            received = self._take(needed, soon) if needed is not None else None
         if needed is None:
             self.transport.post()
         start = time.perf_counter()
@@ -169,16 +172,10 @@ class Executor:
                 self._backward(action, received)
         self.result.events.append(Event(action, start, time.perf_counter()))
         if needed is not None:  # after the computation, not between the message and it
-            self._read_on(self.schedule.rank_of(needed.src_stage))
-
-    def _read_on(self, src: int) -> None:
-        """After reading from ``src``: free the sends it acknowledged, post the receive of
-        its next message. Both wait until the action that needed the message has run: the
-        next message is needed an action later at the earliest, and every microsecond
-        between a message's arrival and its computation is on the pipeline's critical path."""
-        if src != self.position:
-            self._release(src)
-            self._expect(src)
+            src = self.schedule.rank_of(needed.src_stage)
+            if src != self.position:
+                self._release(src)
+                self._expect(src)  # if _take did not
 
     def _forward(self, action: Action, received: Any, forward_only: bool) -> None:
         s, i = action.stage, action.micro_batch
@@ -247,8 +244,12 @@ class Executor:
             header = Header(msg.micro_batch, count, tensor.dtype, tuple(tensor.shape))
         self.transport.send(dst, msg, tensor, header)
 
-    def _take(self, msg: Message) -> torch.Tensor:
-        """``msg``, read from its channel in the sender's order (others set aside)."""
+    def _take(self, msg: Message, soon: int | None = None) -> torch.Tensor:
+        """``msg``, read from its channel in the sender's order (others set aside). The
+        receive of the channel's next message is posted now if the next action reads from
+        this channel too (``soon``), else after this action: a receive posted late makes a
+        message already sent wait for the sender's communication thread to learn of it (a
+        thread the stages' compute may starve), and one posted now delays this action."""
         src = self.schedule.rank_of(msg.src_stage)
         if src != self.position:
             channel = self.channels[src]
@@ -257,11 +258,14 @@ class Executor:
                 nxt = channel[self.read[src]]
                 self.read[src] += 1
                 self.stash[nxt] = self.transport.receive(src, nxt, self._like(nxt))
+            if src == soon:
+                self._expect(src)
             self.result.recv_wait_s += time.perf_counter() - start
         return self.stash.pop(msg)
 
     def _release(self, src: int) -> None:
-        """Free the sends ``src`` has acknowledged by the messages read from it so far."""
+        """Free the sends ``src`` has acknowledged by the messages read from it so far (run
+        after the action that needed the message: nothing waits for it)."""
         acks, read = self.acks.get(src), self.read[src]
         if acks and read and acks[read - 1] > self.freed[src]:
             self.freed[src] = acks[read - 1]
