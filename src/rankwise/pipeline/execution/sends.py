@@ -12,9 +12,9 @@ returns at once) and dropped. A stage then holds, for its peers, only what they 
 yet (1F1B's in-flight bound), not every tensor of the step.
 
 No thread waits on sends: a waiter thread that wakes for every completed send competes for the
-GIL with the computing thread, and on a machine with fewer cores than threads it stalled this
-stage's receives for 1.5-5 ms on about one in ten messages (measured in the simulated 1F1B
-schedule, two stages on two cores).
+GIL with the computing thread; on two cores it stalled about one receive in ten by 1.5-5 ms
+(a probe of the simulated 1F1B schedule, two stages; ``benchmarks/pipeline.py`` measures the
+step time this left).
 """
 
 from __future__ import annotations
