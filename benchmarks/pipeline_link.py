@@ -6,7 +6,8 @@
 Rank 0 sends a float32 tensor (an activation, with its header) and receives it back (a
 gradient, no header); rank 1 the reverse. ``plain``: the same two transfers with
 ``batch_isend_irecv``, each waited on. Per size: the medians over ``--rounds`` interleaved
-rounds of ``--reps`` round trips, their ratio, the most sends ``Link`` held at once, and the
+rounds of ``--reps`` round trips, their ratio, the most sends ``Link`` held at once (freed as
+the executor frees them, on the peer's acknowledgement), and the
 ceiling beside them (the bytes of one round trip over one thread's memcpy bandwidth). The JSON
 records the machine's load before and after.
 """
@@ -54,10 +55,12 @@ def _link(link: Link, t: torch.Tensor, rank: int, reps: int) -> float:
             link.expect(1, t)
             link.post()
             link.recv(tuple(t.shape), t.dtype, 1, "gradient")
+            link.acked(1, i + 1)  # as the executor: this gradient says activation i was read
         else:
             expected = Expected("stage 0 (rank 0)", i, reps)
             link.expect(0, None, expected)
             _, x = link.receive_activation(0, "activation", expected)
+            link.acked(0, i)  # activation i says gradients 0..i-1 were read
             link.send(x, 0, "gradient", None)
             link.post()
     link.flush()
