@@ -176,10 +176,10 @@ class Link:
     the next action, together with its receive when it has one (one ``batch_isend_irecv``: a
     send and a receive between the same two ranks must be posted as one group, or each can
     wait for the other). Either way a stage computes its next micro-batch while the last one
-    is on the wire. Each tensor is freed once
-    its send is known complete: over Gloo when the executor says the peer has read it
-    (``acked``; ``sends.SendQueue``: a Gloo send reports complete only once waited on), on
-    NCCL at the next post after it completed; ``flush()`` waits for the rest.
+    is on the wire. Each tensor is freed once its send is known complete: over Gloo when the
+    executor says the peer has read it (``acked``; ``sends.SendQueue``: a Gloo send reports
+    complete only once waited on), on NCCL at the next post after it completed; ``flush()``
+    waits for the rest.
 
     Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
     tensor of an activation whose header is in is received as soon as it is (``progress``),
