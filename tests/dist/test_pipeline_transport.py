@@ -2,15 +2,16 @@
 
 Over Gloo a send reports complete only once it is waited on; a transport that polled for
 completion kept every tensor it sent until the step ended (two sends per activation, one per
-gradient: 3 x micro-batches). ``Link.held()`` counts the sends posted and not yet complete,
-and their bytes, at their peak during a step. Under 1F1B a stage at position p has at most
-``S - p`` micro-batches in flight (S stages): its activations the next stage has not asked for
-and its gradients the previous stage has not asked for are among those, so the peak may not
-grow with the number of micro-batches. Checked at 2 and 3 stages, 4 and 16 micro-batches.
+gradient: 3 x micro-batches). The executor frees a send once the schedule says its receiver
+has read it (a message the receiver sends only after reading ours). ``Link.held()`` counts
+the sends held and their bytes, at their peak during a step. Under 1F1B a stage at position p
+has at most ``S - p`` micro-batches in flight (S stages): its activations the next stage has
+not read and its gradients the previous stage has not read are among those, so the peak may
+not grow with the number of micro-batches. Checked at 2 and 3 stages, 4 and 16 micro-batches;
+and, under every schedule, that no send is freed before its receiver had it.
 
-Each stage sleeps a few milliseconds in its forward (the sleep lets other threads run), so that
-the thread that waits on sends is never starved for a whole action on a loaded machine: the
-count is then the transport's, not the scheduler's.
+Each stage sleeps a few milliseconds in its forward, so that the stages' order of events does
+not hang on how a loaded machine schedules the processes.
 """
 
 from __future__ import annotations
