@@ -175,7 +175,8 @@ class Executor:
             src = self.schedule.rank_of(needed.src_stage)
             if src != self.position:
                 self._release(src)
-                self._expect(src)  # if _take did not
+                if src != soon:  # else _take posted it already
+                    self._expect(src)
 
     def _forward(self, action: Action, received: Any, forward_only: bool) -> None:
         s, i = action.stage, action.micro_batch
