@@ -139,8 +139,8 @@ def _all_reduce_steps(buffers: list[torch.Tensor], steps: int) -> float:
 
 def _shared_reduce_steps(made, steps: int) -> float:
     """One step's worth of shared-memory reduction alone: every bucket put in this rank's slot
-    (``torch.mul(grad, 1/world, out=slot)``, as a backward's hooks do), summed across the slots
-    and gathered, then the pass's fence."""
+    (``torch.mul(grad, 1/world, out=slot)``, as a backward's hooks do), each chunk summed across
+    the slots and copied into every slot, then the pass's fence."""
     shared, sources, small = made
     scale = 1.0 / dist.get_world_size()
     start = time.perf_counter()

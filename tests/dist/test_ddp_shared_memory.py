@@ -4,6 +4,8 @@ Against torch's DistributedDataParallel in the same ranks:
 
 - every usual loop order gives torch's parameters bit for bit at world size 2 (a sum of two is
   order-free), and ``.grad`` is this rank's slot of the shared file;
+- a rank that sums late holds the others at the end of backward: none steps, clips or zeroes
+  its ``.grad`` before every sum is in its slot;
 - at world size 3 the replicas stay bit-identical (each chunk is summed once, then copied);
 - uneven inputs (``join()``) and torch's communication hooks work over shared buckets;
 - a rank that cannot map the file makes every rank fall back to Gloo's all-reduce (one rank
@@ -194,9 +196,46 @@ def _two_models(rank: int) -> dict:
     return out
 
 
+def _slow_sums(rank: int) -> dict:
+    """Rank 0 sums and copies out its chunks late: rank 1 reaches the end of backward first
+    and, unless the last barrier holds it, steps (or clips, or zeroes .grad in place) with
+    chunks rank 0 has not written into its slot yet, or has them overwritten."""
+    real = shared_reduce.SharedBuckets._reduce
+
+    def late(self, b: int) -> None:
+        time.sleep(0.2)
+        real(self, b)
+
+    if rank == 0:
+        shared_reduce.SharedBuckets._reduce = late
+    out = {}
+    try:
+        for order, to_none, clip in (("first", False, False), ("last", False, True)):
+            results = {}
+            for name, make in (("ours", rw.DistributedDataParallel), ("torch", _torch_ddp)):
+                model = make(_net())
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                for x, y in _batches(rank, 3):
+                    backward_in_order(model, opt, x, y, order, to_none)
+                    if clip:  # in place on .grad, the slot: a clipping that clips
+                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                        results.setdefault(f"{name}_norms", []).append(norm.item())
+                    opt.step()
+                    if order == "last":
+                        opt.zero_grad(set_to_none=to_none)
+                results[name] = _params(model)
+                if name == "ours":
+                    results["shared"] = model.reducer.shared is not None
+            out[f"{order}/{to_none}/clip={clip}"] = results
+    finally:
+        shared_reduce.SharedBuckets._reduce = real
+    return out
+
+
 def _world2() -> dict:
     rank = dist.get_rank()
     return {
+        "slow_sums": _slow_sums(rank),
         "orders": _orders(rank),
         "join": _join(rank),
         "hooks": _hooks(rank),
@@ -221,6 +260,16 @@ def test_every_loop_order_gives_torchs_parameters_bit_for_bit(world2):
             assert _equal(r["ours"], r["torch"]), f"rank {rank}, {order}: differs from torch"
             if "aliases" in r:
                 assert r["aliases"], f"rank {rank}, {order}: .grad is not the shared slot"
+
+
+def test_a_late_ranks_sums_reach_every_slot_before_anyone_uses_or_writes_it(world2):
+    for rank, res in enumerate(world2):
+        for case, r in res["slow_sums"].items():
+            assert r["shared"], f"rank {rank}, {case}: the 4 MiB bucket was not shared"
+            assert _equal(r["ours"], r["torch"]), f"rank {rank}, {case}: differs from torch"
+            if "ours_norms" in r:
+                assert min(r["ours_norms"]) > 1e-3, "the clipping did not clip"
+                assert r["ours_norms"] == r["torch_norms"], f"rank {rank}: norms differ"
 
 
 def test_join_over_shared_buckets_trains_like_torch(world2):

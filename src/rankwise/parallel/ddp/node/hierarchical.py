@@ -11,7 +11,7 @@ can sum their gradients first, through shared memory, and send one node's sum in
 2. local rank ``l`` sums chunk ``l`` (of ``L``) over the node's slots (as ``shared_reduce``);
 3. local rank ``l`` all-reduces that chunk with the ranks of local index ``l`` on the other
    nodes (Gloo, over the network): its chunk now holds the sum over all ``W`` ranks;
-4. a barrier; every rank copies the other chunks from its node's ranks that hold them.
+4. local rank ``l`` copies that chunk into the slots of its node's other ranks; a barrier.
 
 This is the reduce-scatter form of the hierarchical all-reduce, chosen over the leader form
 (sum the whole bucket on one rank per node, all-reduce between the leaders, broadcast back):
@@ -60,15 +60,11 @@ class HierarchicalBuckets(SharedBuckets):
         super().__init__(arena, layout, slot_bytes, groups.local, groups.intra)
         self.inter = groups.inter
 
-    def _reduce(self, b: int):
-        """Sum this rank's chunk over the node, then over the nodes (run by the channel's
+    def _combine(self, chunk: torch.Tensor) -> None:
+        """The node's sum of this rank's chunk, summed over the nodes (run by the channel's
         worker, so the cross-node all-reduces go out in bucket order on every rank)."""
-        gather = super()._reduce(b)
-        bounds, me = self._bounds[b], self.rank
-        chunk = self._views[b][me][bounds[me] : bounds[me + 1]]
         if chunk.numel():
             dist.all_reduce(chunk, group=self.inter)
-        return gather
 
 
 def attach(

@@ -7,14 +7,16 @@ and ``.grad`` is a view of the rank's own slot. For each bucket:
 
 1. every rank has put its gradients (already divided by the world size) in its slot; a barrier;
 2. rank r sums chunk r of the bucket over all slots, into its own slot (a reduce-scatter by
-   reading, not sending); a barrier;
-3. every rank copies each other chunk from the slot of the rank that summed it (an all-gather),
-   so its own slot, and with it ``.grad``, holds the whole average.
+   reading, not sending), and copies that sum into chunk r of every other slot (an all-gather
+   by writing); a barrier: every slot, and with it every rank's ``.grad``, holds the average.
 
-Each chunk is summed once and copied, so every replica holds bit-identical gradients. A last
-barrier per backward pass (``fence``) keeps a rank from writing its slot again (the next
-step's gradients, ``zero_grad``, clipping) while a slower rank still reads it. The barrier of
-step 2 is the next bucket's barrier of step 1 (``_Channel``): n buckets, n + 2 barriers.
+Only rank r reads or writes chunk r of any slot between the two barriers, so nothing races.
+Each chunk is summed once and copied, so every replica holds bit-identical gradients. The
+barrier of step 2 is the next bucket's barrier of step 1 (``_Channel``), and the last one
+(``fence``) keeps a rank from writing its slot again (the next step's gradients, ``zero_grad``,
+clipping) before the others' sums are in it: n buckets, n + 1 barriers. (Copying by writing
+rather than reading saves a barrier: a rank that read the others' sums would need one more to
+know they were all read before anyone writes a slot again.)
 
 Synchronisation stays the engine's: the barriers are Gloo collectives on a process group of
 their own, run by one worker thread in the order the reducer launched the buckets, so a rank
@@ -77,6 +79,10 @@ class Work:
         return True
 
 
+Finish = Callable[[], None] | None
+"""What a job leaves to run once every rank has done its part (the next barrier), if anything."""
+
+
 class _Channel:
     """One Gloo group for the barriers and one worker thread that runs the jobs in order.
 
@@ -85,9 +91,9 @@ class _Channel:
     (as the process group itself does for their all-reduces).
 
     Barriers are pipelined: the barrier that says bucket k+1 is in every slot also says that
-    bucket k's chunks are summed, so bucket k is gathered (and its ``Work`` completes) when the
-    next job starts. A pass of n shared buckets costs n + 2 barriers (the last bucket's, and
-    the fence), not 2n + 1. Every rank runs the same jobs, so all pipeline alike.
+    bucket k's chunks are summed and copied, so bucket k's ``Work`` completes when the next
+    job starts. A pass of n shared buckets costs n + 1 barriers (the last one the fence's),
+    not 2n. Every rank runs the same jobs, so all pipeline alike.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -95,14 +101,15 @@ class _Channel:
         ranks = dist.get_process_group_ranks(group)
         self.barriers = among(ranks, group, backend="gloo", timeout=timeout)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending: tuple[Callable[[], None], Work] | None = None  # a summed, ungathered bucket
+        self.pending: tuple[Finish, Work] | None = None  # reduced here, maybe not everywhere
         threading.Thread(target=self._serve, name="rankwise-shared-reduce", daemon=True).start()
 
-    def submit(self, reduce: Callable[[], Callable[[], None]] | None, early: bool = False) -> Work:
-        """Queue a bucket (``reduce`` sums this rank's chunk and returns the gather), or with
-        None the fence. ``early``: the work completes once this rank's chunk is summed (a
-        reduce-scatter: ZeRO-3's ``comm/node_shared``); what ``reduce`` returns still runs at
-        the next job's barrier, when no rank reads the slot any more."""
+    def submit(self, reduce: Callable[[], Finish] | None, early: bool = False) -> Work:
+        """Queue a bucket (``reduce`` does this rank's part and returns what to run, if
+        anything, once every rank has done its part: at the next job's barrier), or with None
+        the fence. ``early``: the work completes once this rank's part is done (a
+        reduce-scatter: ZeRO-3's ``comm/node_shared``). What runs after the barrier must not
+        read another rank's slot: no barrier follows it to say the reads are over."""
         work = Work()
         self.jobs.put((reduce, work, early))
         return work
@@ -121,22 +128,21 @@ class _Channel:
                     self.pending = None
                 work._finish(exc)
 
-    def _run(
-        self, reduce: Callable[[], Callable[[], None]] | None, work: Work, early: bool
-    ) -> None:
-        if reduce is not None or self.pending is not None:
-            self.barrier()  # this bucket is in every slot; the pending one is summed
+    def _run(self, reduce: Callable[[], Finish] | None, work: Work, early: bool) -> None:
+        # This bucket is in every slot; the pending one is reduced on every rank. For the
+        # fence with nothing pending: every rank is here all the same.
+        self.barrier()
         if self.pending is not None:
-            gather, done = self.pending
+            finish, done = self.pending
             self.pending = None
-            gather()
+            if finish is not None:
+                finish()
             done._finish()  # a no-op for an early work, already finished
-        if reduce is not None:
-            self.pending = (reduce(), work)
-            if early:
-                work._finish()
-        else:
-            self.barrier()  # the fence: every rank has gathered, no one reads a slot any more
+        if reduce is None:
+            work._finish()  # the fence: every slot is complete, no rank touches another's
+            return
+        self.pending = (reduce(), work)
+        if early:
             work._finish()
 
 
@@ -194,23 +200,23 @@ class SharedBuckets:
         """Start the end-of-pass barrier (see the module docstring). Sync point: all ranks."""
         return self._channel.submit(None)
 
-    def _reduce(self, b: int) -> Callable[[], None]:
-        """Sum this rank's chunk of bucket ``b`` over all slots (every slot is filled); return
-        the gather, to run once every chunk is summed."""
+    def _reduce(self, b: int) -> None:
+        """Sum this rank's chunk of bucket ``b`` over all slots (every slot is filled) and copy
+        the sum into that chunk of every other slot (no rank but this one touches the chunk
+        until the next barrier)."""
         views, bounds, me = self._views[b], self._bounds[b], self.rank
         lo, hi = bounds[me], bounds[me + 1]
         acc = views[me][lo:hi]
         for r, view in enumerate(views):
             if r != me:
                 acc.add_(view[lo:hi])
+        self._combine(acc)
+        for r, view in enumerate(views):
+            if r != me:
+                view[lo:hi].copy_(acc)
 
-        def gather() -> None:
-            mine = views[me]
-            for r, view in enumerate(views):
-                if r != me:
-                    mine[bounds[r] : bounds[r + 1]].copy_(view[bounds[r] : bounds[r + 1]])
-
-        return gather
+    def _combine(self, chunk: torch.Tensor) -> None:
+        """What more the chunk's sum needs before it is copied out (nothing, on one node)."""
 
 
 def attach(
