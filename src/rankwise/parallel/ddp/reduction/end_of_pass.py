@@ -106,7 +106,7 @@ def wait_all(r: Reducer) -> None:
         if wire is not None:
             comp.decompress(wire, r._flat_of(b))
     if r._fence is not None:
-        r._fence.wait()  # no rank writes its slot while another still reads it
+        r._fence.wait()  # every rank's sums are in this rank's slot: it may be written again
 
 
 def run(r: Reducer) -> None:

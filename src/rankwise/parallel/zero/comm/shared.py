@@ -3,11 +3,11 @@
 Stage 1 keeps every rank's whole averaged gradient, as DDP does, so on one machine it reduces
 the way DDP does (``parallel/ddp/node/shared_reduce.py``): each unit's flat gradient buffer is
 this rank's slot of one shared-memory file; every rank sums its chunk by reading the others'
-slots, then copies the other chunks from the ranks that summed them. Through Gloo the buffer
+slots, then copies that sum into the others' slots. Through Gloo the buffer
 crossed a loopback socket: measured on the GPT-2 recipe, stage 1's backward took 40 ms more
 than the same step with no communication. Each synchronised backward pass ends with the
-channel's fence (``ShardedDataParallel._finalize``), so no rank writes its slot again while
-another still reads it.
+channel's fence (``ShardedDataParallel._finalize``), so no rank writes its slot again before
+every sum is in it.
 
 Stages 2 and 3 free each unit's full gradient as soon as it is reduced and keep only the
 shard: a slot per unit would hold the whole gradient for good, so they keep Gloo's
