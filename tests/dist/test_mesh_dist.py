@@ -4,7 +4,8 @@
   trains to the parameters of one process on the same global batches; the ranks of a tensor
   group read the same batches, the two data ranks different halves;
 - it trains to the parameters of one process on the same global batches (10 AdamW steps,
-  1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them;
+  1e-5), with our DDP over the data groups and with our ZeRO stage 3 over them (its units
+  gathered through Gloo, and held in shared memory by the data group's two ranks);
 - each rank holds <= 1/(tensor x data shards) + 5% of the unsplit model's parameters,
   gradients and AdamW state (counted from the tensors);
 - its checkpoint (saved at 2 x 2) loads at 1 x 1 (a plain unsplit model) and at 4 x 1; with the
@@ -114,7 +115,12 @@ def _train(engine: str, mesh):
         wrapped = rw.DistributedDataParallel(model, process_group=mesh.group("data"))
         opt = _adamw(model.parameters())
     else:
-        wrapped = rw.ShardedDataParallel(model, _adamw, stage=3, process_group=mesh.group("data"))
+        # "zero3 shared": the data group's two ranks hold the units in shared memory (insisted
+        # on: this model's units are under the 1 MiB from which it is chosen by itself).
+        shared = {"shared_memory": True} if engine == "zero3 shared" else {}
+        wrapped = rw.ShardedDataParallel(model, _adamw, stage=3, process_group=mesh.group("data"),
+                                         **shared)  # fmt: skip
+        assert (wrapped.units[0].node is not None) == bool(shared), engine
         opt = wrapped.optimizer
     per = GLOBAL_BATCH // mesh.sizes["data"]
     mine = slice(mesh.coord("data") * per, (mesh.coord("data") + 1) * per)
@@ -203,7 +209,7 @@ def _mesh_rank(folder: str):
     out["resumed 2x2"] = _resumed_on_the_mesh(rt, Path(folder) / "prepared.pt")
     out["metrics"] = _evaluated(rt, folder)
     out["clip"] = {engine: _clipped(rt, engine) for engine in ("ddp", "zero3")}
-    for engine in ("ddp", "zero3"):
+    for engine in ("ddp", "zero3 shared", "zero3"):  # zero3 last: its wrapper is saved below
         wrapped, held = _train(engine, mesh)
         out[engine] = (_numpy(tp.full_state_dict(wrapped)), held)
     path = Path(folder) / "gpt.pt"
@@ -246,9 +252,13 @@ def test_gpt_on_a_data_2_by_tensor_2_mesh_equals_one_process(tmp_path):
     assert torch.equal(seen[0], every[0::2]) and torch.equal(seen[2], every[1::2])
     assert {r["prepare"][2] for r in results} == {"DistributedDataParallel"}
     for rank, r in enumerate(results):
-        for engine, shards in (("ddp", 1), ("zero3", 2)):
+        # "zero3 shared": one copy of the units per machine, in a file every rank maps (the
+        # count by storage would charge all of it to each rank): its values only.
+        for engine, shards in (("ddp", 1), ("zero3", 2), ("zero3 shared", None)):
             state, held = r[engine]
             _assert_close(state, want, f"rank {rank} {engine}")
+            if shards is None:
+                continue
             bound = unsplit_bytes * (1 / (2 * shards) + 0.05)
             assert held <= bound, f"rank {rank} {engine}: {held} bytes > {bound:.0f}"
         _assert_close(r["prepare"][1], want, f"rank {rank} rw.init(mesh=...) + rt.prepare")
