@@ -253,23 +253,27 @@ def _equal(a: list, b: list, tol: float = 0.0) -> bool:
     return all(np.allclose(x, y, rtol=0, atol=tol) for x, y in zip(a, b, strict=True))
 
 
-def test_every_loop_order_gives_torchs_parameters_bit_for_bit(world2):
+def _shared_like_torch(world2: list[dict], part: str):
+    """(rank, case, result) of every case of ``part``, once its bucket was shared and its
+    parameters equal torch's bit for bit."""
     for rank, res in enumerate(world2):
-        for order, r in res["orders"].items():
-            assert r["shared"], f"rank {rank}, {order}: the 4 MiB bucket was not shared"
-            assert _equal(r["ours"], r["torch"]), f"rank {rank}, {order}: differs from torch"
-            if "aliases" in r:
-                assert r["aliases"], f"rank {rank}, {order}: .grad is not the shared slot"
+        for case, r in res[part].items():
+            assert r["shared"], f"rank {rank}, {case}: the 4 MiB bucket was not shared"
+            assert _equal(r["ours"], r["torch"]), f"rank {rank}, {case}: differs from torch"
+            yield rank, case, r
+
+
+def test_every_loop_order_gives_torchs_parameters_bit_for_bit(world2):
+    for rank, order, r in _shared_like_torch(world2, "orders"):
+        if "aliases" in r:
+            assert r["aliases"], f"rank {rank}, {order}: .grad is not the shared slot"
 
 
 def test_a_late_ranks_sums_reach_every_slot_before_anyone_uses_or_writes_it(world2):
-    for rank, res in enumerate(world2):
-        for case, r in res["slow_sums"].items():
-            assert r["shared"], f"rank {rank}, {case}: the 4 MiB bucket was not shared"
-            assert _equal(r["ours"], r["torch"]), f"rank {rank}, {case}: differs from torch"
-            if "ours_norms" in r:
-                assert min(r["ours_norms"]) > 1e-3, "the clipping did not clip"
-                assert r["ours_norms"] == r["torch_norms"], f"rank {rank}: norms differ"
+    for rank, _, r in _shared_like_torch(world2, "slow_sums"):
+        if "ours_norms" in r:
+            assert min(r["ours_norms"]) > 1e-3, "the clipping did not clip"
+            assert r["ours_norms"] == r["torch_norms"], f"rank {rank}: norms differ"
 
 
 def test_join_over_shared_buckets_trains_like_torch(world2):
