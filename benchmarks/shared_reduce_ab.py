@@ -13,9 +13,12 @@ it over every slot into its own:
   before any rank writes its slot again (n + 2).
 
 Both move the same bytes. Every loop order of ``benchmarks/ddp.py`` (where ``zero_grad`` sits,
-``set_to_none`` or not), world size 2 on Gloo, one thread per process, the two variants
-interleaved in the same processes with the order rotated every repeat. Prints the median step
-time per configuration (ms) and ``write / read`` per loop order.
+``set_to_none`` or not), world size 2 on Gloo, one thread per process, the variants
+interleaved in the same processes with the order rotated every repeat. A third variant,
+``write_again``, is ``write`` built once more: ``write_again / write`` is the noise floor of
+the comparison (same code; only the model's place in memory and in the rotation differ).
+Prints the median step time per configuration (ms), ``write / read`` and ``write_again /
+write`` per loop order.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def _run(name: str, batch: int, steps: int, repeats: int) -> dict:
     # Built alternately, so that neither variant's shared files all come first in memory.
     for order in bench.ORDERS:
         for to_none in (True, False):
-            for variant in ("write", "read") if to_none else ("read", "write"):
+            for variant in ("write", "read", "write_again")[:: 1 if to_none else -1]:
                 model = _build(variant, name, channel)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 x, y = bench._batch(name, batch, seed=dist.get_rank())
@@ -119,16 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
-    out: dict = {"ms": {}, "write_over_read": {}}
+    out: dict = {"ms": {}, "write_over_read": {}, "write_again_over_write": {}}
     for name in args.models.split(","):
         ms = run_distributed(_run, 2, args=(name, args.batch, args.steps, args.repeats),
                              timeout=1800)[0]  # fmt: skip
         out["ms"][name] = ms
-        out["write_over_read"][name] = {
-            k.split("/", 1)[1]: round(v / ms["read/" + k.split("/", 1)[1]], 3)
-            for k, v in ms.items()
-            if k.startswith("write/")
-        }
+        for a, b in (("write", "read"), ("write_again", "write")):
+            out[f"{a}_over_{b}"][name] = {
+                k.split("/", 1)[1]: round(v / ms[f"{b}/" + k.split("/", 1)[1]], 3)
+                for k, v in ms.items()
+                if k.startswith(f"{a}/")
+            }
     out["conditions"] = {
         "world_size": 2, "backend": "gloo", "threads_per_rank": 1, "cpus": os.cpu_count(),
         "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
