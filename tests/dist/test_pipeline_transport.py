@@ -8,7 +8,8 @@ the sends held and their bytes, at their peak during a step. Under 1F1B a stage 
 has at most ``S - p`` micro-batches in flight (S stages): its activations the next stage has
 not read and its gradients the previous stage has not read are among those, so the peak may
 not grow with the number of micro-batches. Checked at 2 and 3 stages, 4 and 16 micro-batches;
-and, under every schedule, that no send is freed before its receiver had it.
+and, under every schedule, that no send is freed before its receiver had it. An evaluation
+forward (nothing comes back) keeps a fixed number of sends per stage, too.
 
 Each stage sleeps a few milliseconds in its forward, so that the stages' order of events does
 not hang on how a loaded machine schedules the processes.
@@ -81,6 +82,38 @@ def test_sends_held_across_a_1f1b_step_stay_within_the_in_flight_bound(stages):
             sends, nbytes = r["peaks"][m]
             assert 1 <= sends <= max_sends, (stages, r["position"], m, sends, max_sends)
             assert nbytes <= max_bytes, (stages, r["position"], m, nbytes, max_bytes)
+
+
+def _eval_peaks(stages: int, chunk_counts: tuple[int, ...]) -> dict:
+    pipe = rw.DistributedPipeline(_model(stages), chunks=max(chunk_counts), schedule="1f1b",
+                                  balance=[2] * stages)  # fmt: skip
+    out = {}
+    with torch.no_grad():
+        for m in chunk_counts:
+            pipe.chunks = m
+            pipe._link.reset_peak()
+            y = pipe(torch.randn(ROWS * m, WIDTH))
+            held = pipe._link.held()
+            assert (held.sends, held.bytes) == (0, 0)  # the forward waited for every send
+            out[m] = (held.peak_sends, held.peak_bytes, None if y is None else tuple(y.shape))
+    return {"position": pipe.stage_index, "peaks": out}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_an_evaluation_forward_holds_a_bounded_number_of_sends(stages):
+    """No message comes back in a forward-only pass: with one stage per rank, a stage keeps
+    its last two activations (and the one being sent), not the whole batch's."""
+    counts = (4, 16)
+    results = run_distributed(_eval_peaks, stages, args=(stages, counts), timeout=180)
+    kept = 3  # the activation the next stage reads, the one after it, and the one sent now
+    for r in results:
+        for m in counts:
+            sends, nbytes, shape = r["peaks"][m]
+            if r["position"] == stages - 1:
+                assert sends == 0 and shape == (ROWS * m, WIDTH), (r["position"], m, shape)
+                continue
+            assert 1 <= sends <= 2 * kept, (stages, r["position"], m, sends)  # header + tensor
+            assert nbytes <= kept * (ACT_BYTES + HEADER_BYTES), (r["position"], m, nbytes)
 
 
 BIG = p2p.PACK_MAX_BYTES // 4 + 1  # float32 elements: one byte-group past packing

@@ -36,6 +36,10 @@ from ..schedules import Action, Message, Schedule
 from .p2p import Header
 from .weight_pass import WeightPass
 
+KEPT_SENDS = 2
+"""Activations a stage keeps sent and unconfirmed in a forward-only pass (one stage per rank):
+the one its next stage is reading and the one after it."""
+
 
 class Stages(Protocol):
     """What one rank computes."""
@@ -133,6 +137,7 @@ class Executor:
         self.acks = {src: schedule.acks(src, position) for src in self.channels}
         self.freed = dict.fromkeys(self.channels, 0)
         self.saved: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.sent: dict[int, int] | None = None  # activations sent per rank, when bounded
         self.result = StepResult()
 
     def run(self, forward_only: bool = False) -> StepResult:
@@ -140,10 +145,17 @@ class Executor:
         for the sends. Sync point: the pipeline's ranks."""
         todo = (self.schedule.forward_only(self.position) if forward_only
                 else self.schedule.actions[self.position])  # fmt: skip
-        if forward_only:  # only activations are sent, none back: held until the flush
+        if forward_only:  # only activations are sent, none back to acknowledge them
             self.channels = {src: [m for m in ch if m.kind == "act"]
                              for src, ch in self.channels.items()}  # fmt: skip
             self.acks = {}
+            # One stage per rank: the stages form a chain, each waiting only on the one before,
+            # so waiting for an old send (done once the next stage posted its receive, which
+            # it does without waiting on us) cannot deadlock: keep the last KEPT_SENDS, not
+            # the whole batch's output. With several stages per rank the last rank feeds the
+            # first: such a wait could close a cycle, so those are held until the flush.
+            if self.schedule.num_stages == self.schedule.ranks:
+                self.sent = dict.fromkeys(range(self.schedule.ranks), 0)
         for src in self.channels:
             self._expect(src)
         for k, action in enumerate(todo):
@@ -244,6 +256,10 @@ class Executor:
             count = self.schedule.micro_batches
             header = Header(msg.micro_batch, count, tensor.dtype, tuple(tensor.shape))
         self.transport.send(dst, msg, tensor, header)
+        if self.sent is not None:  # a forward-only pass on one stage per rank (see run)
+            self.sent[dst] += 1
+            if self.sent[dst] > KEPT_SENDS:
+                self.transport.acked(dst, self.sent[dst] - KEPT_SENDS)
 
     def _take(self, msg: Message, soon: int | None = None) -> torch.Tensor:
         """``msg``, read from its channel in the sender's order (others set aside). The
