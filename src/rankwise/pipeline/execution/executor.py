@@ -77,7 +77,8 @@ class Transport(Protocol):
         """Move receives posted ahead along (between actions)."""
 
     def acked(self, dst: int, count: int) -> None:
-        """Position ``dst`` has read the first ``count`` messages sent to it this step."""
+        """Free the first ``count`` messages sent to position ``dst`` this step, waiting for
+        any not yet received (none, when ``dst`` has acknowledged them)."""
 
     def flush(self) -> None:
         """Wait until every send has been received."""

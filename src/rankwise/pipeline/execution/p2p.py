@@ -229,8 +229,8 @@ class Link:
         self._start([])
 
     def acked(self, dst: int, count: int) -> None:
-        """Rank ``dst`` has read the first ``count`` messages sent to it since the last
-        ``flush``: drop their tensors (Gloo; NCCL's are dropped as they complete)."""
+        """Drop the first ``count`` messages sent to rank ``dst`` since the last ``flush``, waiting
+        for any not received yet (Gloo; NCCL's are dropped as they complete)."""
         if self._sends is not None:
             failed = self._sends.release(dst, count)
             if failed is not None:
