@@ -39,6 +39,8 @@ from torch.distributed import pipelining as tpp
 import rankwise as rw
 from rankwise.models.gpt import GPTConfig, sequential_gpt
 from rankwise.pipeline.partition import balance_by_params
+from rankwise.pipeline.schedules import Action, make
+from rankwise.pipeline.simulate import simulate
 
 SCHEDULES = (
     ("gpipe", 1, "ScheduleGPipe"),
@@ -175,7 +177,9 @@ def _bounds(model: nn.Sequential, stages: int) -> list[int]:
     return bounds
 
 
-def _ours(model: nn.Sequential, name: str, v: int, m: int):
+def _ours(model: nn.Sequential, name: str, v: int, m: int, durations: dict | None = None):
+    """Our pipeline and its step; ``durations`` (if given) collects each action's time, in
+    seconds, step after step: ``(kind, stage, micro_batch) -> [s, ...]``."""
     stages = dist.get_world_size() * v
     balance = [b - a for a, b in zip(_bounds(model, stages), _bounds(model, stages)[1:], strict=False)]
     pipe = rw.DistributedPipeline(model, balance=balance, chunks=m, schedule=name, stages_per_rank=v)
@@ -183,7 +187,11 @@ def _ours(model: nn.Sequential, name: str, v: int, m: int):
     def step(x, y) -> float:
         pipe.train_step(x, y, _loss)
         pipe.zero_grad(set_to_none=True)
-        return sum(e.end - e.start for e in pipe.last_step.events)
+        events = pipe.last_step.events
+        for e in events if durations is not None else ():
+            a = e.action
+            durations.setdefault((a.kind, a.stage, a.micro_batch), []).append(e.end - e.start)
+        return sum(e.end - e.start for e in events)
 
     return pipe, step
 
@@ -241,6 +249,21 @@ def _timed_step(step, x, y) -> dict[str, float]:
     return {"step_ms": 1000 * t, "bubble": max(0.0, 1 - busy / t)}
 
 
+def _one_way_s(shape: tuple[int, ...], trips: int = 20) -> float:
+    """One message of ``shape`` (float32) from rank 0 to rank 1: half the median round trip
+    over ``trips`` ping-pongs on the pipeline's engine (rank 0's figure; the others wait)."""
+    rank, buf, times = dist.get_rank(), torch.zeros(shape), []
+    dist.barrier()
+    for _ in range(trips if rank < 2 else 0):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1), dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0), dist.send(buf, 0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / 2 if times else 0.0
+
+
 def _activation_peak_mb(module: nn.Module, step, x, y) -> float:
     """The activation peak of one more step, under the counting hooks. No timed step runs
     under them: they run Python for every tensor autograd saves, which slowed our zero-bubble
@@ -250,6 +273,11 @@ def _activation_peak_mb(module: nn.Module, step, x, y) -> float:
     with saved.hooks():
         step(x, y)
     return saved.peak / 2**20
+
+
+def _per_sample_shape(cfg: GPTConfig, compute: str) -> tuple[int, ...]:
+    """What crosses between stages per sample: the hidden state (GPT), or the stack's width."""
+    return (8,) if compute == "simulated" else (cfg.block_size, cfg.n_embd)
 
 
 def _batch(cfg: GPTConfig, compute: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,9 +304,11 @@ def bench_rank(
         for name, v, torch_name in SCHEDULES:
             if dist.get_world_size() * v > (SIM_LAYERS if compute == "simulated" else cfg.n_layer + 2):
                 continue
-            ours, ours_step = _ours(_model(cfg, compute, per_sample), name, v, m)
+            durations: dict = {}
+            ours, ours_step = _ours(_model(cfg, compute, per_sample), name, v, m, durations)
             theirs, their_step = _torch(_model(cfg, compute, per_sample), torch_name, v, m)
             ours_step(x, y), their_step(x, y)  # warm-up (torch infers its shapes here)
+            durations.clear()
             per = {"rankwise": [], "torch": []}
             for _ in range(repeats):  # alternate, one step each, so load hits both alike
                 per["rankwise"].append(_timed_step(ours_step, x, y))
@@ -286,6 +316,9 @@ def bench_rank(
             row = {"m": m, "schedule": name, "stages_per_rank": v, "torch_schedule": torch_name}
             for who, runs in per.items():
                 row[who] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                row[who]["steps_ms"] = [r["step_ms"] for r in runs]
+            row["action_s"] = [(*a, statistics.median(d)) for a, d in durations.items()]
+            row["one_way_s"] = _one_way_s((x.shape[0] // m, *_per_sample_shape(cfg, compute)))
             row["rankwise"]["activation_peak_mb"] = _activation_peak_mb(ours, ours_step, x, y)
             row["torch"]["activation_peak_mb"] = _activation_peak_mb(theirs, their_step, x, y)
             row["rankwise"]["recv_wait_ms"] = 1000 * ours.last_step.recv_wait_s
@@ -310,5 +343,35 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         waits = [round(r["rankwise"]["recv_wait_ms"], 1) for r in rows]
         row["rankwise"]["recv_wait_ms_per_stage"] = waits
         row["step_ours_over_torch"] = row["rankwise"]["step_ms"] / row["torch"]["step_ms"]
+        row.update(_spread_and_ceiling(rows))
         out.append(row)
     return out
+
+
+def _spread_and_ceiling(rows: tuple[dict, ...]) -> dict:
+    """The ratio repeat by repeat (each repeat's slowest rank, ours over torch's: the noise
+    around the median), and the ceiling: our schedule played on paper with each action's
+    median measured time and free communication (``rankwise.pipeline.simulate``), the step no
+    implementation of this schedule over these stages can beat by more than its own actions'
+    speed. Printed beside both steps."""
+    per_repeat = {who: [max(s) for s in zip(*(r[who]["steps_ms"] for r in rows), strict=True)]
+                  for who in ("rankwise", "torch")}  # fmt: skip
+    ratios = sorted(a / b for a, b in zip(per_repeat["rankwise"], per_repeat["torch"], strict=True))
+    cost = {Action(k, s, i): d for r in rows for k, s, i, d in r["action_s"]}
+    first = rows[0]
+    schedule = make(first["schedule"], len(rows), first["m"], first["stages_per_rank"])
+    ceiling_ms = 1000 * simulate(schedule, cost.__getitem__).makespan
+    one_way = rows[0]["one_way_s"]
+    link_ms = 1000 * simulate(schedule, cost.__getitem__, latency=one_way).makespan
+    spread = {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1],
+              "n": len(ratios)}  # fmt: skip
+    return {
+        "ratio_per_repeat": spread,
+        "ceiling_ms": ceiling_ms,
+        "rankwise_over_ceiling": max(r["rankwise"]["step_ms"] for r in rows) / ceiling_ms,
+        "torch_over_ceiling": max(r["torch"]["step_ms"] for r in rows) / ceiling_ms,
+        "one_way_ms": 1000 * one_way,
+        "link_ceiling_ms": link_ms,
+        "rankwise_over_link_ceiling": max(r["rankwise"]["step_ms"] for r in rows) / link_ms,
+        "torch_over_link_ceiling": max(r["torch"]["step_ms"] for r in rows) / link_ms,
+    }

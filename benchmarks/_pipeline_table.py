@@ -12,14 +12,25 @@ def _peaks(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
+def _ceiling(r: dict) -> str:
+    """The row's noise and ceiling columns (empty in files from before they were measured)."""
+    if "ceiling_ms" not in r:
+        return "| | | | "
+    spread = r["ratio_per_repeat"]
+    return (f"| {spread['min']:.2f}-{spread['max']:.2f} | {r['ceiling_ms']:.0f} "
+            f"| {r['rankwise_over_ceiling']:.2f} | {r['torch_over_ceiling']:.2f} ")  # fmt: skip
+
+
 def table(section: dict) -> str:
     """``section``: ``report["schedules"]`` (or ``["simulated"]``). Step time: the slowest
-    stage's median step; bubble: the mean over the stages of each one's idle share; activation
+    stage's median step; per repeat: the range of ours/torch's repeat by repeat; ceiling: our
+    schedule played with each action's measured time and free communication; bubble: the mean over the stages of each one's idle share; activation
     peak: per stage, MiB (stage 0 first)."""
     lines = [
         "| stages | m | schedule (torch's) | step ms ours | step ms torch | ours/torch "
+        "| per repeat | ceiling ms | ours/ceiling | torch/ceiling "
         "| bubble ours | bubble torch | activation peak MiB per stage, ours | torch's |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p, rows in section["rows"].items():
         for r in rows:
@@ -27,7 +38,7 @@ def table(section: dict) -> str:
             name = r["schedule"] + (f" v={r['stages_per_rank']}" if r["stages_per_rank"] > 1 else "")
             lines.append(
                 f"| {p} | {r['m']} | {name} ({r['torch_schedule']}) | {ours['step_ms']:.0f} "
-                f"| {theirs['step_ms']:.0f} | {r['step_ours_over_torch']:.2f} "
+                f"| {theirs['step_ms']:.0f} | {r['step_ours_over_torch']:.2f} {_ceiling(r)}"
                 f"| {_mean(ours['bubble_per_stage']):.2f} | {_mean(theirs['bubble_per_stage']):.2f} "
                 f"| {_peaks(ours['activation_peak_mb_per_stage'])} "
                 f"| {_peaks(theirs['activation_peak_mb_per_stage'])} |"

@@ -110,6 +110,25 @@ def test_gpipe_and_1f1b_bubble_is_the_formula(p, m):
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("slow", [0, 1, -1])
+def test_measured_durations_one_slow_stage_paces_the_pipe(p, m, slow):
+    """Durations given action by action: with one stage ``k`` times slower, GPipe's step is the
+    fill and drain through every stage plus ``m - 1`` more passes of the slow one."""
+    k, slow = 3.0, slow % p
+
+    def cost(action) -> float:
+        return {"F": 1.0, "B": 2.0}[action.kind] * (k if action.stage == slow else 1.0)
+
+    t = sim.simulate(S.gpipe(p, m), cost)
+    assert t.makespan == pytest.approx(3 * (p - 1) + 3 * k * m)
+    assert t.busy(slow) == pytest.approx(3 * k * m)
+    # the table form is the same durations when no stage differs
+    same = sim.simulate(S.one_f_one_b(p, m), lambda a: {"F": 1.0, "B": 2.0}[a.kind])
+    assert same.makespan == sim.simulate(S.one_f_one_b(p, m), {"F": 1, "B": 2}).makespan
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("v", [2, 3, 4])
 @pytest.mark.parametrize("rounds", [1, 2, 4])
 def test_interleaved_bubble_is_divided_by_v(p, v, rounds):

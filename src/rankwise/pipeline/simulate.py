@@ -14,7 +14,7 @@ is read in the order it was written).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -69,15 +69,23 @@ def _dependencies(schedule: Schedule, action: Action) -> list[tuple[Action, bool
     return deps
 
 
+def _per_kind(cost: dict[str, float], v: int) -> Callable[[Action], float]:
+    return lambda action: cost[action.kind] / v
+
+
 def simulate(
-    schedule: Schedule, cost: Mapping[str, float] | None = None, latency: float = 0.0
+    schedule: Schedule,
+    cost: Mapping[str, float] | Callable[[Action], float] | None = None,
+    latency: float = 0.0,
 ) -> Timeline:
-    """Play ``schedule``; a virtual stage's action lasts ``cost[kind] / stages_per_rank``.
+    """Play ``schedule``; a virtual stage's action lasts ``cost[kind] / stages_per_rank``, or
+    ``cost(action)`` when ``cost`` is a function (durations measured action by action: the
+    step a schedule would take with free communication, a run's ceiling).
 
     Raises ``Deadlock`` naming each rank's first action that could never start.
     """
-    cost = dict(DEFAULT_COST if cost is None else cost)
     v = schedule.stages_per_rank
+    duration = cost if callable(cost) else _per_kind(dict(DEFAULT_COST if cost is None else cost), v)
     rows = schedule.actions
     done: dict[Action, float] = {}
     spans: list[list[tuple[float, float]]] = [[] for _ in rows]
@@ -92,7 +100,7 @@ def simulate(
                 if any(dep not in done for dep, _ in deps):
                     break
                 start = max([clock[r]] + [done[d] + (latency if far else 0.0) for d, far in deps])
-                end = start + cost[action.kind] / v
+                end = start + duration(action)
                 spans[r].append((start, end))
                 done[action] = clock[r] = end
                 progress = True
