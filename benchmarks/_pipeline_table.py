@@ -24,8 +24,9 @@ def _ceiling(r: dict) -> str:
 def table(section: dict) -> str:
     """``section``: ``report["schedules"]`` (or ``["simulated"]``). Step time: the slowest
     stage's median step; per repeat: the range of ours/torch's repeat by repeat; ceiling: our
-    schedule played with each action's measured time and free communication; bubble: the mean over the stages of each one's idle share; activation
-    peak: per stage, MiB (stage 0 first)."""
+    schedule played with each of our actions' measured time and free communication (torch's
+    step is set against the same one); bubble: the mean over the stages of each one's idle
+    share; activation peak: per stage, MiB (stage 0 first)."""
     lines = [
         "| stages | m | schedule (torch's) | step ms ours | step ms torch | ours/torch "
         "| per repeat | ceiling ms | ours/ceiling | torch/ceiling "

@@ -215,3 +215,24 @@ def test_zero3_and_pipeline_options_without_a_pipeline_are_refused():
     with pytest.raises(ConfigError, match="pipeline_schedule=, microbatches="):
         pipeline_stages(flat, nn.Linear(2, 2), None,
                         PipelineOptions(schedule="1f1b", microbatches=4))  # fmt: skip
+
+
+def test_the_channel_tables_are_each_schedules_own_and_built_once_per_schedule():
+    """The executor reuses its read-only tables (channels and acknowledgements) step after
+    step; a schedule with the same name and sizes but another order never gets them."""
+    import dataclasses
+
+    from rankwise.pipeline import schedules as S
+    from rankwise.pipeline.execution.executor import _tables
+
+    for name, v in CASES:
+        schedule = S.make(name, 3, 6, v)
+        # same name and sizes, another order: 1F1B's actions under GPipe's name, and so on
+        other = dataclasses.replace(S.make("gpipe" if name != "gpipe" else "1f1b", 3, 6, v),
+                                    name=name)  # fmt: skip
+        for s in (schedule, other):
+            for pos in range(3):
+                channels, acks = _tables(s, pos)
+                assert channels == {src: tuple(s.sends(src, pos)) for src in range(3) if src != pos}
+                assert acks == {src: tuple(s.acks(src, pos)) for src in channels}
+                assert _tables(s, pos)[0] is channels  # built once
