@@ -17,6 +17,8 @@ from torch import nn
 
 import rankwise as rw
 from rankwise.pipeline.execution import p2p
+from rankwise.pipeline.execution.step import stream_tag
+from rankwise.pipeline.schedules import Message
 from rankwise.testing import run_distributed
 
 F32 = p2p.DTYPES.index(torch.float32)
@@ -35,8 +37,9 @@ CASES = {  # header: [micro_batch, count, dtype code, ndim, sizes...] -> what th
 def _stages():
     rt = rw.get_runtime()
     if rt.rank == 0:  # the rogue: speaks the wire format with crafted values
+        tag = stream_tag(Message("act", 0, 0))  # the channel of stage 0's activations
         for header, _ in CASES.values():
-            dist.send(torch.tensor(header, dtype=torch.int64), dst=1)
+            dist.send(torch.tensor(header, dtype=torch.int64), dst=1, tag=tag)
         return None
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     pipe = rw.DistributedPipeline(model, ranks=[0, 1], chunks=1, balance=[2, 1])

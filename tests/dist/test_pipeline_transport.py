@@ -269,3 +269,41 @@ def test_a_send_is_freed_only_after_its_receiver_has_it(stages):
         assert len(released) >= 8, (name, v, released)
         for what, at in released:
             assert what in received and received[what] <= at, (name, v, what)
+
+
+def _two_streams() -> list:
+    """Rank 0 sends two streams of activations to rank 1 on tags 1 and 2, A then B in each
+    round, every shape change of the sequence on both; rank 1 posts both streams' receives
+    ahead and reads B before A: each stream is a channel of its own."""
+    from datetime import timedelta
+
+    rt = rw.get_runtime()
+    link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
+    a, b = _sequence(), list(reversed(_sequence()))
+    n, got = len(a), []
+    for i in range(n):
+        if rt.rank == 0:
+            for tag, t in ((1, a[i]), (2, b[i])):
+                link.send(t, 1, "activation", p2p.Header(i, n, t.dtype, tuple(t.shape)), tag)
+        else:
+            expected = p2p.Expected("stage 0 (rank 0)", i, n)
+            link.expect(0, None, expected, tag=2)  # posted in the other order than sent
+            link.expect(0, None, expected, tag=1)
+            link.progress()
+            _, y = link.receive_activation(0, "activation", expected, tag=2)
+            _, x = link.receive_activation(0, "activation", expected, tag=1)
+            got.append((x.float().numpy(), y.float().numpy()))
+    link.flush()
+    return got
+
+
+def test_two_streams_between_the_same_ranks_keep_their_own_order_and_shapes():
+    # what a pipeline with two stages per rank sends between two ranks (a tag per pair of
+    # stages), read in another order than sent, with the shape changes of the sequence above
+    got = run_distributed(_two_streams, 2, timeout=120)[1]
+    a, b = _sequence(), list(reversed(_sequence()))
+    assert len(got) == len(a)
+    for i, (x, y) in enumerate(got):
+        for have, want in ((x, a[i]), (y, b[i])):
+            want = want.float().numpy()
+            assert have.shape == want.shape and (have == want).all(), i

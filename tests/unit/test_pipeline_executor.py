@@ -232,7 +232,28 @@ def test_the_channel_tables_are_each_schedules_own_and_built_once_per_schedule()
                                     name=name)  # fmt: skip
         for s in (schedule, other):
             for pos in range(3):
-                channels, acks = _tables(s, pos)
+                channels, acks, _ = _tables(s, pos)
                 assert channels == {src: tuple(s.sends(src, pos)) for src in range(3) if src != pos}
                 assert acks == {src: tuple(s.acks(src, pos)) for src in channels}
                 assert _tables(s, pos)[0] is channels  # built once
+
+
+@pytest.mark.parametrize("name, v", [("interleaved_1f1b", 2), ("zero_bubble", 2), ("1f1b", 1)])
+def test_each_streams_next_message_is_found_from_any_point_of_the_channel(name, v):
+    """What the executor posts ahead: from each point of a channel, the next message of each
+    of its streams (kind, sending stage), found by brute force here."""
+    from rankwise.pipeline import schedules as S
+    from rankwise.pipeline.execution.executor import firsts
+
+    s = S.make(name, 2, 8, v)
+    channels = {src: tuple(s.sends(src, 1 - src)) for src in (0, 1)}
+    found = firsts(channels)
+    for src, channel in channels.items():
+        streams = {(m.kind, m.src_stage) for m in channel}
+        assert len(streams) == (3 if v == 2 else 1)  # with two stages per rank: mixed
+        for i in range(len(channel)):
+            want = sorted(min(j for j in range(i, len(channel))
+                              if (channel[j].kind, channel[j].src_stage) == k)
+                          for k in streams
+                          if any((m.kind, m.src_stage) == k for m in channel[i:]))  # fmt: skip
+            assert list(found[src][i]) == want

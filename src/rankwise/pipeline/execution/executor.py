@@ -24,7 +24,7 @@ message that arrives before the one this rank needs now is set aside until its t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,15 +41,15 @@ KEPT_SENDS = 2
 the one its next stage is reading and the one after it."""
 
 
-_TABLES: dict[tuple[int, int], tuple[Schedule, dict, dict]] = {}
+_TABLES: dict[tuple[int, int], tuple[Schedule, dict, dict, dict]] = {}
 
 
-def _tables(schedule: Schedule, position: int) -> tuple[dict, dict]:
-    """Per peer: the messages it sends ``position`` in one step, in order (the channel), and
-    how many of this rank's messages it had read before sending each of them (so that
-    reading one frees the sends it acknowledges). Read-only, and the same every step of a
-    schedule: built once per schedule object (each step rebuilt them from every action of
-    its peers, 0.2-0.5 ms of Python a step)."""
+def _tables(schedule: Schedule, position: int) -> tuple[dict, dict, dict]:
+    """Per peer: the messages it sends ``position`` in one step, in order (the channel); how
+    many of this rank's messages it had read before sending each of them (so that reading
+    one frees the sends it acknowledges); and ``firsts`` (see there). Read-only, and the same
+    every step of a schedule: built once per schedule object (each step rebuilt them from
+    every action of its peers, 0.2-0.5 ms of Python a step)."""
     key = (id(schedule), position)
     hit = _TABLES.get(key)
     if hit is None or hit[0] is not schedule:  # the schedule is kept: its id is not reused
@@ -58,8 +58,25 @@ def _tables(schedule: Schedule, position: int) -> tuple[dict, dict]:
         channels = {src: tuple(schedule.sends(src, position)) for src in range(schedule.ranks)
                     if src != position}  # fmt: skip
         acks = {src: tuple(schedule.acks(src, position)) for src in channels}
-        hit = _TABLES[key] = (schedule, channels, acks)
-    return hit[1], hit[2]
+        hit = _TABLES[key] = (schedule, channels, acks, firsts(channels))
+    return hit[1], hit[2], hit[3]
+
+
+def firsts(channels: dict[int, Sequence[Message]]) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Per peer and index ``i`` of its channel: the index of the first message at or after
+    ``i`` of each stream (a stream: the messages of one kind from one stage, which travel
+    on a tag of their own). With several stages per rank a channel interleaves streams in
+    the sender's order; each stream's next receive can be posted ahead, not only the
+    channel's next one."""
+    out = {}
+    for src, channel in channels.items():
+        first: dict[tuple[str, int], int] = {}
+        rows: list[tuple[int, ...]] = []
+        for i in range(len(channel) - 1, -1, -1):
+            first[(channel[i].kind, channel[i].src_stage)] = i
+            rows.append(tuple(sorted(first.values())))
+        out[src] = tuple(reversed(rows))
+    return out
 
 
 class Stages(Protocol):
@@ -150,7 +167,7 @@ class Executor:
         self.last = schedule.num_stages - 1
         self.stash: dict[Message, torch.Tensor] = dict(prefetched or {})
         self.read = {src: 0 for src in range(schedule.ranks)}
-        self.channels, self.acks = _tables(schedule, position)
+        self.channels, self.acks, self.firsts = _tables(schedule, position)
         for msg in self.stash:
             self.read[schedule.rank_of(msg.src_stage)] += 1
         self.freed = dict.fromkeys(self.channels, 0)
@@ -166,7 +183,7 @@ class Executor:
         if forward_only:  # only activations are sent, none back to acknowledge them
             self.channels = {src: [m for m in ch if m.kind == "act"]
                              for src, ch in self.channels.items()}  # fmt: skip
-            self.acks = {}
+            self.acks, self.firsts = {}, firsts(self.channels)
             # One stage per rank: the stages form a chain, each waiting only on the one before,
             # so waiting for an old send (done once the next stage posted its receive, which
             # it does without waiting on us) cannot deadlock: keep the last KEPT_SENDS, not
@@ -307,14 +324,16 @@ class Executor:
             self.transport.acked(src, acks[read - 1])
 
     def _expect(self, src: int) -> None:
-        """Let the transport receive ``src``'s next message ahead, when its shape is known."""
-        channel = self.channels[src]
-        if self.read[src] >= len(channel):
+        """Let the transport receive the next message of each of ``src``'s streams ahead (the
+        transport posts each stream's once), those whose shape is known or in a header."""
+        channel, read = self.channels[src], self.read[src]
+        if read >= len(channel):
             return
-        nxt = channel[self.read[src]]
-        like = self._like(nxt)
-        if nxt.kind == "act" or like is not None:
-            self.transport.expect(src, nxt, like)
+        for i in self.firsts[src][read]:
+            nxt = channel[i]
+            like = self._like(nxt)
+            if nxt.kind == "act" or like is not None:
+                self.transport.expect(src, nxt, like)
 
     def _like(self, msg: Message) -> torch.Tensor | None:
         """A gradient has the shape of the activation this rank sent; None: read a header."""

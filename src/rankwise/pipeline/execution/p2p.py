@@ -89,6 +89,11 @@ class Link:
     tensor of an activation whose header is in is received as soon as it is (``progress``),
     so data moves while this rank computes. On NCCL a receive posted ahead would hold up this
     rank's sends to that peer (one stream per pair): receives wait until needed there.
+
+    ``tag`` (Gloo): a pair of ranks may carry several channels, each first in, first out on
+    its own, with its own receive posted ahead and its own last activation shape (a pipeline
+    with several stages per rank uses one per pair of stages). NCCL ignores tags: there a
+    pair of ranks is one channel (tag 0), read in the order it was written.
     """
 
     def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
@@ -96,23 +101,24 @@ class Link:
         self.timeout = timeout
         self.rank = rank
         self.ahead = comm_device.type == "cpu"
-        self._queued: list[tuple[torch.Tensor, int, str, bool]] = []  # (.., ends a message)
+        self._queued: list[tuple[torch.Tensor, int, str, bool, int]] = []  # (.., ends, tag)
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []  # NCCL
         self._sends = SendQueue(timeout) if self.ahead else None  # Gloo
-        self._early: dict[int, _Early] = {}
-        # the last activation (shape, dtype) sent to / accepted from each peer (Gloo)
-        self._sent_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._recv_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._early: dict[tuple[int, int], _Early] = {}  # per (peer, tag)
+        # the last activation (shape, dtype) sent to / accepted from each (peer, tag) (Gloo)
+        self._sent_shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._recv_shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         self._orphans: list[_Early] = []  # receives left posted by a refused header
 
-    def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None,
+             tag: int = 0) -> None:  # fmt: skip
         """Send ``tensor`` (preceded by ``header`` if given) to rank ``dst`` (on NCCL: queue)."""
-        tensor = tensor.detach().to(self.comm_device)
+        tensor, tag = tensor.detach().to(self.comm_device), tag if self.ahead else 0
         parts = [] if header is None else [encode(header, self.comm_device)]
         if header is not None and self.ahead:
             # the receiver posted, with the header, a receive shaped as the last activation
-            last, now = self._sent_shape.get(dst), (header.shape, header.dtype)
-            self._sent_shape[dst] = now
+            last, now = self._sent_shape.get((dst, tag)), (header.shape, header.dtype)
+            self._sent_shape[(dst, tag)] = now
             if last is not None and packs(*last):
                 if last == now:  # header and tensor in one message
                     parts = [pack(parts[0], tensor, nbytes(*now))]
@@ -124,7 +130,7 @@ class Link:
         if tensor is not None:
             parts.append(tensor.contiguous())
         for k, part in enumerate(parts):
-            self._queued.append((part, dst, f"{what} to rank {dst}", k == len(parts) - 1))
+            self._queued.append((part, dst, f"{what} to rank {dst}", k == len(parts) - 1, tag))
         if self.ahead:  # Gloo posts one by one: out at once, not at the next action
             self._start([])
 
@@ -140,58 +146,60 @@ class Link:
             if failed is not None:
                 raise self._error(*failed)
 
-    def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None) -> None:
-        """Post the receive of rank ``src``'s next message now: a tensor shaped as ``like``,
-        or (None) the header of the activation ``expected``. Over Gloo only."""
-        if not self.ahead or src in self._early:
+    def expect(self, src: int, like: torch.Tensor | None, expected: Expected | None = None,
+               tag: int = 0) -> None:  # fmt: skip
+        """Post the receive of rank ``src``'s next message on ``tag`` now: a tensor shaped as
+        ``like``, or (None) the header of the activation ``expected``. Over Gloo only."""
+        if not self.ahead or (src, tag) in self._early:
             return
         if like is None:
-            self._early[src] = self._post_header(src, expected)
+            self._early[(src, tag)] = self._post_header(src, expected, tag)
             return
         buf = torch.empty(like.shape, dtype=like.dtype, device=self.comm_device)
-        self._early[src] = _Early(self._start([buf], src)[0], buf, None, True)
+        self._early[(src, tag)] = _Early(self._start([buf], src, tag)[0], buf, None, True)
 
-    def _post_header(self, src: int, expected: Expected | None) -> _Early:
-        """Post the receive of ``src``'s next activation header (over Gloo with a receive
-        shaped as the last activation accepted from ``src``: see the module docstring)."""
-        last = self._recv_shape.get(src) if self.ahead else None
+    def _post_header(self, src: int, expected: Expected | None, tag: int) -> _Early:
+        """Post the receive of ``src``'s next activation header on ``tag`` (over Gloo with a
+        receive shaped as the last activation accepted there: see the module docstring)."""
+        last = self._recv_shape.get((src, tag)) if self.ahead else None
         if last is not None and packs(*last):
             size = HEADER_BYTES + nbytes(*last)
             buf = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
-            return _Early(self._start([buf], src)[0], buf, None, False, expected, packed=last)
+            return _Early(self._start([buf], src, tag)[0], buf, None, False, expected, packed=last)
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         bufs = [buf]
         if last is not None:
             bufs.append(torch.empty(last[0], dtype=last[1], device=self.comm_device))
-        works = self._start(bufs, src)
+        works = self._start(bufs, src, tag)
         guess = (works[1], bufs[1]) if last is not None else None
         return _Early(works[0], buf, None, False, expected, guess)
 
     def progress(self) -> None:
         """Post the tensor receive of every activation whose header has arrived (checked
         first: a header that is refused is dropped, nothing is allocated for it)."""
-        for src, early in list(self._early.items()):
+        for (src, tag), early in list(self._early.items()):
             if (not early.tensor and early.guess is None and early.packed is None
                     and early.work.is_completed()):  # fmt: skip
-                del self._early[src]
+                del self._early[(src, tag)]
                 self._wait(early.work, f"activation header from rank {src}")
                 head = self._decode(early.buf, early.expected, src)
                 buf = torch.empty(head.shape, dtype=head.dtype, device=self.comm_device)
-                self._early[src] = _Early(self._start([buf], src)[0], buf, head, True)
+                self._early[(src, tag)] = _Early(self._start([buf], src, tag)[0], buf, head, True)
 
     def receive_activation(
-        self, src: int, what: str, expected: Expected
+        self, src: int, what: str, expected: Expected, tag: int = 0
     ) -> tuple[Header, torch.Tensor]:
-        """An activation from rank ``src``: its header (checked against ``expected``), then
-        the tensor it announces. The one receive path for tensors whose shape the receiver
-        does not know."""
-        early = self._early.pop(src, None)
+        """An activation from rank ``src`` (on ``tag``): its header (checked against
+        ``expected``), then the tensor it announces. The one receive path for tensors whose
+        shape the receiver does not know."""
+        tag = tag if self.ahead else 0
+        early = self._early.pop((src, tag), None)
         if early is not None and early.head is not None:  # header and tensor both posted
             self.post()  # what this rank owes its peers goes out before it waits
             self._wait(early.work, f"{what} from rank {src}")
             return early.head, early.buf
         if early is None:
-            early = self._post_header(src, expected)
+            early = self._post_header(src, expected, tag)
         else:
             self.post()
         self._wait(early.work, f"{what} header from rank {src}")
@@ -200,7 +208,7 @@ class Link:
         head = self._decode(raw, expected, src)
         self._orphans.pop()
         if self.ahead:
-            self._recv_shape[src] = (head.shape, head.dtype)
+            self._recv_shape[(src, tag)] = (head.shape, head.dtype)
         if early.packed == (head.shape, head.dtype):
             return head, early.buf[HEADER_BYTES:].view(head.dtype).view(head.shape)
         if early.guess is not None:
@@ -209,22 +217,24 @@ class Link:
             if (tuple(buf.shape), buf.dtype) == (head.shape, head.dtype):
                 return head, buf
             # the shape changed: what arrived is the sender's filler; the tensor follows
-        return head, self.recv(head.shape, head.dtype, src, what)
+        return head, self.recv(head.shape, head.dtype, src, what, tag)
 
     def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
         expected = expected or Expected(f"rank {src}", int(buf[0]))
         return decode(buf, sender=expected.sender, micro_batch=expected.micro_batch,
                       count=expected.count, rank=self.rank)  # fmt: skip
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
-        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` (a gradient)."""
-        early = self._early.pop(src, None)
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str,
+             tag: int = 0) -> torch.Tensor:  # fmt: skip
+        """A tensor of known ``shape`` and ``dtype`` from rank ``src`` on ``tag`` (a gradient)."""
+        tag = tag if self.ahead else 0
+        early = self._early.pop((src, tag), None)
         if early is not None:
             self.post()
             self._wait(early.work, f"{what} from rank {src}")
             return early.buf
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        self._wait(self._start([buf], src)[0], f"{what} from rank {src}")
+        self._wait(self._start([buf], src, tag)[0], f"{what} from rank {src}")
         return buf
 
     def flush(self) -> None:
@@ -250,22 +260,22 @@ class Link:
         if self._sends is not None:
             self._sends.reset_peak()
 
-    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1) -> list[dist.Work]:
-        """Post the queued sends and the receives into ``recv_bufs`` (from ``src``), in that
-        order (one ``batch_isend_irecv`` on NCCL); return the receives' works."""
+    def _start(self, recv_bufs: list[torch.Tensor], src: int = -1, tag: int = 0) -> list[dist.Work]:
+        """Post the queued sends and the receives into ``recv_bufs`` (from ``src`` on ``tag``),
+        in that order (one ``batch_isend_irecv`` on NCCL); return the receives' works."""
         if len(self._pending) > 8:
             self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
         if not self._queued and not recv_bufs:
             return []
         if self.ahead:  # Gloo: posted one by one, in order (what batch_isend_irecv does on
             # Gloo, less its checks and P2POp objects: a round trip took 165 us, not 214)
-            works = [dist.isend(t, dst) for t, dst, _, _ in self._queued]
-            works += [dist.irecv(b, src) for b in recv_bufs]
+            works = [dist.isend(t, dst, tag=k) for t, dst, _, _, k in self._queued]
+            works += [dist.irecv(b, src, tag=tag) for b in recv_bufs]
         else:  # NCCL: a send and a receive between two ranks must be one group
-            ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _, _ in self._queued]
+            ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _, _, _ in self._queued]
             ops += [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
             works = dist.batch_isend_irecv(ops)
-        for (t, dst, what, last), work in zip(self._queued, works, strict=False):
+        for (t, dst, what, last, _), work in zip(self._queued, works, strict=False):
             if self._sends is not None:
                 self._sends.add(work, t, dst, what, last)
             else:

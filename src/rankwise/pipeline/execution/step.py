@@ -27,22 +27,24 @@ class ProcessTransport:
         self.link, self.peers, self.count = link, list(peers), count
 
     def send(self, dst: int, msg: Message, tensor: torch.Tensor, header: Header | None) -> None:
-        self.link.send(tensor, self.peers[dst], _what(msg), header)
+        self.link.send(tensor, self.peers[dst], _what(msg), header, stream_tag(msg))
 
     def post(self) -> None:
         self.link.post()
 
     def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
-        self.link.expect(self.peers[src], like, self._expected(src, msg) if like is None else None)
+        expected = self._expected(src, msg) if like is None else None
+        self.link.expect(self.peers[src], like, expected, stream_tag(msg))
 
     def progress(self) -> None:
         self.link.progress()
 
     def receive(self, src: int, msg: Message, like: torch.Tensor | None) -> torch.Tensor:
+        tag = stream_tag(msg)
         if like is not None:
-            return self.link.recv(tuple(like.shape), like.dtype, self.peers[src], _what(msg))
+            return self.link.recv(tuple(like.shape), like.dtype, self.peers[src], _what(msg), tag)
         expected = self._expected(src, msg)
-        return self.link.receive_activation(self.peers[src], _what(msg), expected)[1]
+        return self.link.receive_activation(self.peers[src], _what(msg), expected, tag)[1]
 
     def acked(self, dst: int, count: int) -> None:
         self.link.acked(self.peers[dst], count)
@@ -53,6 +55,13 @@ class ProcessTransport:
     def _expected(self, src: int, msg: Message) -> Expected:
         sender = f"stage {msg.src_stage} (rank {self.peers[src]})"
         return Expected(sender, msg.micro_batch, self.count)
+
+
+def stream_tag(msg: Message) -> int:
+    """The tag of ``msg``'s stream (its kind, from its stage): over Gloo each stream between two
+    ranks is a channel of its own (``p2p.Link``), so that a pipeline with several stages per
+    rank posts each stream's next receive ahead. Tag 0 is left to other traffic (the loss)."""
+    return 1 + 2 * msg.src_stage + (msg.kind == "grad")
 
 
 def _what(msg: Message) -> str:
@@ -72,7 +81,7 @@ def first_activation(link: Link, peers: Sequence[int], position: int) -> tuple[i
     forward of micro-batch 0 of its first stage). Returns it with the message, set aside."""
     msg = Message("act", position - 1, 0)
     expected = Expected(f"stage {position - 1} (rank {peers[position - 1]})", 0)
-    head, tensor = link.receive_activation(peers[position - 1], _what(msg), expected)
+    head, tensor = link.receive_activation(peers[position - 1], _what(msg), expected, stream_tag(msg))
     return head.num_micro_batches, {msg: tensor}
 
 
