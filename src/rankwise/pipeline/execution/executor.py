@@ -108,8 +108,9 @@ class Transport(Protocol):
         """The next message from ``src`` (it is ``msg``): shaped as ``like``, or by its header."""
 
     def expect(self, src: int, msg: Message, like: torch.Tensor | None) -> None:
-        """The next message from ``src`` (it is ``msg``) may be received ahead: shaped as
-        ``like``, or (None) an activation with its header."""
+        """The next message of ``msg``'s stream from ``src`` (it is ``msg``: the same kind,
+        from the same stage) may be received ahead: shaped as ``like``, or (None) an
+        activation with its header. Messages of other streams from ``src`` may come first."""
 
     def progress(self) -> None:
         """Move receives posted ahead along (between actions)."""
