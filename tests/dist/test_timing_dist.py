@@ -69,7 +69,10 @@ def test_an_injected_straggler_is_named_with_its_rank_and_kind(tmp_path, capfd, 
     assert named, (inject, events)
     first = named[0]
     assert (first["rank"], first["kind"]) == (slow, tc.WANT[inject]), events
-    assert first["since_step"] >= 30 and first["cost_ms"] > 0
+    assert first["since_step"] >= 30
+    # a rank whose memory grows is named even before it slows (timing/attribution.py,
+    # _memory_flag): its cost may still be 0 then; any other kind is named for what it costs
+    assert first["cost_ms"] >= 0 if inject == "memory" else first["cost_ms"] > 0, first
     assert first["text"] in capfd.readouterr().err  # the one line, printed on rank 0
     straggled = [r for r in _records(tmp_path) if r["straggler"] is not None]
     assert straggled and all(r["straggler"]["rank"] == slow for r in straggled)
