@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _report import emit
 
 from rankwise.bench.network.commbench import memcpy_gbps
-from rankwise.pipeline.execution.p2p import Expected, Header, Link
+from rankwise.pipeline.execution.p2p import Link
+from rankwise.pipeline.execution.wire import Expected, Header
 from rankwise.testing import run_distributed
 
 

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 import rankwise as rw
-from rankwise.pipeline.execution import p2p
+from rankwise.pipeline.execution import wire
 from rankwise.pipeline.execution.step import stream_tag
 from rankwise.pipeline.schedules import Message
 from rankwise.testing import run_distributed
 
-F32 = p2p.DTYPES.index(torch.float32)
-PAD = [0] * (p2p.MAX_DIMS - 2)
+F32 = wire.DTYPES.index(torch.float32)
+PAD = [0] * (wire.MAX_DIMS - 2)
 CASES = {  # header: [micro_batch, count, dtype code, ndim, sizes...] -> what the error says
     "a petabyte": ([0, 1, F32, 2, 1 << 25, 1 << 25, *PAD], "bytes (the limit is"),
     "dtype code": ([0, 1, 99, 2, 4, 3, *PAD], "dtype code 99"),
@@ -63,16 +63,16 @@ def test_crafted_activation_headers_are_refused_naming_the_sending_stage():
 
 def test_a_header_within_the_limits_is_accepted():
     header = [0, 2, F32, 2, 4, 3, *PAD]
-    assert p2p.header_problem(header, 0, None) == ""
-    assert p2p.header_problem(header, 0, 2) == ""
-    assert "expected 3" in p2p.header_problem(header, 0, 3)  # the count changed mid-batch
-    big = [0, 1, F32, 1, p2p.MAX_ACTIVATION_BYTES // 4, *([0] * (p2p.MAX_DIMS - 1))]
-    assert p2p.header_problem(big, 0, None) == ""
+    assert wire.header_problem(header, 0, None) == ""
+    assert wire.header_problem(header, 0, 2) == ""
+    assert "expected 3" in wire.header_problem(header, 0, 3)  # the count changed mid-batch
+    big = [0, 1, F32, 1, wire.MAX_ACTIVATION_BYTES // 4, *([0] * (wire.MAX_DIMS - 1))]
+    assert wire.header_problem(big, 0, None) == ""
     big[4] += 1
-    assert "the limit is" in p2p.header_problem(big, 0, None)
+    assert "the limit is" in wire.header_problem(big, 0, None)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_crafted_header_is_a_problem(name):
     header, says = CASES[name]
-    assert says in p2p.header_problem(header, 0, None)
+    assert says in wire.header_problem(header, 0, None)

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 import rankwise as rw
-from rankwise.pipeline.execution import p2p
+from rankwise.pipeline.execution import p2p, wire
 from rankwise.testing import run_distributed
 
 WIDTH, ROWS = 64, 2  # one activation: ROWS x WIDTH float32
 ACT_BYTES = ROWS * WIDTH * 4
-HEADER_BYTES = p2p.HEADER_LEN * 8
+HEADER_BYTES = wire.HEADER_LEN * 8
 
 
 class _Sleep(nn.Module):
@@ -116,8 +116,8 @@ def test_an_evaluation_forward_holds_a_bounded_number_of_sends(stages):
             assert nbytes <= kept * (ACT_BYTES + HEADER_BYTES), (r["position"], m, nbytes)
 
 
-BIG = p2p.PACK_MAX_BYTES // 4 + 1  # float32 elements: one byte-group past packing
-EDGE = p2p.PACK_MAX_BYTES // 4  # exactly at the limit: still packed
+BIG = wire.PACK_MAX_BYTES // 4 + 1  # float32 elements: one byte-group past packing
+EDGE = wire.PACK_MAX_BYTES // 4  # exactly at the limit: still packed
 SHAPES = [(3, 4), (3, 4), (2, 4), (2, 4), (3, 4), (5,), (5,), (1, 2, 3), (3, 4), (BIG,),
           (BIG,), (EDGE,), (EDGE,), (BIG,), (0, 4), (0, 4), (), (), (3, 4)]  # fmt: skip
 DTYPES = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32,
@@ -149,11 +149,11 @@ def _relay(ahead_every: int) -> list:
     got = []
     for i, t in enumerate(_sequence()):
         if rt.rank == 0:
-            link.send(t, 1, "activation", p2p.Header(i, n, t.dtype, tuple(t.shape)))
+            link.send(t, 1, "activation", wire.Header(i, n, t.dtype, tuple(t.shape)))
             link.post()
             got.append(link.recv(tuple(t.shape), t.dtype, 1, "gradient").clone())
         else:
-            expected = p2p.Expected("stage 0 (rank 0)", i, n)
+            expected = wire.Expected("stage 0 (rank 0)", i, n)
             if i % ahead_every == 0:
                 link.expect(0, None, expected)
             head, x = link.receive_activation(0, "activation", expected)
@@ -167,7 +167,7 @@ def _relay(ahead_every: int) -> list:
 def test_activations_whose_shape_and_dtype_change_arrive_intact():
     # shapes and dtypes change between consecutive activations (the receive posted with the
     # header, shaped as the last one, then takes the sender's filler) and stay the same, on
-    # both sides of p2p.PACK_MAX_BYTES (header and tensor in one message, or two), empty and
+    # both sides of wire.PACK_MAX_BYTES (header and tensor in one message, or two), empty and
     # zero-dimensional; receives posted ahead for every activation, every other one, none
     want = [t.float().numpy() for t in _sequence()]
     for by_every in run_distributed(_relays, 2, timeout=120):
@@ -187,11 +187,11 @@ def _messages_per_activation() -> list[int]:
     sizes = [64] * 4 + [BIG] * 3 + [64] * 2
     counts = []
     for i, n in enumerate(sizes):
-        expected = p2p.Expected("stage 0 (rank 0)", i, len(sizes))
+        expected = wire.Expected("stage 0 (rank 0)", i, len(sizes))
         if rt.rank == 0:
             t = torch.full((n,), float(i))
             before = link.held().sends
-            link.send(t, 1, "activation", p2p.Header(i, len(sizes), t.dtype, (n,)))
+            link.send(t, 1, "activation", wire.Header(i, len(sizes), t.dtype, (n,)))
             counts.append(link.held().sends - before)  # posted at once over Gloo, held
         else:
             link.expect(0, None, expected)
@@ -284,9 +284,9 @@ def _two_streams() -> list:
     for i in range(n):
         if rt.rank == 0:
             for tag, t in ((1, a[i]), (2, b[i])):
-                link.send(t, 1, "activation", p2p.Header(i, n, t.dtype, tuple(t.shape)), tag)
+                link.send(t, 1, "activation", wire.Header(i, n, t.dtype, tuple(t.shape)), tag)
         else:
-            expected = p2p.Expected("stage 0 (rank 0)", i, n)
+            expected = wire.Expected("stage 0 (rank 0)", i, n)
             link.expect(0, None, expected, tag=2)  # posted in the other order than sent
             link.expect(0, None, expected, tag=1)
             link.progress()

@@ -33,8 +33,8 @@ import torch
 from ...errors import ConfigError
 from ...timing import clock as timing
 from ..schedules import Action, Message, Schedule
-from .p2p import Header
 from .weight_pass import WeightPass
+from .wire import Header
 
 KEPT_SENDS = 2
 """Activations a stage keeps sent and unconfirmed in a forward-only pass (one stage per rank):

@@ -36,27 +36,7 @@ import torch.distributed as dist
 from ...diagnose import fingerprints
 from ...errors import DistributedError
 from .sends import Held, SendQueue
-from .wire import (  # the wire format (wire.py), re-exported: callers read it here
-    DTYPES,
-    HEADER_BYTES,
-    HEADER_LEN,
-    MAX_ACTIVATION_BYTES,
-    MAX_DIMS,
-    MAX_MICRO_BATCHES,
-    PACK_MAX_BYTES,
-    Expected,
-    Header,
-    decode,
-    encode,
-    header_problem,
-    nbytes,
-    pack,
-    packs,
-)  # fmt: skip
-
-__all__ = ["DTYPES", "HEADER_BYTES", "HEADER_LEN", "MAX_ACTIVATION_BYTES", "MAX_DIMS",
-           "MAX_MICRO_BATCHES", "PACK_MAX_BYTES", "Expected", "Header", "Link", "decode",
-           "encode", "header_problem", "nbytes", "pack", "packs"]  # fmt: skip
+from .wire import HEADER_BYTES, HEADER_LEN, Expected, Header, decode, encode, nbytes, pack, packs
 
 
 class _Early:
@@ -113,7 +93,7 @@ class Link:
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None,
              tag: int = 0) -> None:  # fmt: skip
         """Send ``tensor`` (preceded by ``header`` if given) to rank ``dst`` (on NCCL: queue)."""
-        tensor, tag = tensor.detach().to(self.comm_device), tag if self.ahead else 0
+        tensor = tensor.detach().to(self.comm_device)
         parts = [] if header is None else [encode(header, self.comm_device)]
         if header is not None and self.ahead:
             # the receiver posted, with the header, a receive shaped as the last activation
@@ -192,7 +172,6 @@ class Link:
         """An activation from rank ``src`` (on ``tag``): its header (checked against
         ``expected``), then the tensor it announces. The one receive path for tensors whose
         shape the receiver does not know."""
-        tag = tag if self.ahead else 0
         early = self._early.pop((src, tag), None)
         if early is not None and early.head is not None:  # header and tensor both posted
             self.post()  # what this rank owes its peers goes out before it waits
@@ -227,7 +206,6 @@ class Link:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str,
              tag: int = 0) -> torch.Tensor:  # fmt: skip
         """A tensor of known ``shape`` and ``dtype`` from rank ``src`` on ``tag`` (a gradient)."""
-        tag = tag if self.ahead else 0
         early = self._early.pop((src, tag), None)
         if early is not None:
             self.post()
@@ -271,7 +249,8 @@ class Link:
             # Gloo, less its checks and P2POp objects: a round trip took 165 us, not 214)
             works = [dist.isend(t, dst, tag=k) for t, dst, _, _, k in self._queued]
             works += [dist.irecv(b, src, tag=tag) for b in recv_bufs]
-        else:  # NCCL: a send and a receive between two ranks must be one group
+        else:  # NCCL: a send and a receive between two ranks must be one group (and no
+            # tags: NCCL ignores them, a pair of ranks is one channel read in order)
             ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _, _, _ in self._queued]
             ops += [dist.P2POp(dist.irecv, b, src) for b in recv_bufs]
             works = dist.batch_isend_irecv(ops)

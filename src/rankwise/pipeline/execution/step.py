@@ -15,13 +15,14 @@ from torch import nn
 
 from .. import schedules
 from ..schedules import Message, Schedule
-from .p2p import Expected, Header, Link
+from .p2p import Link
+from .wire import Expected, Header
 
 
 class ProcessTransport:
     """The executor's transport over ``Link``: pipeline positions are the global ranks
     ``peers[position]``; every activation header must announce one of ``count`` micro-batches
-    (``p2p.decode`` refuses anything else, naming the sending stage)."""
+    (``wire.decode`` refuses anything else, naming the sending stage)."""
 
     def __init__(self, link: Link, peers: Sequence[int], count: int | None = None) -> None:
         self.link, self.peers, self.count = link, list(peers), count

@@ -20,8 +20,8 @@ import torch
 
 from ..schedules import Message, Schedule
 from .executor import Executor, Stages, StepResult
-from .p2p import Header
 from .weight_pass import WeightPass
+from .wire import Header
 
 
 class _Aborted(Exception):
