@@ -44,6 +44,7 @@ FAST: dict[str, tuple[str, ...]] = {
             "test_launch_options.py", "test_launch_output.py", "test_loader.py",
             "test_loader_epochs.py", "test_loop.py", "test_mesh.py", "test_models.py",
             "test_no_pickle_from_peers.py", "test_pipeline.py", "test_pipeline_schedules.py",
+            "test_pipeline_wire.py",
             "test_pretrained.py",
             "test_pretrained_slices.py", "test_progress_notebook.py", "test_progress_output.py",
             "test_ps_never_blocks.py", "test_ps_protocol_faults.py", "test_public_api.py",

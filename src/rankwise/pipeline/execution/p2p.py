@@ -36,7 +36,18 @@ import torch.distributed as dist
 from ...diagnose import fingerprints
 from ...errors import DistributedError
 from .sends import Held, SendQueue
-from .wire import HEADER_BYTES, HEADER_LEN, Expected, Header, decode, encode, nbytes, pack, packs
+from .wire import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    Expected,
+    Header,
+    decode,
+    encode,
+    header_values,
+    nbytes,
+    pack,
+    packs,
+)
 
 
 class _Early:
@@ -93,20 +104,27 @@ class Link:
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None,
              tag: int = 0) -> None:  # fmt: skip
         """Send ``tensor`` (preceded by ``header`` if given) to rank ``dst`` (on NCCL: queue)."""
-        tensor = tensor.detach().to(self.comm_device)
-        parts = [] if header is None else [encode(header, self.comm_device)]
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.device != self.comm_device:
+            tensor = tensor.to(self.comm_device)
+        parts = []
         if header is not None and self.ahead:
             # the receiver posted, with the header, a receive shaped as the last activation
             last, now = self._sent_shape.get((dst, tag)), (header.shape, header.dtype)
             self._sent_shape[(dst, tag)] = now
             if last is not None and packs(*last):
                 if last == now:  # header and tensor in one message
-                    parts = [pack(parts[0], tensor, nbytes(*now))]
+                    parts = [pack(header, tensor, nbytes(*now))]
                     tensor = None
                 else:  # fill the packed receive (its header announces the new shape)
-                    parts = [pack(parts[0], None, nbytes(*last))]
-            elif last is not None and last != now:  # fill the receive posted for the tensor
-                parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
+                    parts = [pack(header, None, nbytes(*last))]
+            else:
+                parts = [encode(header, self.comm_device)]
+                if last is not None and last != now:  # fill the receive posted for the tensor
+                    parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
+        elif header is not None:
+            parts = [encode(header, self.comm_device)]
         if tensor is not None:
             parts.append(tensor.contiguous())
         for k, part in enumerate(parts):
@@ -183,8 +201,7 @@ class Link:
             self.post()
         self._wait(early.work, f"{what} header from rank {src}")
         self._orphans.append(early)  # a refused header leaves its guess posted: keep its buffer
-        raw = early.buf if early.packed is None else early.buf[:HEADER_BYTES].view(torch.int64)
-        head = self._decode(raw, expected, src)
+        head = self._decode(early.buf, expected, src)
         self._orphans.pop()
         if self.ahead:
             self._recv_shape[(src, tag)] = (head.shape, head.dtype)
@@ -199,8 +216,9 @@ class Link:
         return head, self.recv(head.shape, head.dtype, src, what, tag)
 
     def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
-        expected = expected or Expected(f"rank {src}", int(buf[0]))
-        return decode(buf, sender=expected.sender, micro_batch=expected.micro_batch,
+        v = header_values(buf)
+        expected = expected or Expected(f"rank {src}", v[0])
+        return decode(v, sender=expected.sender, micro_batch=expected.micro_batch,
                       count=expected.count, rank=self.rank)  # fmt: skip
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str,
@@ -246,9 +264,12 @@ class Link:
         if not self._queued and not recv_bufs:
             return []
         if self.ahead:  # Gloo: posted one by one, in order (what batch_isend_irecv does on
-            # Gloo, less its checks and P2POp objects: a round trip took 165 us, not 214)
-            works = [dist.isend(t, dst, tag=k) for t, dst, _, _, k in self._queued]
-            works += [dist.irecv(b, src, tag=tag) for b in recv_bufs]
+            # Gloo, less its checks and P2POp objects: a round trip took 165 us, not 214); on
+            # the default group itself, whose ranks are the global ones (isend's Python checks
+            # cost ~8 us a call in a tight loop, several times that after a stage's compute)
+            pg = dist.group.WORLD
+            works = [pg.send([t], dst, k) for t, dst, _, _, k in self._queued]
+            works += [pg.recv([b], src, tag) for b in recv_bufs]
         else:  # NCCL: a send and a receive between two ranks must be one group (and no
             # tags: NCCL ignores them, a pair of ranks is one channel read in order)
             ops = [dist.P2POp(dist.isend, t, dst) for t, dst, _, _, _ in self._queued]
