@@ -155,13 +155,15 @@ def _bf16_oracle(batch: int, chunks: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _bf16_pipeline_rank(batch: int, chunks: int, schedule: str):
-    pipe = rw.DistributedPipeline(_model(), chunks=chunks, balance=[3, 2], schedule=schedule)
+def _bf16_pipeline_rank(batch: int, chunks: int, layout: tuple):
+    schedule, per_rank, balance, first_on_rank_1 = layout
+    pipe = rw.DistributedPipeline(_model(), chunks=chunks, balance=balance, schedule=schedule,
+                                  stages_per_rank=per_rank)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     seen: set[torch.dtype] = set()
-    if pipe.is_last:  # the dtype of what arrived from the first stage
-        relu = dict(pipe.named_modules())["3"]
-        relu.register_forward_pre_hook(lambda m, args: seen.add(args[0].dtype))
+    if dist.get_rank() == 1:  # the dtype of what arrived from rank 0
+        layer = dict(pipe.named_modules())[first_on_rank_1]
+        layer.register_forward_pre_hook(lambda m, args: seen.add(args[0].dtype))
     for x, y in _data(batch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, _bf16_loss)
@@ -170,11 +172,18 @@ def _bf16_pipeline_rank(batch: int, chunks: int, schedule: str):
     return _portable(pipe.state_dict()), sorted(map(str, seen))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
-def test_a_bf16_autocast_pipeline_equals_one_process_bit_for_bit(schedule):
+BF16_LAYOUTS = [  # (schedule, stages per rank, balance, rank 1's first layer)
+    ("gpipe", 1, [3, 2], "3"), ("1f1b", 1, [3, 2], "3"), ("zero_bubble", 1, [3, 2], "3"),
+    ("interleaved_1f1b", 2, [2, 1, 1, 1], "2"), ("zero_bubble", 2, [2, 1, 1, 1], "2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda t: f"{t[0]}-v{t[1]}")
+def test_a_bf16_autocast_pipeline_equals_one_process_bit_for_bit(layout):
     # batch 10 in 4 micro-batches (3, 3, 2, 2): the last shape differs, so the receive posted
     # for the old shape gets the filler first; every activation and gradient crosses in bf16
-    results = run_distributed(_bf16_pipeline_rank, 2, args=(10, 4, schedule), timeout=120)
+    # (two stages per rank: on streams of their own, tagged)
+    results = run_distributed(_bf16_pipeline_rank, 2, args=(10, 4, layout), timeout=120)
     want = _bf16_oracle(10, 4)
     (sd0, _), (sd1, seen1) = results
     assert seen1 == ["torch.bfloat16"]
