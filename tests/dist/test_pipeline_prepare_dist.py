@@ -441,3 +441,46 @@ def test_a_block_unfrozen_after_prepare_trains_as_in_one_process():
                                                timeout=300)):  # fmt: skip
         for schedule, state in got.items():
             assert _worst(state, {k: want[k] for k in state}) <= PARAM_TOL, (rank, schedule)
+
+
+def _bf16_mixed_loop(schedule: str, v: int | None) -> list[float]:
+    rt = rw.init(mesh={"pipeline": 2}, precision="bf16-mixed", timeout=200)
+    model, opt = _gpt()
+    loader = DataLoader(_data(), batch_size=BATCH)
+    model, opt, loader = rt.prepare(model, opt, loader, pipeline_schedule=schedule,
+                                    stages_per_rank=v, microbatches=4)  # fmt: skip
+    losses = []
+    for x, y in loader:
+        _, loss = model(x, y)
+        rt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _autocast_losses(dtype: torch.dtype | None) -> list[float]:
+    """One process, torch alone: the forward (the loss inside it) under autocast to ``dtype``."""
+    model, opt = _gpt()
+    losses = []
+    for x, y in DataLoader(_data(), batch_size=BATCH):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", None), ("interleaved_1f1b", 2)])
+def test_bf16_mixed_under_a_pipeline_mesh_runs_autocast_on_every_stage(schedule, v):
+    # The first step's loss is computed before any update: it equals one process's under
+    # bf16 autocast bit for bit only if every stage ran in bf16 (the blocks on one rank, the
+    # head and the loss on the other). After it, the micro-batches' bf16 gradients round
+    # otherwise than the whole batch's: the losses stay close, not equal.
+    ranks = run_distributed(_bf16_mixed_loop, 2, args=(schedule, v), init=False, timeout=300)
+    want, fp32 = _autocast_losses(torch.bfloat16), _autocast_losses(None)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0] == want[0] and want[0] != fp32[0]
+    assert max(abs(a - b) for a, b in zip(ranks[0], want, strict=True)) <= 1e-3
