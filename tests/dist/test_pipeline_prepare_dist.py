@@ -484,3 +484,34 @@ def test_bf16_mixed_under_a_pipeline_mesh_runs_autocast_on_every_stage(schedule,
     assert ranks[0] == ranks[1]
     assert ranks[0][0] == want[0] and want[0] != fp32[0]
     assert max(abs(a - b) for a, b in zip(ranks[0], want, strict=True)) <= 1e-3
+
+
+def _fp16_overflow_on_stage_0(overflow_step: int) -> dict:
+    rt = rw.init(mesh={"pipeline": 2}, precision="fp16-mixed", timeout=200)
+    model, opt = _gpt()
+    loader = DataLoader(_data(), batch_size=BATCH)
+    model, opt, loader = rt.prepare(model, opt, loader, pipeline_schedule="1f1b", microbatches=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    moved, scales = [], []
+    for step, (x, y) in enumerate(loader):
+        _, loss = model(x, y)
+        rt.backward(loss)
+        if step == overflow_step and rt.rank == 0:  # one stage's gradient overflows, alone
+            params[0].grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, params, strict=True)))
+        scales.append(opt.scaler.get_scale())
+    return {"moved": moved, "scales": scales}
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
+    # Each stage holds other parameters: were the scaler's inf check its own, the stage
+    # without the overflow would step and the other skip, and the model's halves would
+    # drift apart silently. Both skip the same step and halve the same scale.
+    ranks = run_distributed(_fp16_overflow_on_stage_0, 2, args=(1,), init=False, timeout=300)
+    for r in ranks:
+        assert r["moved"] == [True, False, True], r
+        assert r["scales"][1] == r["scales"][0] / 2, r["scales"]
+    assert ranks[0]["scales"] == ranks[1]["scales"]
