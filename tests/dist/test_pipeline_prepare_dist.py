@@ -198,12 +198,8 @@ def test_accumulation_clipping_and_resume_under_a_pipeline(tmp_path: Path):
     assert min(results[0]["norms"]) > 0.5  # every step was clipped
 
 
-def _mesh_run(mesh: dict, strategy: str, schedule: str, v: int | None, cfg: GPTConfig) -> dict:
-    rt = rw.init(mesh=mesh, strategy=strategy, timeout=300)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
-    loader = DataLoader(_data(cfg, 2 * BATCH), batch_size=2 * BATCH // rt.mesh.sizes["data"])
+def _train(rt, model, opt, loader, schedule: str, v: int | None) -> tuple[object, list[float]]:
+    """The README loop, prepared for a pipeline of 4 micro-batches: the model and its losses."""
     model, opt, loader = rt.prepare(model, opt, loader, pipeline_schedule=schedule,
                                     stages_per_rank=v, microbatches=4)  # fmt: skip
     losses = []
@@ -213,6 +209,16 @@ def _mesh_run(mesh: dict, strategy: str, schedule: str, v: int | None, cfg: GPTC
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return model, losses
+
+
+def _mesh_run(mesh: dict, strategy: str, schedule: str, v: int | None, cfg: GPTConfig) -> dict:
+    rt = rw.init(mesh=mesh, strategy=strategy, timeout=300)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    loader = DataLoader(_data(cfg, 2 * BATCH), batch_size=2 * BATCH // rt.mesh.sizes["data"])
+    model, losses = _train(rt, model, opt, loader, schedule, v)
     state = rw.checkpoint.state_dict.model_state(model)
     refused = ""
     if strategy.startswith("zero"):
@@ -445,18 +451,7 @@ def test_a_block_unfrozen_after_prepare_trains_as_in_one_process():
 
 def _bf16_mixed_loop(schedule: str, v: int | None) -> list[float]:
     rt = rw.init(mesh={"pipeline": 2}, precision="bf16-mixed", timeout=200)
-    model, opt = _gpt()
-    loader = DataLoader(_data(), batch_size=BATCH)
-    model, opt, loader = rt.prepare(model, opt, loader, pipeline_schedule=schedule,
-                                    stages_per_rank=v, microbatches=4)  # fmt: skip
-    losses = []
-    for x, y in loader:
-        _, loss = model(x, y)
-        rt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _train(rt, *_gpt(), DataLoader(_data(), batch_size=BATCH), schedule, v)[1]
 
 
 def _autocast_losses(dtype: torch.dtype | None) -> list[float]:
