@@ -49,12 +49,15 @@ def _gpt(cfg: GPTConfig = CFG) -> tuple[GPT, torch.optim.AdamW]:
     return model, torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
 
 
-def _oracle(cfg: GPTConfig = CFG, global_batch: int = BATCH, clip: float | None = None):
-    """One process on the same global batches: (state, optimizer state, losses)."""
+def _oracle(cfg: GPTConfig = CFG, global_batch: int = BATCH, clip: float | None = None,
+            autocast: torch.dtype | None = None):  # fmt: skip
+    """One process on the same global batches, torch alone: (state, optimizer state, losses).
+    ``autocast``: the forward (the loss inside it) under CPU autocast to that dtype."""
     model, opt = _gpt(cfg)
     losses = []
     for x, y in DataLoader(_data(cfg, global_batch), batch_size=global_batch):
-        _, loss = model(x, y)
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            _, loss = model(x, y)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -454,20 +457,6 @@ def _bf16_mixed_loop(schedule: str, v: int | None) -> list[float]:
     return _train(rt, *_gpt(), DataLoader(_data(), batch_size=BATCH), schedule, v)[1]
 
 
-def _autocast_losses(dtype: torch.dtype | None) -> list[float]:
-    """One process, torch alone: the forward (the loss inside it) under autocast to ``dtype``."""
-    model, opt = _gpt()
-    losses = []
-    for x, y in DataLoader(_data(), batch_size=BATCH):
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("schedule, v", [("1f1b", None), ("interleaved_1f1b", 2)])
 def test_bf16_mixed_under_a_pipeline_mesh_runs_autocast_on_every_stage(schedule, v):
     # The first step's loss is computed before any update: it equals one process's under
@@ -475,7 +464,7 @@ def test_bf16_mixed_under_a_pipeline_mesh_runs_autocast_on_every_stage(schedule,
     # head and the loss on the other). After it, the micro-batches' bf16 gradients round
     # otherwise than the whole batch's: the losses stay close, not equal.
     ranks = run_distributed(_bf16_mixed_loop, 2, args=(schedule, v), init=False, timeout=300)
-    want, fp32 = _autocast_losses(torch.bfloat16), _autocast_losses(None)
+    want, fp32 = _oracle(autocast=torch.bfloat16)[2], _oracle()[2]
     assert ranks[0] == ranks[1]
     assert ranks[0][0] == want[0] and want[0] != fp32[0]
     assert max(abs(a - b) for a, b in zip(ranks[0], want, strict=True)) <= 1e-3

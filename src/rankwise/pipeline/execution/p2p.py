@@ -108,23 +108,21 @@ class Link:
             tensor = tensor.detach()
         if tensor.device != self.comm_device:
             tensor = tensor.to(self.comm_device)
-        parts = []
+        parts, last, now = [], None, None
         if header is not None and self.ahead:
             # the receiver posted, with the header, a receive shaped as the last activation
             last, now = self._sent_shape.get((dst, tag)), (header.shape, header.dtype)
             self._sent_shape[(dst, tag)] = now
-            if last is not None and packs(*last):
-                if last == now:  # header and tensor in one message
-                    parts = [pack(header, tensor, nbytes(*now))]
-                    tensor = None
-                else:  # fill the packed receive (its header announces the new shape)
-                    parts = [pack(header, None, nbytes(*last))]
-            else:
-                parts = [encode(header, self.comm_device)]
-                if last is not None and last != now:  # fill the receive posted for the tensor
-                    parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
+        if last is not None and packs(*last):
+            if last == now:  # header and tensor in one message
+                parts = [pack(header, tensor, nbytes(*now))]
+                tensor = None
+            else:  # fill the packed receive (its header announces the new shape)
+                parts = [pack(header, None, nbytes(*last))]
         elif header is not None:
             parts = [encode(header, self.comm_device)]
+            if last is not None and last != now:  # fill the receive posted for the tensor
+                parts.append(torch.zeros(last[0], dtype=last[1], device=self.comm_device))
         if tensor is not None:
             parts.append(tensor.contiguous())
         for k, part in enumerate(parts):
