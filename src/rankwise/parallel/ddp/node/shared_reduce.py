@@ -18,8 +18,8 @@ clipping) before the others' sums are in it: n buckets, n + 1 barriers. (Copying
 rather than reading saves a barrier: a rank that read the others' sums would need one more to
 know they were all read before anyone writes a slot again.)
 
-Synchronisation stays the engine's: the barriers are Gloo collectives on a process group of
-their own, run by one worker thread in the order the reducer launched the buckets, so a rank
+Synchronisation stays the engine's: the barriers are Gloo sends and receives on a process group
+of their own, run by one worker thread in the order the reducer launched the buckets, so a rank
 that dies or stalls fails them like any collective (timeouts, the stall report). The file is
 created by ``posix_fallocate`` (a full /dev/shm fails here, not later with SIGBUS) and unlinked
 as soon as every rank has mapped it, whatever happens (``shm_file``): nothing is left behind in
@@ -53,6 +53,7 @@ ranks, one bucket and its fence: 0.85 ms against 2.0 ms for 1 KiB, about even at
 against 3.3 ms at 4 MiB)."""
 _ALIGN = 64  # each bucket starts on its own cache line
 _TOKEN = shm_file.TOKEN
+_BARRIER_TAG = 0  # the barrier group carries nothing else
 
 
 class Work:
@@ -100,6 +101,8 @@ class _Channel:
         timeout = group._get_backend(torch.device("cpu")).options._timeout
         ranks = dist.get_process_group_ranks(group)
         self.barriers = among(ranks, group, backend="gloo", timeout=timeout)
+        self._me, self._world = self.barriers.rank(), self.barriers.size()
+        self._sent, self._got = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: tuple[Finish, Work] | None = None  # reduced here, maybe not everywhere
         threading.Thread(target=self._serve, name="rankwise-shared-reduce", daemon=True).start()
@@ -115,7 +118,19 @@ class _Channel:
         return work
 
     def barrier(self) -> None:
-        dist.barrier(group=self.barriers)
+        """Every rank of the group is here: a dissemination barrier of Gloo sends and receives
+        (ceil(log2 W) rounds), which this thread drives itself. ``dist.barrier`` hands its
+        work to a Gloo worker thread: one more thread to wake per barrier, and with the ranks'
+        compute on every core such wake-ups wait for a core (``benchmarks/ddp_wait.py``'s
+        tail). A receive fails like any collective: at the group's timeout, or with the error
+        of a peer that is gone."""
+        me, world, step = self._me, self._world, 1
+        while step < world:
+            sent = self.barriers.send([self._sent], (me + step) % world, _BARRIER_TAG)
+            got = self.barriers.recv([self._got], (me - step) % world, _BARRIER_TAG)
+            sent.wait()
+            got.wait()
+            step *= 2
 
     def _serve(self) -> None:
         while True:
