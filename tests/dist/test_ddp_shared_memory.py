@@ -307,7 +307,7 @@ def test_two_wrappers_in_one_backward_share_the_queue_without_deadlock(world2):
         assert _equal(res["two_models"]["ours"], res["two_models"]["torch"])
 
 
-def _world3() -> dict:
+def _many() -> dict:
     rank = dist.get_rank()
     model = rw.DistributedDataParallel(_net())
     ours = _train(model, _batches(rank, 3), order="after_forward")
@@ -315,11 +315,12 @@ def _world3() -> dict:
     return {"ours": ours, "torch": theirs, "shared": model.reducer.shared is not None}
 
 
-def test_three_replicas_stay_bit_identical_and_match_torch():
-    res = run_distributed(_world3, 3, timeout=180)
+@pytest.mark.parametrize("world", [3, 4])  # the barriers take 2 rounds: W not and W a power of 2
+def test_replicas_stay_bit_identical_and_match_torch(world):
+    res = run_distributed(_many, world, timeout=180)
     for r in res:
         assert r["shared"]
-        assert _equal(r["ours"], r["torch"], 1e-6)  # Gloo's ring sums three in another order
+        assert _equal(r["ours"], r["torch"], 1e-6)  # Gloo's ring sums in another order
         assert _equal(r["ours"], res[0]["ours"]), "replicas differ"
 
 
