@@ -8,7 +8,8 @@ repeats interleaved. Each step runs freely, as a training loop does (no barrier 
 steps). Per step and rank, on the machine's monotonic clock (one clock for all processes):
 
 - ``ready``: the last gradient of the pass accumulated (a ``post_accumulate_grad`` hook on
-  every parameter, registered after wrapping, so it runs after the wrapper's own);
+  every parameter, registered before wrapping: it runs before either wrapper copies the
+  gradient into a bucket, so that copy counts in the tail of both);
 - ``done``: ``backward()`` returned, every gradient averaged.
 
 From the two ranks' times, per step: ``skew``, how far apart the ranks finished their own
@@ -60,6 +61,9 @@ class _Timed:
     def __init__(self, kind: str, order: str, to_none: bool) -> None:
         torch.manual_seed(0)
         net = models.build("mlp")
+        self.ready = 0.0
+        for p in net.parameters():  # before wrapping: fires before either wrapper's own hook
+            p.register_post_accumulate_grad_hook(self._arrived)
         if kind == "rankwise":
             net = rw.DistributedDataParallel(net)
         elif kind == "torch":
@@ -67,9 +71,6 @@ class _Timed:
         self.net, self.sync = net, kind == "synced"
         self.opt = torch.optim.SGD(self.net.parameters(), lr=0.01)
         self.order, self.to_none = order, to_none
-        self.ready = 0.0
-        for p in self.net.parameters():
-            p.register_post_accumulate_grad_hook(self._arrived)
         self.times: list[tuple[float, ...]] = []  # (start, ready, done, end) per step
 
     def _arrived(self, _p: torch.Tensor) -> None:
