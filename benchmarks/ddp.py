@@ -113,18 +113,26 @@ def _make(kind: str, name: str, **kw):
     return net
 
 
+def step(model, opt, x, y, order: str = "last", to_none: bool = True, after_backward=None) -> None:
+    """One training step with ``zero_grad`` at ``order`` (``ORDERS``); ``after_backward()``, if
+    given, runs as soon as ``backward()`` returns (``ddp_wait.py`` times it there)."""
+    if order == "first":
+        opt.zero_grad(set_to_none=to_none)
+    out = model(x)
+    if order == "after_forward":
+        opt.zero_grad(set_to_none=to_none)
+    F.cross_entropy(out, y).backward()
+    if after_backward is not None:
+        after_backward()
+    opt.step()
+    if order == "last":
+        opt.zero_grad(set_to_none=to_none)
+
+
 def _steps(model, opt, x, y, steps: int, order: str = "last", to_none: bool = True) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        if order == "first":
-            opt.zero_grad(set_to_none=to_none)
-        out = model(x)
-        if order == "after_forward":
-            opt.zero_grad(set_to_none=to_none)
-        F.cross_entropy(out, y).backward()
-        opt.step()
-        if order == "last":
-            opt.zero_grad(set_to_none=to_none)
+        step(model, opt, x, y, order, to_none)
     return (time.perf_counter() - start) * 1000 / steps
 
 

@@ -34,18 +34,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _report import emit
-from ddp import _pin
+from ddp import ORDERS as ZERO_GRAD_AT
+from ddp import _pin, step
 
 import rankwise as rw
 from rankwise.bench import models
 from rankwise.testing import run_distributed
 
-ORDERS = [(order, none) for order in ("first", "after_forward", "last") for none in (True, False)]
+ORDERS = [(order, none) for order in ZERO_GRAD_AT for none in (True, False)]
 KINDS = ("rankwise", "torch", "synced")
 """``synced``: the bare model, no gradient exchanged, a barrier where DDP waits (after backward):
 the synchronous ceiling. Whatever skew it shows is the machine's, with nothing to reduce."""
@@ -61,7 +61,7 @@ class _Timed:
     def __init__(self, kind: str, order: str, to_none: bool) -> None:
         torch.manual_seed(0)
         net = models.build("mlp")
-        self.ready = 0.0
+        self.ready = self.done = 0.0
         for p in net.parameters():  # before wrapping: fires before either wrapper's own hook
             p.register_post_accumulate_grad_hook(self._arrived)
         if kind == "rankwise":
@@ -77,23 +77,16 @@ class _Timed:
         self.ready = _clock_ms()
 
     def steps(self, x: torch.Tensor, y: torch.Tensor, n: int, keep: bool = True) -> None:
-        opt, order = self.opt, self.order
         for _ in range(n):
             start = _clock_ms()
-            if order == "first":
-                opt.zero_grad(set_to_none=self.to_none)
-            out = self.net(x)
-            if order == "after_forward":
-                opt.zero_grad(set_to_none=self.to_none)
-            F.cross_entropy(out, y).backward()
-            if self.sync:
-                dist.barrier()
-            done = _clock_ms()
-            opt.step()
-            if order == "last":
-                opt.zero_grad(set_to_none=self.to_none)
+            step(self.net, self.opt, x, y, self.order, self.to_none, self._backward_done)
             if keep:
-                self.times.append((start, self.ready, done, _clock_ms()))
+                self.times.append((start, self.ready, self.done, _clock_ms()))
+
+    def _backward_done(self) -> None:
+        if self.sync:
+            dist.barrier()
+        self.done = _clock_ms()
 
 
 def _rank_part(batch: int, steps: int, repeats: int, pin: bool) -> dict:
