@@ -12,7 +12,10 @@ over the same stage bounds (balanced by parameter count, ``stages_per_rank`` vir
 With ``compute="simulated"`` the model is instead a stack of ``SleepLinear`` layers whose
 forward, input-gradient and weight-gradient passes each sleep a fixed time per sample (the GIL
 released, no CPU used): the schedules' own step time and bubble, without the stages competing
-for the cores of a small or shared machine (activation memory is then meaningless).
+for the cores of a small or shared machine (activation memory is then meaningless). A sleep
+ends late by its thread's wake-up latency, which depends on what else runs on the cores, so
+each simulated step also reports how long its sleeps overslept (``oversleep_ms_per_stage``):
+time that is neither the schedule's nor its transport's, but counts in its step.
 
 Steps alternate between the two (a barrier before each), so load on a shared machine hits
 both alike. Per rank and step: the wall time; the compute time (ours: the executor's
@@ -98,7 +101,7 @@ class _Sleep(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, per_sample: float) -> torch.Tensor:
         ctx.per_sample, ctx.n = per_sample, x.shape[0]
         ctx.save_for_backward(x, w)
-        time.sleep(per_sample * x.shape[0])
+        _sleep(per_sample * x.shape[0])
         return x @ w
 
     @staticmethod
@@ -109,8 +112,22 @@ class _Sleep(torch.autograd.Function):
         # asking the engine is the stand-in's own cost (no real layer pays it, and it differs
         # with how the caller ran backward): it counts within the layer's time, not on top
         asked = time.perf_counter() - start
-        time.sleep(max(0.0, ctx.per_sample * ctx.n * (int(need_x) + int(need_w)) - asked))
+        _sleep(max(0.0, ctx.per_sample * ctx.n * (int(need_x) + int(need_w)) - asked))
         return (grad @ w.t() if need_x else None), (x.t() @ grad if need_w else None), None
+
+
+OVERSLEPT = [0.0]
+"""Seconds the stand-in's sleeps took beyond what they asked for, in this process, since the
+last reset (``_timed_step`` resets it): the wake-up latency a sleeping layer pays and a
+computing one does not. Reported beside each simulated step (``oversleep_ms``)."""
+
+
+def _sleep(seconds: float) -> None:
+    if seconds <= 0:
+        return
+    start = time.perf_counter()
+    time.sleep(seconds)
+    OVERSLEPT[0] += max(0.0, time.perf_counter() - start - seconds)
 
 
 _WEIGHTS_ASKED: dict[str, Any] = {"task": -1, "answer": None}
@@ -241,12 +258,14 @@ def _timed(stage: Any, method: str, busy: list[float]) -> None:
 
 
 def _timed_step(step, x, y) -> dict[str, float]:
-    """One plain step: its time and (busy compute) its bubble."""
+    """One plain step: its time, (busy compute) its bubble, and how long the simulated layers
+    overslept in it (0 for real compute)."""
     dist.barrier()
+    OVERSLEPT[0] = 0.0
     start = time.perf_counter()
     busy = step(x, y)
     t = time.perf_counter() - start
-    return {"step_ms": 1000 * t, "bubble": max(0.0, 1 - busy / t)}
+    return {"step_ms": 1000 * t, "bubble": max(0.0, 1 - busy / t), "oversleep_ms": 1000 * OVERSLEPT[0]}
 
 
 def _one_way_s(shape: tuple[int, ...], trips: int = 20) -> float:
@@ -339,6 +358,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
                 "activation_peak_mb_per_stage": [
                     round(r[who]["activation_peak_mb"], 2) for r in rows
                 ],
+                "oversleep_ms_per_stage": [round(r[who]["oversleep_ms"], 2) for r in rows],
             }
         waits = [round(r["rankwise"]["recv_wait_ms"], 1) for r in rows]
         row["rankwise"]["recv_wait_ms_per_stage"] = waits
