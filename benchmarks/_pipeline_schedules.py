@@ -140,10 +140,10 @@ def _needed(ctx, k: int) -> bool:
 
     The weights' answer is asked once per pass and reused for every layer: every pass either
     wants all the weights of the stage (a whole backward, or a weight pass) or none (an input
-    pass). Asking costs about 20 us where ``autograd.grad`` captures the weight (the engine
-    then raises, and the fallback ``needs_input_grad`` answers): a cost no real layer pays,
-    which ours paid on every backward (``autograd.grad`` of the input and the weights) and
-    torch's 1F1B (``autograd.backward``) never did."""
+    pass). The nodes asked about are views' (``SleepLinear.forward``): asked about a leaf
+    that ``autograd.grad`` captures, the engine raises (the fallback ``needs_input_grad`` then
+    answers), a cost no real layer pays, which ours paid on every backward (``autograd.grad``
+    of the input and the weights) and torch's 1F1B (``autograd.backward``) never did."""
     node = ctx.next_functions[k][0]
     if node is None:
         return False
@@ -171,7 +171,14 @@ class SleepLinear(nn.Linear):
         self.per_sample = per_sample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.weight, self.per_sample)
+        # Leaves reach _Sleep through a view, so that its backward asks the engine about a
+        # view's node, never a leaf's: about a captured leaf (``autograd.grad`` of a stage's
+        # input and weights) the engine raises, which costs about 50 us of CPU a time, a cost
+        # of the stand-in that taking it out of the sleep hides on its own rank only (the
+        # other rank's wake-ups find the core busy).
+        if x.grad_fn is None and x.requires_grad:
+            x = x.view_as(x)
+        return _Sleep.apply(x, self.weight.view_as(self.weight), self.per_sample)
 
 
 def _model(cfg: GPTConfig, compute: str, per_sample: float) -> nn.Sequential:

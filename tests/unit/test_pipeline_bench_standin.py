@@ -45,3 +45,28 @@ def test_a_gradient_nobody_asks_for_is_not_slept(import_benchmark, monkeypatch) 
     # the engine's answer is asked within the layer's time: a sleep a little under its share
     assert 0.5 * per_sample * n < input_only <= per_sample * n
     assert 1.5 * per_sample * n < both <= 2 * per_sample * n
+
+
+def test_the_engine_is_never_asked_about_a_leaf(import_benchmark, monkeypatch) -> None:
+    """Under ``autograd.grad`` of a stage's input and weights (our executor's backward) the
+    engine raises when asked about a captured leaf: a CPU cost of the stand-in, not of a real
+    layer, which torch's ``autograd.backward`` never pays. The stand-in asks about views."""
+    bench = import_benchmark("_pipeline_schedules")
+    real = torch._C._will_engine_execute_node
+    raised: list[BaseException] = []
+
+    def asking(node):
+        try:
+            return real(node)
+        except RuntimeError as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(torch._C, "_will_engine_execute_node", asking)
+    monkeypatch.setattr(bench, "_sleep", lambda seconds: None)
+    model = torch.nn.Sequential(*[bench.SleepLinear(8, 0.001) for _ in range(3)])
+    x = torch.randn(2, 8, requires_grad=True)
+    out = model(x).sum()
+    grads = torch.autograd.grad(out, [x, *model.parameters()])
+    assert not raised
+    assert all(g is not None for g in grads)
