@@ -154,7 +154,8 @@ def main() -> None:
     report["load_after"] = os.getloadavg()
     report["conditions"] = (
         f"{'quick (smoke test: tiny sizes, 1 repeat)' if args.quick else 'full size'}; "
-        f"{args.repeats} interleaved repeats; load average {report['load_before'][0]:.1f} "
+        + (f"simulated stage {args.stage_ms:g} ms a batch; " if "simulated" in report else "")
+        + f"{args.repeats} interleaved repeats; load average {report['load_before'][0]:.1f} "
         f"before, {report['load_after'][0]:.1f} after, on {os.cpu_count()} cores"
     )
     emit(report, args.out)

@@ -145,15 +145,15 @@ def _relay(ahead_every: int) -> list:
 
     rt = rw.get_runtime()
     link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
-    n = len(SHAPES)
     got = []
-    for i, t in enumerate(_sequence()):
+    for i, t in enumerate(_sequence()):  # micro-batch 0 of one, step after step: each
+        # shape change meets the receive posted for the shape before it
         if rt.rank == 0:
-            link.send(t, 1, "activation", wire.Header(i, n, t.dtype, tuple(t.shape)))
+            link.send(t, 1, "activation", wire.Header(0, 1, t.dtype, tuple(t.shape)))
             link.post()
             got.append(link.recv(tuple(t.shape), t.dtype, 1, "gradient").clone())
         else:
-            expected = wire.Expected("stage 0 (rank 0)", i, n)
+            expected = wire.Expected("stage 0 (rank 0)", 0, 1)
             if i % ahead_every == 0:
                 link.expect(0, None, expected)
             head, x = link.receive_activation(0, "activation", expected)
@@ -186,12 +186,12 @@ def _messages_per_activation() -> list[int]:
     link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
     sizes = [64] * 4 + [BIG] * 3 + [64] * 2
     counts = []
-    for i, n in enumerate(sizes):
-        expected = wire.Expected("stage 0 (rank 0)", i, len(sizes))
+    for i, n in enumerate(sizes):  # micro-batch 0 of one, step after step
+        expected = wire.Expected("stage 0 (rank 0)", 0, 1)
         if rt.rank == 0:
             t = torch.full((n,), float(i))
             before = link.held().sends
-            link.send(t, 1, "activation", wire.Header(i, len(sizes), t.dtype, (n,)))
+            link.send(t, 1, "activation", wire.Header(0, 1, t.dtype, (n,)))
             counts.append(link.held().sends - before)  # posted at once over Gloo, held
         else:
             link.expect(0, None, expected)
@@ -207,6 +207,44 @@ def test_a_small_activation_of_the_last_shape_is_one_message_with_its_header():
     # change of shape: the filler of the receive posted for the old shape, then the tensor
     counts = run_distributed(_messages_per_activation, 2, timeout=120)[0]
     assert counts == [2, 1, 1, 1, 2, 2, 2, 3, 1], counts
+
+
+UNEVEN = (3, 3, 2, 2)  # 10 samples in 4 micro-batches, as torch.tensor_split cuts them
+
+
+def _messages_per_uneven_step() -> list[list[int]]:
+    """Rank 0 sends three steps of activations whose micro-batches are unevenly sized (the
+    same sizes every step); how many messages each took (rank 1 posts each ahead)."""
+    from datetime import timedelta
+
+    rt = rw.get_runtime()
+    link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
+    steps = []
+    for _ in range(3):
+        counts = []
+        for i, rows in enumerate(UNEVEN):
+            expected = wire.Expected("stage 0 (rank 0)", i, len(UNEVEN))
+            if rt.rank == 0:
+                t = torch.full((rows, 5), float(i))
+                before = link.held().sends
+                link.send(t, 1, "activation", wire.Header(i, len(UNEVEN), t.dtype, (rows, 5)))
+                counts.append(link.held().sends - before)
+            else:
+                link.expect(0, None, expected)
+                _, x = link.receive_activation(0, "activation", expected)
+                assert x.shape == (rows, 5) and bool((x == i).all()), (i, x)
+        steps.append(counts)
+    link.flush()
+    return steps
+
+
+def test_uneven_micro_batches_are_one_message_each_after_the_first_step():
+    # the receive posted for each micro-batch is shaped as that micro-batch's activation of
+    # the step before: the first step has no shapes to go by (header, then tensor); the
+    # others, one message each. Guessing the channel's last shape, 3, 3, 2, 2 paid a filler
+    # and a second message twice a step.
+    steps = run_distributed(_messages_per_uneven_step, 2, timeout=120)[0]
+    assert steps == [[2] * len(UNEVEN), [1] * len(UNEVEN), [1] * len(UNEVEN)], steps
 
 
 def _release_logs(stages: int) -> list:
@@ -281,12 +319,12 @@ def _two_streams() -> list:
     link = p2p.Link(torch.device("cpu"), timedelta(seconds=60), rt.rank)
     a, b = _sequence(), list(reversed(_sequence()))
     n, got = len(a), []
-    for i in range(n):
+    for i in range(n):  # micro-batch 0 of one, step after step
         if rt.rank == 0:
             for tag, t in ((1, a[i]), (2, b[i])):
-                link.send(t, 1, "activation", wire.Header(i, n, t.dtype, tuple(t.shape)), tag)
+                link.send(t, 1, "activation", wire.Header(0, 1, t.dtype, tuple(t.shape)), tag)
         else:
-            expected = wire.Expected("stage 0 (rank 0)", i, n)
+            expected = wire.Expected("stage 0 (rank 0)", 0, 1)
             link.expect(0, None, expected, tag=2)  # posted in the other order than sent
             link.expect(0, None, expected, tag=1)
             link.progress()

@@ -241,19 +241,20 @@ def test_the_channel_tables_are_each_schedules_own_and_built_once_per_schedule()
 @pytest.mark.parametrize("name, v", [("interleaved_1f1b", 2), ("zero_bubble", 2), ("1f1b", 1)])
 def test_each_streams_next_message_is_found_from_any_point_of_the_channel(name, v):
     """What the executor posts ahead: from each point of a channel, the next message of each
-    of its streams (kind, sending stage), found by brute force here."""
+    of its streams (kind, sending stage, micro-batch parity), found by brute force here."""
     from rankwise.pipeline import schedules as S
     from rankwise.pipeline.execution.executor import firsts
+
+    def key(m):
+        return m.kind, m.src_stage, m.micro_batch % 2
 
     s = S.make(name, 2, 8, v)
     channels = {src: tuple(s.sends(src, 1 - src)) for src in (0, 1)}
     found = firsts(channels)
     for src, channel in channels.items():
-        streams = {(m.kind, m.src_stage) for m in channel}
-        assert len(streams) == (3 if v == 2 else 1)  # with two stages per rank: mixed
+        streams = {key(m) for m in channel}
+        assert len(streams) == 2 * (3 if v == 2 else 1)  # with two stages per rank: mixed
         for i in range(len(channel)):
-            want = sorted(min(j for j in range(i, len(channel))
-                              if (channel[j].kind, channel[j].src_stage) == k)
-                          for k in streams
-                          if any((m.kind, m.src_stage) == k for m in channel[i:]))  # fmt: skip
+            want = sorted(min(j for j in range(i, len(channel)) if key(channel[j]) == k)
+                          for k in streams if any(key(m) == k for m in channel[i:]))  # fmt: skip
             assert list(found[src][i]) == want

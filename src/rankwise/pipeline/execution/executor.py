@@ -18,13 +18,17 @@ into ``.grad``: the caller decides when they land there (all at once, so that a 
 engine's gradient hooks fire once per step, as after one ordinary backward).
 
 Messages between two ranks are read in the order they were sent (``Schedule.sends``): a
-message that arrives before the one this rank needs now is set aside until its turn.
+message that arrives before the one this rank needs now is set aside until its turn. Their
+receives are posted ahead, the next message of each stream (``tables.stream_of``: of each
+kind, the next two), and with a send to the same peer where one comes before the message is
+needed (``tables.deferred_posts``): over Gloo a receive posted on its own wakes the peer's
+communication thread once more.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,50 +37,15 @@ import torch
 from ...errors import ConfigError
 from ...timing import clock as timing
 from ..schedules import Action, Message, Schedule
+from .tables import deferred_posts, firsts, tables
 from .weight_pass import WeightPass
 from .wire import Header
+
+_tables = tables  # the name the unit tests import
 
 KEPT_SENDS = 2
 """Activations a stage keeps sent and unconfirmed in a forward-only pass (one stage per rank):
 the one its next stage is reading and the one after it."""
-
-
-_TABLES: dict[tuple[int, int], tuple[Schedule, dict, dict, dict]] = {}
-
-
-def _tables(schedule: Schedule, position: int) -> tuple[dict, dict, dict]:
-    """Per peer: the messages it sends ``position`` in one step, in order (the channel); how
-    many of this rank's messages it had read before sending each of them (so that reading
-    one frees the sends it acknowledges); and ``firsts`` (see there). Read-only, and the same
-    every step of a schedule: built once per schedule object (each step rebuilt them from
-    every action of its peers, 0.2-0.5 ms of Python a step)."""
-    key = (id(schedule), position)
-    hit = _TABLES.get(key)
-    if hit is None or hit[0] is not schedule:  # the schedule is kept: its id is not reused
-        if len(_TABLES) >= 256:
-            _TABLES.clear()
-        channels = {src: tuple(schedule.sends(src, position)) for src in range(schedule.ranks)
-                    if src != position}  # fmt: skip
-        acks = {src: tuple(schedule.acks(src, position)) for src in channels}
-        hit = _TABLES[key] = (schedule, channels, acks, firsts(channels))
-    return hit[1], hit[2], hit[3]
-
-
-def firsts(channels: dict[int, Sequence[Message]]) -> dict[int, tuple[tuple[int, ...], ...]]:
-    """Per peer and index ``i`` of its channel: the index of the first message at or after
-    ``i`` of each stream (a stream: the messages of one kind from one stage, which travel
-    on a tag of their own). With several stages per rank a channel interleaves streams in
-    the sender's order; each stream's next receive can be posted ahead, not only the
-    channel's next one."""
-    out = {}
-    for src, channel in channels.items():
-        first: dict[tuple[str, int], int] = {}
-        rows: list[tuple[int, ...]] = []
-        for i in range(len(channel) - 1, -1, -1):
-            first[(channel[i].kind, channel[i].src_stage)] = i
-            rows.append(tuple(sorted(first.values())))
-        out[src] = tuple(reversed(rows))
-    return out
 
 
 class Stages(Protocol):
@@ -194,16 +163,19 @@ class Executor:
                 self.sent = dict.fromkeys(range(self.schedule.ranks), 0)
         for src in self.channels:
             self._expect(src)
+        deferred = deferred_posts(self.schedule, self.position, todo, forward_only)
         for k, action in enumerate(todo):
             after = self.schedule.needs(todo[k + 1]) if k + 1 < len(todo) else None
             soon = None if after is None else self.schedule.rank_of(after.src_stage)
-            self._act(action, forward_only, soon)
+            self._act(action, forward_only, soon, deferred[k])
         with timing.span("blocked"):  # the sends' last bytes: the pipeline's drain
             self.transport.flush()
         return self.result
 
-    def _act(self, action: Action, forward_only: bool, soon: int | None) -> None:
-        """Run ``action``; ``soon``: the rank the next action reads from, if any."""
+    def _act(self, action: Action, forward_only: bool, soon: int | None, deferred: bool) -> None:
+        """Run ``action``; ``soon``: the rank the next action reads from, if any; ``deferred``:
+        the next receives from the rank it reads from go out with a send to it
+        (``tables.deferred_posts``), not after it."""
         self.transport.progress()
         needed = self.schedule.needs(action)
         with timing.span("blocked"):  # waiting for a neighbour stage: this rank's bubble
@@ -223,7 +195,7 @@ class Executor:
             src = self.schedule.rank_of(needed.src_stage)
             if src != self.position:
                 self._release(src)
-                if src != soon:  # else _take posted it already
+                if src != soon and not deferred:  # else _take posted it, or _send will
                     self._expect(src)
 
     def _forward(self, action: Action, received: Any, forward_only: bool) -> None:
@@ -247,10 +219,10 @@ class Executor:
                 return
             out = self.stages.loss(i, out)
             self.result.losses[i] = out.detach()
-        else:
-            self._send(Message("act", s, i), _activation(out, s, forward_only), with_header=True)
-        if not forward_only:
+        if not forward_only:  # before the send: it posts the receive of out's gradient
             self.saved[(s, i)] = (x, out, anchor)
+        if s != self.last:
+            self._send(Message("act", s, i), _activation(out, s, forward_only), with_header=True)
 
     def _backward(self, action: Action, received: torch.Tensor | None) -> None:
         s, i = action.stage, action.micro_batch
@@ -292,6 +264,8 @@ class Executor:
             count = self.schedule.micro_batches
             header = Header(msg.micro_batch, count, tensor.dtype, tuple(tensor.shape))
         self.transport.send(dst, msg, tensor, header)
+        if dst in self.channels:  # the next receives from dst go out with the send: one burst
+            self._expect(dst)
         if self.sent is not None:  # a forward-only pass on one stage per rank (see run)
             self.sent[dst] += 1
             if self.sent[dst] > KEPT_SENDS:
@@ -326,7 +300,8 @@ class Executor:
 
     def _expect(self, src: int) -> None:
         """Let the transport receive the next message of each of ``src``'s streams ahead (the
-        transport posts each stream's once), those whose shape is known or in a header."""
+        transport posts each stream's once; ``tables.stream_of``), those whose shape is known
+        or in a header."""
         channel, read = self.channels[src], self.read[src]
         if read >= len(channel):
             return

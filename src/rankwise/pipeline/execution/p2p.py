@@ -11,15 +11,20 @@ which the receiver already knows from the forward.
 
 Over Gloo a transfer starts only once the receiver has posted its receive, so a receive that
 waits for its header first costs a round trip more than the header itself; and every message
-costs its two ends a post and a wake-up, whatever its size. Both ends of a channel remember the
-last activation shape on it (the receiver only once it accepted that header), and the receiver
-posts, with each header, a receive shaped as the last activation: up to ``PACK_MAX_BYTES`` one
-message, the header's bytes then the tensor's (``pack``; read in place after the header);
-above it, the header and the tensor as two messages (a copy into one would cost more).
+costs its two ends a post and a wake-up, whatever its size. Both ends of a channel remember,
+for each micro-batch number, the shape of the last activation of that number on it (the
+receiver once it accepted that header), and the receiver posts, with each header, a receive
+of that shape: up to ``PACK_MAX_BYTES`` one message, the header's bytes then the tensor's
+(``pack``; read in place after the header); above it, the header and the tensor as two
+messages (a copy into one would cost more). Training steps repeat their micro-batches'
+shapes, an uneven split too (10 samples as 3, 3, 2, 2): after the first step each activation
+is one message. (Remembering the channel's last shape instead, an uneven split changed shape
+twice a step.)
 
-When the shape changes (the shorter last micro-batch) the sender first fills the receive
-posted for the old shape (its header announces the new shape) and then sends the tensor alone.
-The steady state is one round trip per activation, as for a tensor whose shape is known. Every
+When the shape changes (a batch of another size: an epoch's last) the sender first fills the
+receive posted for the old shape (its header announces the new shape) and then sends the
+tensor alone. The steady state is one round trip per activation, as for a tensor whose shape
+is known. Every
 receive waits at most the runtime's timeout and then raises a ``DistributedError`` naming the
 peer, the phase and the micro-batch. A header is checked before anything is allocated for it
 (its number, the micro-batch count, dtype, dimensions and a size cap): a wrong one is a
@@ -76,15 +81,16 @@ class Link:
     complete only once waited on), on NCCL at the next post after it completed; ``flush()``
     waits for the rest.
 
-    Over Gloo the receive of each peer's next message is posted ahead (``expect``), and the
-    tensor of an activation whose header is in is received as soon as it is (``progress``),
-    so data moves while this rank computes. On NCCL a receive posted ahead would hold up this
-    rank's sends to that peer (one stream per pair): receives wait until needed there.
+    Over Gloo the receive of each peer's next message is posted ahead (``expect``; the
+    executor posts it with a send to that peer when one comes first), and the tensor of an
+    activation whose header is in is received as soon as it is (``progress``), so data moves
+    while this rank computes. On NCCL a receive posted ahead would hold up this rank's sends
+    to that peer (one stream per pair): receives wait until needed there.
 
     ``tag`` (Gloo): a pair of ranks may carry several channels, each first in, first out on
-    its own, with its own receive posted ahead and its own last activation shape (a pipeline
-    with several stages per rank uses one per pair of stages). NCCL ignores tags: there a
-    pair of ranks is one channel (tag 0), read in the order it was written.
+    its own, with one receive posted ahead and its own shapes remembered (the pipeline uses
+    one per stream: ``step.stream_tag``). NCCL ignores tags: there a pair of ranks is one
+    channel (tag 0), read in the order it was written.
     """
 
     def __init__(self, comm_device: torch.device, timeout: timedelta, rank: int) -> None:
@@ -96,9 +102,10 @@ class Link:
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []  # NCCL
         self._sends = SendQueue(timeout) if self.ahead else None  # Gloo
         self._early: dict[tuple[int, int], _Early] = {}  # per (peer, tag)
-        # the last activation (shape, dtype) sent to / accepted from each (peer, tag) (Gloo)
-        self._sent_shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
-        self._recv_shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        # per (peer, tag, micro-batch): the (shape, dtype) of the last activation of that
+        # micro-batch sent to / accepted from the peer on the tag (Gloo)
+        self._sent_shape: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._recv_shape: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         self._orphans: list[_Early] = []  # receives left posted by a refused header
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, header: Header | None,
@@ -110,9 +117,10 @@ class Link:
             tensor = tensor.to(self.comm_device)
         parts, last, now = [], None, None
         if header is not None and self.ahead:
-            # the receiver posted, with the header, a receive shaped as the last activation
-            last, now = self._sent_shape.get((dst, tag)), (header.shape, header.dtype)
-            self._sent_shape[(dst, tag)] = now
+            # the receiver posted, with the header, a receive shaped as this micro-batch's
+            # last activation on the tag
+            key, now = (dst, tag, header.micro_batch), (header.shape, header.dtype)
+            last, self._sent_shape[key] = self._sent_shape.get(key), now
         if last is not None and packs(*last):
             if last == now:  # header and tensor in one message
                 parts = [pack(header, tensor, nbytes(*now))]
@@ -146,6 +154,8 @@ class Link:
                tag: int = 0) -> None:  # fmt: skip
         """Post the receive of rank ``src``'s next message on ``tag`` now: a tensor shaped as
         ``like``, or (None) the header of the activation ``expected``. Over Gloo only."""
+        if like is None and expected is None:
+            raise ValueError("an activation's receive needs the Expected micro-batch")
         if not self.ahead or (src, tag) in self._early:
             return
         if like is None:
@@ -154,10 +164,12 @@ class Link:
         buf = torch.empty(like.shape, dtype=like.dtype, device=self.comm_device)
         self._early[(src, tag)] = _Early(self._start([buf], src, tag)[0], buf, None, True)
 
-    def _post_header(self, src: int, expected: Expected | None, tag: int) -> _Early:
+    def _post_header(self, src: int, expected: Expected, tag: int) -> _Early:
         """Post the receive of ``src``'s next activation header on ``tag`` (over Gloo with a
-        receive shaped as the last activation accepted there: see the module docstring)."""
-        last = self._recv_shape.get((src, tag)) if self.ahead else None
+        receive shaped as the last activation of its micro-batch accepted there: see the
+        module docstring)."""
+        key = (src, tag, expected.micro_batch)
+        last = self._recv_shape.get(key) if self.ahead else None
         if last is not None and packs(*last):
             size = HEADER_BYTES + nbytes(*last)
             buf = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
@@ -192,6 +204,7 @@ class Link:
         if early is not None and early.head is not None:  # header and tensor both posted
             self.post()  # what this rank owes its peers goes out before it waits
             self._wait(early.work, f"{what} from rank {src}")
+            self._accepted(src, tag, early.head)
             return early.head, early.buf
         if early is None:
             early = self._post_header(src, expected, tag)
@@ -201,8 +214,7 @@ class Link:
         self._orphans.append(early)  # a refused header leaves its guess posted: keep its buffer
         head = self._decode(early.buf, expected, src)
         self._orphans.pop()
-        if self.ahead:
-            self._recv_shape[(src, tag)] = (head.shape, head.dtype)
+        self._accepted(src, tag, head)
         if early.packed == (head.shape, head.dtype):
             return head, early.buf[HEADER_BYTES:].view(head.dtype).view(head.shape)
         if early.guess is not None:
@@ -212,6 +224,12 @@ class Link:
                 return head, buf
             # the shape changed: what arrived is the sender's filler; the tensor follows
         return head, self.recv(head.shape, head.dtype, src, what, tag)
+
+    def _accepted(self, src: int, tag: int, head: Header) -> None:
+        """Remember ``head``'s shape for its micro-batch's next receive on ``tag`` (the
+        sender remembers it as it sends: both guess the same)."""
+        if self.ahead:
+            self._recv_shape[(src, tag, head.micro_batch)] = (head.shape, head.dtype)
 
     def _decode(self, buf: torch.Tensor, expected: Expected | None, src: int) -> Header:
         v = header_values(buf)

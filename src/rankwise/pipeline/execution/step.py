@@ -59,10 +59,12 @@ class ProcessTransport:
 
 
 def stream_tag(msg: Message) -> int:
-    """The tag of ``msg``'s stream (its kind, from its stage): over Gloo each stream between two
-    ranks is a channel of its own (``p2p.Link``), so that a pipeline with several stages per
-    rank posts each stream's next receive ahead. Tag 0 is left to other traffic (the loss)."""
-    return 1 + 2 * msg.src_stage + (msg.kind == "grad")
+    """The tag of ``msg``'s stream (``executor.stream_of``: its kind, from its stage, of even or
+    odd micro-batches): over Gloo each stream between two ranks is a channel of its own
+    (``p2p.Link``, one receive posted ahead on each), so that a pipeline with several stages
+    per rank posts each stream's next receive ahead, and a rank can have the next two messages
+    of a kind posted (see ``Executor._send``). Tag 0 is left to other traffic (the loss)."""
+    return 1 + 4 * msg.src_stage + 2 * (msg.kind == "grad") + msg.micro_batch % 2
 
 
 def _what(msg: Message) -> str:
