@@ -12,10 +12,12 @@ process per stage), with the
 simulated stack of ``benchmarks/pipeline.py`` (layers that sleep: ``--stage-ms`` per stage per
 batch forward).
 
-How: one step after warm-up, with ``torch.distributed.isend``/``irecv`` wrapped to note the
-time of each send (sender) and of each receive's post (receiver); the k-th send on a channel is
-the k-th receive posted on it (channels are first in, first out). ``time.perf_counter`` is the
-system's monotonic clock on Linux, the same in both processes.
+How: one step after warm-up, with ``p2p.Link._start`` (where every send and receive of the
+pipeline is posted) wrapped to note the time of each send (sender) and of each receive's post
+(receiver), with its tag; on a tag (a stream, ``step.stream_tag``) the k-th send is the k-th
+receive posted (each tag is first in, first out). Activations are packed with their header
+after the warm-up: one send per message. ``time.perf_counter`` is the system's monotonic clock
+on Linux, the same in both processes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from _pipeline_schedules import SCHEDULES, SIM_LAYERS, _model, _ours
 from _report import emit
 
 from rankwise.pipeline import schedules
+from rankwise.pipeline.execution import p2p
+from rankwise.pipeline.execution.step import stream_tag
 from rankwise.testing import run_distributed
 
 
@@ -50,22 +54,20 @@ def _logged_step(name: str, v: int, m: int, stage_ms: float, batch: int) -> list
     for _ in range(3):
         step(x, y)
     log: list[tuple] = []
-    isend, irecv = dist.isend, dist.irecv
+    start = p2p.Link._start
 
-    def send(t, dst, *a, **k):
-        log.append(("send", dst, time.perf_counter()))
-        return isend(t, dst, *a, **k)
-
-    def recv(t, src, *a, **k):
-        log.append(("post", src, time.perf_counter()))
-        return irecv(t, src, *a, **k)
+    def logged(self, recv_bufs, src=-1, tag=0):
+        now = time.perf_counter()
+        log.extend(("send", dst, k, now) for _, dst, _, _, k in self._queued)
+        log.extend(("post", src, tag, now) for _ in recv_bufs)
+        return start(self, recv_bufs, src, tag)
 
     dist.barrier()
-    dist.isend, dist.irecv = send, recv
+    p2p.Link._start = logged
     try:
         step(x, y)
     finally:
-        dist.isend, dist.irecv = isend, irecv
+        p2p.Link._start = start
     dist.barrier()
     return log
 
@@ -78,14 +80,15 @@ def _late(schedule: schedules.Schedule, logs: list[list[tuple]]) -> dict:
         for peer in range(schedule.ranks):
             if peer == me:
                 continue
-            channel = schedule.sends(peer, me)
-            sent = [t for kind, dst, t in logs[peer] if kind == "send" and dst == me]
-            posted = [t for kind, src, t in logs[me] if kind == "post" and src == peer]
-            for msg, s, p in zip(channel, sent, posted, strict=False):
-                row = per_kind.setdefault(msg.kind, {"early": 0, "late": 0, "late_ms": []})
-                row["late" if p > s else "early"] += 1
-                if p > s:
-                    row["late_ms"].append(1000 * (p - s))
+            for tag in sorted({stream_tag(m) for m in schedule.sends(peer, me)}):
+                kind = "grad" if (tag - 1) // 2 % 2 else "act"
+                sent = [t for what, dst, k, t in logs[peer] if (what, dst, k) == ("send", me, tag)]
+                posted = [t for what, src, k, t in logs[me] if (what, src, k) == ("post", peer, tag)]
+                for s, p in zip(sent, posted, strict=False):
+                    row = per_kind.setdefault(kind, {"early": 0, "late": 0, "late_ms": []})
+                    row["late" if p > s else "early"] += 1
+                    if p > s:
+                        row["late_ms"].append(1000 * (p - s))
         for row in per_kind.values():
             late = row.pop("late_ms")
             row["median_late_ms"] = round(statistics.median(late), 3) if late else 0.0
