@@ -58,8 +58,8 @@ from .wire import (
 class _Early:
     """A receive posted ahead of need: an activation's header (``head`` None until it is in,
     checked against ``expected``; ``guess``: the receive of its tensor, shaped as the last
-    activation from that peer; ``packed``: that shape, when the header and the tensor come
-    in one message) or a tensor of known shape."""
+    activation of its micro-batch on that tag; ``packed``: that shape, when the header and the
+    tensor come in one message) or a tensor of known shape."""
 
     def __init__(self, work: dist.Work, buf: torch.Tensor, head: Header | None, tensor: bool,
                  expected: Expected | None = None,
