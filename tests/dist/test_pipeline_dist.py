@@ -189,3 +189,56 @@ def test_a_bf16_autocast_pipeline_equals_one_process_bit_for_bit(layout):
     assert seen1 == ["torch.bfloat16"]
     for name, value in {**sd0, **sd1}.items():
         assert torch.equal(torch.as_tensor(value), want[name]), name
+
+
+SIZES = (10, 10, 7, 3, 10, 10)
+"""Batch sizes step after step, in 4 chunks: 3, 3, 2, 2 twice, then 2, 2, 2, 1 (an epoch's
+shorter last batch), then 1, 1, 1 (fewer micro-batches than chunks), then 3, 3, 2, 2 again."""
+
+
+def _varying_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(n, 5, generator=gen), torch.randn(n, 2, generator=gen)) for n in SIZES]
+
+
+def _varying_rank(schedule: str, v: int):
+    pipe = rw.DistributedPipeline(_model(), chunks=4, schedule=schedule, stages_per_rank=v)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    losses, evals = [], []
+    for x, y in _varying_batches():
+        losses.append(pipe.train_step(x, y, nn.functional.mse_loss).item())
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # an evaluation of another size between two steps
+            out = pipe(x[:5])
+        evals.append(None if out is None else out.numpy())
+    return losses, evals, _portable(pipe.state_dict())
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_batch_sizes_that_change_between_steps_and_evaluations_equal_one_process(schedule, v):
+    # Over Gloo the receive of each activation is posted shaped as the same micro-batch's
+    # activation the last time; here those shapes change at every kind of step (uneven
+    # micro-batches, a shorter batch, fewer micro-batches, evaluations of another size): each
+    # change must arrive intact, two receives of a kind being out at once.
+    results = run_distributed(_varying_rank, 2, args=(schedule, v), timeout=180)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want_losses, want_evals = [], []
+    for x, y in _varying_batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+        with torch.no_grad():
+            want_evals.append(model(x[:5]))
+    state: dict = {}
+    for losses, evals, sd in results:
+        assert max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)) <= 1e-6
+        state.update(sd)
+        for got, want in zip(evals, want_evals, strict=True):
+            if got is not None:  # the last stage's rank returns the output
+                assert (torch.as_tensor(got) - want).abs().max().item() <= 1e-6
+    assert sum(e is not None for _, evals, _ in results for e in evals) == len(SIZES)
+    _assert_close(state, model.state_dict())
