@@ -14,7 +14,7 @@ batch forward).
 
 How: one step after warm-up, with ``p2p.Link._start`` (where every send and receive of the
 pipeline is posted) wrapped to note the time of each send (sender) and of each receive's post
-(receiver), with its tag; on a tag (a stream, ``step.stream_tag``) the k-th send is the k-th
+(receiver), with its tag; on a tag (a stream, ``tables.stream_tag``) the k-th send is the k-th
 receive posted (each tag is first in, first out). Activations are packed with their header
 after the warm-up: one send per message. ``time.perf_counter`` is the system's monotonic clock
 on Linux, the same in both processes.
@@ -80,8 +80,8 @@ def _late(schedule: schedules.Schedule, logs: list[list[tuple]]) -> dict:
         for peer in range(schedule.ranks):
             if peer == me:
                 continue
-            for tag in sorted({stream_tag(m) for m in schedule.sends(peer, me)}):
-                kind = "grad" if (tag - 1) // 2 % 2 else "act"
+            kinds = {stream_tag(m): m.kind for m in schedule.sends(peer, me)}
+            for tag, kind in sorted(kinds.items()):
                 sent = [t for what, dst, k, t in logs[peer] if (what, dst, k) == ("send", me, tag)]
                 posted = [t for what, src, k, t in logs[me] if (what, src, k) == ("post", peer, tag)]
                 for s, p in zip(sent, posted, strict=False):

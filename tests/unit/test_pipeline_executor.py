@@ -223,7 +223,7 @@ def test_the_channel_tables_are_each_schedules_own_and_built_once_per_schedule()
     import dataclasses
 
     from rankwise.pipeline import schedules as S
-    from rankwise.pipeline.execution.executor import _tables
+    from rankwise.pipeline.execution.tables import tables as _tables
 
     for name, v in CASES:
         schedule = S.make(name, 3, 6, v)

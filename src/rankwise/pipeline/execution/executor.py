@@ -19,7 +19,7 @@ engine's gradient hooks fire once per step, as after one ordinary backward).
 
 Messages between two ranks are read in the order they were sent (``Schedule.sends``): a
 message that arrives before the one this rank needs now is set aside until its turn. Their
-receives are posted ahead, the next message of each stream (``tables.stream_of``: of each
+receives are posted ahead, the next message of each stream (``tables.stream_tag``: of each
 kind, the next two), and with a send to the same peer where one comes before the message is
 needed (``tables.deferred_posts``): over Gloo a receive posted on its own wakes the peer's
 communication thread once more.
@@ -40,8 +40,6 @@ from ..schedules import Action, Message, Schedule
 from .tables import deferred_posts, firsts, tables
 from .weight_pass import WeightPass
 from .wire import Header
-
-_tables = tables  # the name the unit tests import
 
 KEPT_SENDS = 2
 """Activations a stage keeps sent and unconfirmed in a forward-only pass (one stage per rank):
@@ -137,7 +135,7 @@ class Executor:
         self.last = schedule.num_stages - 1
         self.stash: dict[Message, torch.Tensor] = dict(prefetched or {})
         self.read = {src: 0 for src in range(schedule.ranks)}
-        self.channels, self.acks, self.firsts = _tables(schedule, position)
+        self.channels, self.acks, self.firsts = tables(schedule, position)
         for msg in self.stash:
             self.read[schedule.rank_of(msg.src_stage)] += 1
         self.freed = dict.fromkeys(self.channels, 0)
@@ -300,7 +298,7 @@ class Executor:
 
     def _expect(self, src: int) -> None:
         """Let the transport receive the next message of each of ``src``'s streams ahead (the
-        transport posts each stream's once; ``tables.stream_of``), those whose shape is known
+        transport posts each stream's once; ``tables.stream_tag``), those whose shape is known
         or in a header."""
         channel, read = self.channels[src], self.read[src]
         if read >= len(channel):

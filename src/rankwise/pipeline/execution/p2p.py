@@ -89,7 +89,7 @@ class Link:
 
     ``tag`` (Gloo): a pair of ranks may carry several channels, each first in, first out on
     its own, with one receive posted ahead and its own shapes remembered (the pipeline uses
-    one per stream: ``step.stream_tag``). NCCL ignores tags: there a pair of ranks is one
+    one per stream: ``tables.stream_tag``). NCCL ignores tags: there a pair of ranks is one
     channel (tag 0), read in the order it was written.
     """
 

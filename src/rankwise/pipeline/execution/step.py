@@ -16,6 +16,7 @@ from torch import nn
 from .. import schedules
 from ..schedules import Message, Schedule
 from .p2p import Link
+from .tables import stream_tag
 from .wire import Expected, Header
 
 
@@ -56,15 +57,6 @@ class ProcessTransport:
     def _expected(self, src: int, msg: Message) -> Expected:
         sender = f"stage {msg.src_stage} (rank {self.peers[src]})"
         return Expected(sender, msg.micro_batch, self.count)
-
-
-def stream_tag(msg: Message) -> int:
-    """The tag of ``msg``'s stream (``executor.stream_of``: its kind, from its stage, of even or
-    odd micro-batches): over Gloo each stream between two ranks is a channel of its own
-    (``p2p.Link``, one receive posted ahead on each), so that a pipeline with several stages
-    per rank posts each stream's next receive ahead, and a rank can have the next two messages
-    of a kind posted (see ``Executor._send``). Tag 0 is left to other traffic (the loss)."""
-    return 1 + 4 * msg.src_stage + 2 * (msg.kind == "grad") + msg.micro_batch % 2
 
 
 def _what(msg: Message) -> str:

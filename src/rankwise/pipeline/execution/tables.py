@@ -2,25 +2,41 @@
 channel, the acknowledgements in it, where each stream's next message is, and which receives
 wait to be posted with a send.
 
-A stream is the messages of one kind from one stage with even, or odd, micro-batch numbers
-(``stream_of``); over Gloo each travels on a tag of its own with one receive posted ahead, so
+A stream is the messages of one kind from one stage with even, or odd, micro-batch numbers;
+over Gloo each travels on a tag of its own (``stream_tag``) with one receive posted ahead, so
 a rank can have the next two messages of a kind posted, one per parity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..schedules import Action, Message, Schedule
 
-_TABLES: dict[tuple[int, int], tuple[Schedule, dict, dict, dict]] = {}
+_TABLES: dict[tuple[int, int], tuple[Schedule, tuple[dict, dict, dict]]] = {}
 _DEFERRED: dict[tuple[int, int, bool], tuple[Schedule, tuple[bool, ...]]] = {}
 _MAX_KEPT = 256
 
 
-def stream_of(msg: Message) -> tuple[str, int, int]:
-    """The stream ``msg`` travels in: its kind, its sending stage, its micro-batch's parity."""
-    return msg.kind, msg.src_stage, msg.micro_batch % 2
+def stream_tag(msg: Message) -> int:
+    """The tag of ``msg``'s stream: its kind, its sending stage, its micro-batch's parity. Over
+    Gloo each stream between two ranks is a channel of its own (``p2p.Link``, one receive
+    posted ahead on each), so that a pipeline with several stages per rank posts each
+    stream's next receive ahead, and a rank can have the next two messages of a kind posted
+    (see ``Executor._send``). Tag 0 is left to other traffic (the loss)."""
+    return 1 + 4 * msg.src_stage + 2 * (msg.kind == "grad") + msg.micro_batch % 2
+
+
+def _kept(store: dict, key: tuple, schedule: Schedule, build: Callable[[], Any]) -> Any:
+    """``build()`` once per schedule object and key (the schedule is kept with it, so its id
+    is not reused while the entry lives)."""
+    hit = store.get(key)
+    if hit is None or hit[0] is not schedule:
+        if len(store) >= _MAX_KEPT:
+            store.clear()
+        hit = store[key] = (schedule, build())
+    return hit[1]
 
 
 def tables(schedule: Schedule, position: int) -> tuple[dict, dict, dict]:
@@ -29,28 +45,25 @@ def tables(schedule: Schedule, position: int) -> tuple[dict, dict, dict]:
     one frees the sends it acknowledges); and ``firsts`` (see there). Read-only, and the same
     every step of a schedule: built once per schedule object (each step rebuilt them from
     every action of its peers, 0.2-0.5 ms of Python a step)."""
-    key = (id(schedule), position)
-    hit = _TABLES.get(key)
-    if hit is None or hit[0] is not schedule:  # the schedule is kept: its id is not reused
-        if len(_TABLES) >= _MAX_KEPT:
-            _TABLES.clear()
+    def build() -> tuple[dict, dict, dict]:
         channels = {src: tuple(schedule.sends(src, position)) for src in range(schedule.ranks)
                     if src != position}  # fmt: skip
         acks = {src: tuple(schedule.acks(src, position)) for src in channels}
-        hit = _TABLES[key] = (schedule, channels, acks, firsts(channels))
-    return hit[1], hit[2], hit[3]
+        return channels, acks, firsts(channels)
+
+    return _kept(_TABLES, (id(schedule), position), schedule, build)
 
 
 def firsts(channels: dict[int, Sequence[Message]]) -> dict[int, tuple[tuple[int, ...], ...]]:
     """Per peer and index ``i`` of its channel: the index of the first message at or after
-    ``i`` of each stream (``stream_of``). A channel interleaves streams in the sender's
+    ``i`` of each stream (``stream_tag``). A channel interleaves streams in the sender's
     order; each stream's next receive can be posted ahead, not only the channel's next one."""
     out = {}
     for src, channel in channels.items():
-        first: dict[tuple[str, int, int], int] = {}
+        first: dict[int, int] = {}
         rows: list[tuple[int, ...]] = []
         for i in range(len(channel) - 1, -1, -1):
-            first[stream_of(channel[i])] = i
+            first[stream_tag(channel[i])] = i
             rows.append(tuple(sorted(first.values())))
         out[src] = tuple(reversed(rows))
     return out
@@ -68,11 +81,7 @@ def deferred_posts(
     and delay its next action. A receive posted with a send to the same peer rides on the
     wake-up the send makes anyway (what ``batch_isend_irecv`` of a send and a receive does),
     and, two messages ahead (one per parity), it is still early."""
-    key = (id(schedule), position, forward_only)
-    hit = _DEFERRED.get(key)
-    if hit is None or hit[0] is not schedule:
-        if len(_DEFERRED) >= _MAX_KEPT:
-            _DEFERRED.clear()
+    def build() -> tuple[bool, ...]:
         srcs = [_peer(schedule, schedule.needs(a), position, "src") for a in todo]
         dsts = [_peer(schedule, schedule.produces(a), position, "dst") for a in todo]
         out = []
@@ -80,8 +89,9 @@ def deferred_posts(
             later = (j for j in range(k + 1, len(todo)) if src in (srcs[j], dsts[j]))
             first = next(later, None)  # the next action that reads from or sends to src
             out.append(src is not None and first is not None and srcs[first] != src)
-        hit = _DEFERRED[key] = (schedule, tuple(out))
-    return hit[1]
+        return tuple(out)
+
+    return _kept(_DEFERRED, (id(schedule), position, forward_only), schedule, build)
 
 
 def _peer(schedule: Schedule, msg: Message | None, position: int, end: str) -> int | None:
