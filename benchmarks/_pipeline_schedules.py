@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _paired import paired_ratio
 from torch import nn
 from torch.distributed import pipelining as tpp
 
@@ -380,7 +381,8 @@ def _spread_and_ceiling(rows: tuple[dict, ...]) -> dict:
     around the median), and the ceiling: our schedule played on paper with each action's
     median measured time and free communication (``rankwise.pipeline.simulate``), the step no
     implementation of this schedule over these stages can beat by more than its own actions'
-    speed. Printed beside both steps."""
+    speed. Printed beside both steps. ``ratio_paired``: whether ours is slower than torch's
+    beyond the repeats' spread (``_paired``)."""
     per_repeat = {who: [max(s) for s in zip(*(r[who]["steps_ms"] for r in rows), strict=True)]
                   for who in ("rankwise", "torch")}  # fmt: skip
     ratios = sorted(a / b for a, b in zip(per_repeat["rankwise"], per_repeat["torch"], strict=True))
@@ -394,6 +396,7 @@ def _spread_and_ceiling(rows: tuple[dict, ...]) -> dict:
               "n": len(ratios)}  # fmt: skip
     return {
         "ratio_per_repeat": spread,
+        "ratio_paired": paired_ratio(per_repeat["rankwise"], per_repeat["torch"]),
         "ceiling_ms": ceiling_ms,
         "rankwise_over_ceiling": max(r["rankwise"]["step_ms"] for r in rows) / ceiling_ms,
         "torch_over_ceiling": max(r["torch"]["step_ms"] for r in rows) / ceiling_ms,

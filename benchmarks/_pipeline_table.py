@@ -16,14 +16,18 @@ def _ceiling(r: dict) -> str:
     """The row's noise and ceiling columns (empty in files from before they were measured)."""
     if "ceiling_ms" not in r:
         return "| | | | "
-    spread = r["ratio_per_repeat"]
-    return (f"| {spread['min']:.2f}-{spread['max']:.2f} | {r['ceiling_ms']:.0f} "
+    spread, paired = r["ratio_per_repeat"], r.get("ratio_paired")
+    interval = ("" if paired is None or paired["low"] is None else
+                f" (99%: {paired['low']:.2f}-{paired['high']:.2f}, {paired['verdict']})")  # fmt: skip
+    return (f"| {spread['min']:.2f}-{spread['max']:.2f}{interval} | {r['ceiling_ms']:.0f} "
             f"| {r['rankwise_over_ceiling']:.2f} | {r['torch_over_ceiling']:.2f} ")  # fmt: skip
 
 
 def table(section: dict) -> str:
     """``section``: ``report["schedules"]`` (or ``["simulated"]``). Step time: the slowest
-    stage's median step; per repeat: the range of ours/torch's repeat by repeat; ceiling: our
+    stage's median step; per repeat: the range of ours/torch's repeat by repeat, and (in files
+    that have it) the 99% interval of their geometric mean with its verdict (``_paired``:
+    slower, faster, or even when the interval holds 1); ceiling: our
     schedule played with each of our actions' measured time and free communication (torch's
     step is set against the same one); bubble: the mean over the stages of each one's idle
     share; activation peak: per stage, MiB (stage 0 first)."""

@@ -57,6 +57,10 @@ def targets(rows_by_p: dict[str, list[dict]], memory: bool = True) -> dict[str, 
     all_rows = [r for rows in rows_by_p.values() for r in rows]
     out: dict[str, bool | None] = {
         "step_time_at_most_torch": all(r["step_ours_over_torch"] <= 1.0 for r in all_rows),
+        # The same, where the repeats can tell: no row slower beyond their spread (_paired)
+        "step_time_not_slower_than_torch_beyond_noise": (
+            None if any("ratio_paired" not in r for r in all_rows)
+            else all(r["ratio_paired"]["verdict"] != "slower" for r in all_rows)),
         "activation_peak_at_most_torch": all(
             max(r["rankwise"]["activation_peak_mb_per_stage"])
             <= max(r["torch"]["activation_peak_mb_per_stage"]) * 1.001 for r in all_rows),
