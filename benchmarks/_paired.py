@@ -10,6 +10,9 @@ is the geometric mean of the ratios, and Student's t gives an interval for it. T
 - ``faster``: the whole interval is below 1;
 - ``even``: the interval contains 1 (no difference these repeats can resolve).
 
+Against a target other than parity (DDP's 0.70 of torch's step), the same three words say on
+which side of that line the ratio lies.
+
 Log ratios, because a step time is a product of factors (load, clock) more than a sum: a
 repeat twice as slow for both leaves the ratio alone. Pairs, because load drifts over a run and
 hits both members of a pair alike. The interval assumes the log ratios independent and about
@@ -29,8 +32,11 @@ LEVEL = 0.99
 slower by chance (0.5% each), where 95% would call about 0.75."""
 
 
-def paired_ratio(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL) -> dict:
-    """The geometric mean of ``ours[i] / theirs[i]``, its ``level`` interval, and the verdict.
+def paired_ratio(
+    ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL, line: float = 1.0
+) -> dict:
+    """The geometric mean of ``ours[i] / theirs[i]``, its ``level`` interval, and the verdict
+    against ``line`` (1.0: torch's time; a target such as 0.70 of it otherwise).
 
     With one pair there is no spread: no interval (``low`` and ``high`` None), ``even``.
     """
@@ -43,9 +49,9 @@ def paired_ratio(ours: Sequence[float], theirs: Sequence[float], level: float = 
     n, mean = len(logs), statistics.fmean(logs)
     if n < 2:  # no spread to judge by (None, not inf: JSON has no infinity)
         return {"geomean": math.exp(mean), "low": None, "high": None, "level": level, "n": n,
-                "verdict": "even"}  # fmt: skip
+                "line": line, "verdict": "even"}  # fmt: skip
     half = student_t.ppf(0.5 + level / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
     low, high = math.exp(mean - half), math.exp(mean + half)
-    verdict = "slower" if low > 1.0 else "faster" if high < 1.0 else "even"
+    verdict = "slower" if low > line else "faster" if high < line else "even"
     return {"geomean": math.exp(mean), "low": low, "high": high, "level": level, "n": n,
-            "verdict": verdict}  # fmt: skip
+            "line": line, "verdict": verdict}  # fmt: skip

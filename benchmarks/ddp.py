@@ -30,6 +30,10 @@ SGD step, zero_grad) of:
   fill the machine's cores, however well it overlaps. Shared memory is below it: it sends
   nothing.
 
+``loop_orders_paired_rankwise_over_torch``: per loop order, the geometric mean of rankwise/torch
+repeat by repeat with its 99% interval, and on which side of the 0.70 target the interval lies
+(``_paired``: ``faster`` below it, ``slower`` above it, ``even`` across it).
+
 ``--pin``: every thread of rank r on core r (mod the cores), for rankwise and torch alike (what
 DeepSpeed's ``--bind_cores_to_rank`` does); by default the kernel places the threads.
 
@@ -56,6 +60,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _paired import paired_ratio
 from _report import emit
 
 import rankwise as rw
@@ -192,6 +197,9 @@ def _time(kind: str, model, opt, x, y, steps: int, order: str = "last", to_none=
     return t[0].item()
 
 
+TARGET = 0.70
+"""The loop orders' target: rankwise's step at most this share of torch's."""
+
 LAST_CPU_FAULTS: list[float] = [0.0, 0.0]
 """Per-rank mean CPU ms and minor page faults per step of the last ``_time`` call."""
 
@@ -243,6 +251,7 @@ def _compare(
             "wall_ms": round(statistics.median(times[label]), 3),
             "cpu_ms": round(statistics.median(e[0] for e in extra[label]), 3),
             "page_faults": round(statistics.median(e[1] for e in extra[label])),
+            "repeats_ms": [round(v, 3) for v in times[label]],  # in repeat order, for _paired
         }
         for label in configs
     }
@@ -279,6 +288,20 @@ def _orders_table(res: dict, field: str = "wall_ms", kind: str = "rankwise") -> 
         table[name] = {
             k: round(times[f"{kind}/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
         }
+    return table
+
+
+def _paired_table(res: dict, line: float) -> dict:
+    """{model: {order/none|zero: rankwise/torch's 99% interval, repeat by repeat, and on which
+    side of ``line`` it lies}} (``_paired``: repeat r of both ran in the same round)."""
+    table = {}
+    for name, times in res.items():
+        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+        table[name] = {
+            k: paired_ratio(times[f"rankwise/{k}"]["repeats_ms"], times[f"torch/{k}"]["repeats_ms"],
+                            line=line)
+            for k in keys
+        }  # fmt: skip
     return table
 
 
@@ -367,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
     orders = {
         "loop_orders_ratio_rankwise_over_torch": _orders_table(res["loop_orders"]),
         "loop_orders_cpu_ratio_rankwise_over_torch": _orders_table(res["loop_orders"], "cpu_ms"),
+        # The same ratio with its 99% interval over the repeats, against the 0.70 target
+        "loop_orders_paired_rankwise_over_torch": _paired_table(res["loop_orders"], TARGET),
         "loop_orders_ratio_rankwise_gloo_over_torch": _orders_table(
             res["loop_orders"], kind="rankwise_gloo"
         ),

@@ -43,6 +43,19 @@ def test_a_clear_loss_is_slower_a_clear_gain_faster_and_a_tie_even(import_benchm
     assert tie["verdict"] == "even" and tie["low"] < 1.0 < tie["high"]
 
 
+def test_against_a_target_line_the_verdict_says_which_side_of_it(import_benchmark) -> None:
+    # DDP's loop orders: rankwise at most 0.70 of torch's step
+    paired = import_benchmark("_paired")
+    rng = random.Random(1)
+    above = paired.paired_ratio(*_pairs(rng, 12, 0.76, 0.02), line=0.70)
+    below = paired.paired_ratio(*_pairs(rng, 12, 0.64, 0.02), line=0.70)
+    at = paired.paired_ratio(*_pairs(rng, 12, 0.70, 0.08), line=0.70)
+    assert (above["verdict"], below["verdict"], at["verdict"]) == ("slower", "faster", "even")
+    assert above["low"] > 0.70 > below["high"] and at["low"] < 0.70 < at["high"]
+    # the same data against parity: all three faster than torch
+    assert paired.paired_ratio(*_pairs(random.Random(1), 12, 0.76, 0.02))["verdict"] == "faster"
+
+
 def test_load_that_hits_both_members_of_a_pair_changes_nothing(import_benchmark) -> None:
     # The point of pairing: a repeat three times slower for both is the same evidence.
     paired = import_benchmark("_paired")
@@ -86,3 +99,18 @@ def test_the_pipeline_target_fails_on_a_slower_row_and_is_unknown_without_interv
     assert held["step_time_at_most_torch"] is False and held[key] is True
     assert bench.targets({"2": [row(0.99, "slower"), row(0.9, "even")]})[key] is False
     assert bench.targets({"2": [row(0.99, None)]})[key] is None  # a file from before
+
+
+def test_the_ddp_loop_orders_table_pairs_each_order_against_the_target(import_benchmark) -> None:
+    bench = import_benchmark("ddp")
+    theirs = [100.0, 180.0, 95.0, 140.0, 110.0, 101.0]  # load drifts between rounds
+    res = {"mlp": {
+        "rankwise/first/none": {"repeats_ms": [0.8 * t for t in theirs]},
+        "torch/first/none": {"repeats_ms": theirs},
+        "rankwise/last/zero": {"repeats_ms": [0.6 * t * (1 + 0.01 * i) for i, t in enumerate(theirs)]},
+        "torch/last/zero": {"repeats_ms": theirs},
+    }}  # fmt: skip
+    table = bench._paired_table(res, bench.TARGET)["mlp"]
+    assert table["first/none"]["geomean"] == pytest.approx(0.8)
+    assert table["first/none"]["verdict"] == "slower"  # than 0.70 of torch's step
+    assert table["last/zero"]["verdict"] == "faster" and table["last/zero"]["line"] == 0.70
