@@ -9,7 +9,9 @@ has at most ``S - p`` micro-batches in flight (S stages): its activations the ne
 not read and its gradients the previous stage has not read are among those, so the peak may
 not grow with the number of micro-batches. Checked at 2 and 3 stages, 4 and 16 micro-batches;
 and, under every schedule, that no send is freed before its receiver had it. An evaluation
-forward (nothing comes back) keeps a fixed number of sends per stage, too.
+forward (nothing comes back) keeps a fixed number of sends per stage, too. On the receiving
+side, the buffers of receives posted ahead stay within two messages of a kind per peer (one
+per micro-batch parity), whatever the number of micro-batches.
 
 Each stage sleeps a few milliseconds in its forward, so that the stages' order of events does
 not hang on how a loaded machine schedules the processes.
@@ -82,6 +84,51 @@ def test_sends_held_across_a_1f1b_step_stay_within_the_in_flight_bound(stages):
             sends, nbytes = r["peaks"][m]
             assert 1 <= sends <= max_sends, (stages, r["position"], m, sends, max_sends)
             assert nbytes <= max_bytes, (stages, r["position"], m, nbytes, max_bytes)
+
+
+def _posted_bytes(link: p2p.Link) -> int:
+    """Bytes of the receive buffers ``link`` has posted ahead now (headers, tensors, guesses)."""
+    bufs = [e.buf for e in link._early.values()]
+    bufs += [e.guess[1] for e in link._early.values() if e.guess is not None]
+    return sum(b.numel() * b.element_size() for b in bufs)
+
+
+def _posted_peaks(stages: int, chunk_counts: tuple[int, ...]) -> dict:
+    pipe = rw.DistributedPipeline(_model(stages), chunks=max(chunk_counts), schedule="1f1b",
+                                  balance=[2] * stages)  # fmt: skip
+    link, peak = pipe._link, [0]
+    progress = link.progress
+
+    def sampled() -> None:  # called between every two actions
+        peak[0] = max(peak[0], _posted_bytes(link))
+        progress()
+        peak[0] = max(peak[0], _posted_bytes(link))
+
+    link.progress = sampled
+    out = {}
+    for m in chunk_counts:
+        pipe.chunks = m
+        peak[0] = 0
+        for _ in range(2):  # the second step posts with the shapes the first one taught
+            pipe.train_step(torch.randn(ROWS * m, WIDTH), torch.zeros(ROWS * m, WIDTH),
+                            nn.functional.mse_loss)  # fmt: skip
+        out[m] = peak[0]
+    return {"position": pipe.stage_index, "peaks": out}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_receives_posted_ahead_hold_at_most_two_messages_of_a_kind_per_peer(stages):
+    """Receives go out ahead of need, with the sends (``tables.deferred_posts``): one per
+    stream, a stream being a kind of message from one stage at one micro-batch parity. The
+    buffers a stage has posted stay within two activations (with their headers) from the
+    previous stage and two gradients from the next, however many micro-batches."""
+    counts = (4, 16)
+    results = run_distributed(_posted_peaks, stages, args=(stages, counts), timeout=180)
+    for r in results:
+        p = r["position"]
+        bound = 2 * (HEADER_BYTES + ACT_BYTES) * (p > 0) + 2 * ACT_BYTES * (p < stages - 1)
+        for m in counts:
+            assert 0 < r["peaks"][m] <= bound, (stages, p, m, r["peaks"][m], bound)
 
 
 def _eval_peaks(stages: int, chunk_counts: tuple[int, ...]) -> dict:
