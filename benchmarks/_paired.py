@@ -25,7 +25,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from scipy.stats import t as student_t
+from scipy.stats import t as student_t  # the test extra has scipy
 
 LEVEL = 0.99
 """Two-sided: over a table of 30 rows where the two are even, about 0.15 rows are called
