@@ -397,6 +397,7 @@ def _spread_and_ceiling(rows: tuple[dict, ...]) -> dict:
     return {
         "ratio_per_repeat": spread,
         "ratio_paired": paired_ratio(per_repeat["rankwise"], per_repeat["torch"]),
+        "steps_ms_per_repeat": per_repeat,  # each repeat's slowest stage, for later analysis
         "ceiling_ms": ceiling_ms,
         "rankwise_over_ceiling": max(r["rankwise"]["step_ms"] for r in rows) / ceiling_ms,
         "torch_over_ceiling": max(r["torch"]["step_ms"] for r in rows) / ceiling_ms,

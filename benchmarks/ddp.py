@@ -32,7 +32,8 @@ SGD step, zero_grad) of:
 
 ``loop_orders_paired_rankwise_over_torch``: per loop order, the geometric mean of rankwise/torch
 repeat by repeat with its 99% interval, and on which side of the 0.70 target the interval lies
-(``_paired``: ``faster`` below it, ``slower`` above it, ``even`` across it).
+(``_paired``: ``faster`` below it, ``slower`` above it, ``even`` across it), and beside it
+``verdict_vs_torch``, the same against torch's step (the CNN's target: parity).
 
 ``--pin``: every thread of rank r on core r (mod the cores), for rankwise and torch alike (what
 DeepSpeed's ``--bind_cores_to_rank`` does); by default the kernel places the threads.
@@ -297,11 +298,12 @@ def _paired_table(res: dict, line: float) -> dict:
     table = {}
     for name, times in res.items():
         keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
-        table[name] = {
-            k: paired_ratio(times[f"rankwise/{k}"]["repeats_ms"], times[f"torch/{k}"]["repeats_ms"],
-                            line=line)
-            for k in keys
-        }  # fmt: skip
+        table[name] = {}
+        for k in keys:
+            pairs = times[f"rankwise/{k}"]["repeats_ms"], times[f"torch/{k}"]["repeats_ms"]
+            table[name][k] = paired_ratio(*pairs, line=line)
+            # against parity too: the CNN has no shared bucket, so 0.70 is not its target
+            table[name][k]["verdict_vs_torch"] = paired_ratio(*pairs)["verdict"]
     return table
 
 

@@ -114,3 +114,5 @@ def test_the_ddp_loop_orders_table_pairs_each_order_against_the_target(import_be
     assert table["first/none"]["geomean"] == pytest.approx(0.8)
     assert table["first/none"]["verdict"] == "slower"  # than 0.70 of torch's step
     assert table["last/zero"]["verdict"] == "faster" and table["last/zero"]["line"] == 0.70
+    # and against torch's own step: both clearly faster
+    assert table["first/none"]["verdict_vs_torch"] == table["last/zero"]["verdict_vs_torch"] == "faster"
