@@ -47,11 +47,17 @@ def paired_ratio(
         raise ValueError("times must be positive")
     logs = [math.log(a / b) for a, b in zip(ours, theirs, strict=True)]
     n, mean = len(logs), statistics.fmean(logs)
-    if n < 2:  # no spread to judge by (None, not inf: JSON has no infinity)
-        return {"geomean": math.exp(mean), "low": None, "high": None, "level": level, "n": n,
-                "line": line, "verdict": "even"}  # fmt: skip
-    half = student_t.ppf(0.5 + level / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
-    low, high = math.exp(mean - half), math.exp(mean + half)
-    verdict = "slower" if low > line else "faster" if high < line else "even"
+    low = high = None  # one pair: no spread to judge by (None, not inf: JSON has no infinity)
+    if n >= 2:
+        half = student_t.ppf(0.5 + level / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
+        low, high = math.exp(mean - half), math.exp(mean + half)
     return {"geomean": math.exp(mean), "low": low, "high": high, "level": level, "n": n,
-            "line": line, "verdict": verdict}  # fmt: skip
+            "line": line, "verdict": side(low, high, line)}  # fmt: skip
+
+
+def side(low: float | None, high: float | None, line: float) -> str:
+    """Where the interval [low, high] lies against ``line``: ``slower`` above it, ``faster``
+    below it, ``even`` across it (or no interval)."""
+    if low is None or high is None:
+        return "even"
+    return "slower" if low > line else "faster" if high < line else "even"

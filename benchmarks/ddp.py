@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _paired import paired_ratio
+from _paired import paired_ratio, side
 from _report import emit
 
 import rankwise as rw
@@ -281,11 +281,16 @@ def _orders_part(batch: int, steps: int, repeats: int) -> dict:
     return out
 
 
+def _orders(times: dict) -> list[str]:
+    """The loop orders measured (``order/none|zero``), from the ``rankwise/...`` keys."""
+    return sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+
+
 def _orders_table(res: dict, field: str = "wall_ms", kind: str = "rankwise") -> dict:
     """{model: {order/none|zero: ``kind``/torch ratio of ``field``}}."""
     table = {}
     for name, times in res.items():
-        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+        keys = _orders(times)
         table[name] = {
             k: round(times[f"{kind}/{k}"][field] / times[f"torch/{k}"][field], 3) for k in keys
         }
@@ -297,13 +302,13 @@ def _paired_table(res: dict, line: float) -> dict:
     side of ``line`` it lies}} (``_paired``: repeat r of both ran in the same round)."""
     table = {}
     for name, times in res.items():
-        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+        keys = _orders(times)
         table[name] = {}
         for k in keys:
             pairs = times[f"rankwise/{k}"]["repeats_ms"], times[f"torch/{k}"]["repeats_ms"]
-            table[name][k] = paired_ratio(*pairs, line=line)
+            row = table[name][k] = paired_ratio(*pairs, line=line)
             # against parity too: the CNN has no shared bucket, so 0.70 is not its target
-            table[name][k]["verdict_vs_torch"] = paired_ratio(*pairs)["verdict"]
+            row["verdict_vs_torch"] = side(row["low"], row["high"], 1.0)
     return table
 
 
@@ -320,7 +325,7 @@ def _floor_table(res: dict, comm_row: str = "all_reduce") -> dict:
     """
     table = {}
     for name, times in res.items():
-        keys = sorted({k.split("/", 1)[1] for k in times if k.startswith("rankwise/")})
+        keys = _orders(times)
         comm = times[comm_row]["cpu_ms"]
         table[name] = {
             k: round(
